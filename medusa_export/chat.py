@@ -1,0 +1,45 @@
+"""Chat template application and streaming detokenization (exporter side, transformers tokenizer)."""
+
+from __future__ import annotations
+
+from typing import TextIO
+
+
+def apply_chat_template(tokenizer, template: str | None, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template plus the assistant prompt.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        template: a Jinja chat template, or None for the tokenizer's own.
+        messages: ``[{"role": "user"|"assistant"|"system", "content": str}, ...]``.
+    """
+    ids = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                        tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+class TextStreamer:
+    """Prints text as tokens arrive, decoding the whole reply each time so that
+    multi-token characters are never printed half-formed."""
+
+    def __init__(self, tokenizer, out: TextIO):
+        self.tokenizer = tokenizer
+        self.out = out
+        self.tokens: list[int] = []
+        self.printed = 0
+
+    def put(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()

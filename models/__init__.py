@@ -1,0 +1,1 @@
+"""Data shipped with medusa-export: the model registry, chat templates, trained heads."""

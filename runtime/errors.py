@@ -1,0 +1,21 @@
+"""Typed errors shared by the runtime and the exporter.
+
+Every error raised at a boundary (user input, files on disk) derives from
+:class:`MedusaError`, so a CLI can catch one type and print its message.
+"""
+
+
+class MedusaError(Exception):
+    """Base class of every error this project raises on bad input."""
+
+
+class InvalidTreeError(MedusaError, ValueError):
+    """A token tree (medusa_choices) is malformed; the message names the offending path."""
+
+
+class ArtifactError(MedusaError):
+    """An artifact directory is missing files, has a bad manifest or a wrong checksum."""
+
+
+class ContextOverflowError(MedusaError, ValueError):
+    """A prompt does not fit the context the engine was built for."""

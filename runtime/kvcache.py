@@ -1,0 +1,57 @@
+"""KV-cache index compaction after acceptance (seeds/001 Algorithm step 6).
+
+The runtime owns one buffer per layer and per K/V, shaped [1, KV heads, capacity,
+head_dim]. A step reads the valid prefix ``[:past_len]`` and produces the K/V of the T
+tree nodes. Only the accepted nodes are kept: they are written to slots
+``past_len .. past_len + n - 1`` in root-to-leaf order, so the cache stays contiguous
+and equals the cache of feeding the accepted tokens one by one.
+
+Pure numpy; works on any array type that supports fancy indexing on the slot axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import ContextOverflowError
+
+
+def compaction_slots(past_len: int, accepted: np.ndarray, capacity: int) -> np.ndarray:
+    """Destination slots of the accepted nodes: int64 [n] = past_len + arange(n).
+
+    Args:
+        past_len: valid slots before the step.
+        accepted: int [n] accepted node indices (root first).
+        capacity: slots in the buffer.
+
+    Raises:
+        ContextOverflowError: the accepted nodes would not fit the buffer.
+    """
+    n = len(accepted)
+    if past_len + n > capacity:
+        raise ContextOverflowError(
+            f"{n} accepted tokens do not fit: {past_len} of {capacity} cache slots are in use"
+        )
+    return np.arange(past_len, past_len + n, dtype=np.int64)
+
+
+def write_accepted(cache: np.ndarray, new: np.ndarray, past_len: int, accepted: np.ndarray) -> int:
+    """Copy the accepted nodes' K or V from a step output into the cache, in place.
+
+    Args:
+        cache: [1, H_kv, capacity, D] buffer (valid prefix ``[:past_len]``).
+        new: [1, H_kv, T, D] this step's K or V for every tree node.
+        past_len: valid slots before the step.
+        accepted: int [n] node indices, root first.
+
+    Returns:
+        The new valid length, past_len + n.
+    """
+    slots = compaction_slots(past_len, accepted, cache.shape[2])
+    cache[:, :, slots[0] : slots[-1] + 1] = new[:, :, np.asarray(accepted)]
+    return past_len + len(accepted)
+
+
+def fits(past_len: int, step_tokens: int, capacity: int) -> bool:
+    """Whether a step of ``step_tokens`` tree nodes fits after ``past_len`` slots."""
+    return past_len + step_tokens <= capacity
