@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from medusa_runtime.acceptance import TypicalConfig, accept_greedy, accept_typical, log_softmax
+from medusa_runtime.acceptance import TypicalConfig, accept_greedy, accept_typical, sample_topk
 from medusa_runtime.errors import ContextOverflowError
 from medusa_runtime.kvcache import fits, write_accepted
 from medusa_runtime.stops import apply_stops
@@ -51,21 +51,21 @@ class GenerationResult:
 
 
 class TorchKVCache:
-    """Per-layer K/V buffers [1, H_kv, capacity, D] owned by the loop and reused across steps."""
+    """Per-layer K/V buffers [1, capacity, H_kv, D] owned by the loop and reused across steps."""
 
     def __init__(self, model: MedusaModel, capacity: int):
         cfg = model.config
         w = model.backbone.embed_tokens.weight
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        shape = (1, capacity, cfg.num_key_value_heads, cfg.head_dim)
         self.keys = [w.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
         self.values = [w.new_zeros(shape) for _ in range(cfg.num_hidden_layers)]
         self.capacity = capacity
         self.length = 0
 
     def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of the valid prefix, per layer ([1, H_kv, length, D] each); no copy."""
+        """Views of the valid prefix, per layer ([1, length, H_kv, D] each); no copy."""
         n = self.length
-        return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self.keys, self.values)]
+        return [(k[:, :n], v[:, :n]) for k, v in zip(self.keys, self.values)]
 
     def keep(self, new_kv, accepted: np.ndarray) -> None:
         """Write the accepted nodes' K/V (root first) into the next slots (KV compaction)."""
@@ -131,11 +131,12 @@ def medusa_generate(
     root_tree = make_tree([], num_heads=model.num_heads, topk=tree.topk)
     cache = TorchKVCache(model, max_context)
 
-    def pick(logits_row: torch.Tensor) -> int:
-        if typical is None:
-            return int(torch.argmax(logits_row))
-        p = np.exp(log_softmax(logits_row.float().numpy(), typical.temperature))
-        return int(rng.choice(p.shape[0], p=p / p.sum()))
+    temperature = torch.tensor([typical.temperature if typical else 1.0], dtype=torch.float32)
+
+    def run(tokens, positions, mask):
+        out = model.step(torch.as_tensor(tokens)[None], torch.as_tensor(positions)[None], torch.as_tensor(mask),
+                         cache.past(), temperature)
+        return out, out.topk_ids[0].numpy(), out.topk_logprobs[0].numpy()
 
     def emit(step_tokens: list[int]) -> bool:
         stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=max_new_tokens,
@@ -150,10 +151,10 @@ def medusa_generate(
 
     # Prefill: the prompt with a causal mask; all of its K/V are kept.
     n = len(prompt)
-    logits, hidden, new_kv = model(torch.tensor([prompt]), torch.arange(n)[None], causal_mask(n), cache.past())
-    cache.keep(new_kv, np.arange(n))
-    root = pick(logits[0, -1])
-    heads_topk = model.heads_topk(hidden[0, -1], tree.topk).numpy()
+    out, ids, lps = run(np.asarray(prompt, dtype=np.int64), np.arange(n), causal_mask(n))
+    cache.keep(out.new_kv, np.arange(n))
+    root = int(ids[-1, 0]) if typical is None else sample_topk(ids[-1], lps[-1], rng)
+    heads_topk = model.heads_topk(out.hidden[0, -1], tree.topk).numpy()
     if emit([root]):
         return result
     while True:
@@ -163,18 +164,16 @@ def medusa_generate(
             return result
         b = step_tree.buffers()
         tokens = gather_candidates(root, heads_topk, step_tree)
-        positions = torch.from_numpy(cache.length + b.depth)[None]
-        logits, hidden, new_kv = model(
-            torch.from_numpy(tokens)[None], positions, torch.from_numpy(b.attention_mask), cache.past()
-        )
+        out, ids, lps = run(tokens, cache.length + b.depth, b.attention_mask)
         if typical is None:
-            acc = accept_greedy(step_tree, tokens, torch.argmax(logits[0], dim=-1).numpy())
+            acc = accept_greedy(step_tree, tokens, ids[:, 0])
         else:
-            acc = accept_typical(step_tree, tokens, logits[0].float().numpy(), typical, rng)
-        cache.keep(new_kv, acc.accepted)
+            acc = accept_typical(step_tree, tokens, out.token_logprobs[0].numpy(), out.entropy[0].numpy(),
+                                 ids, lps, typical, rng)
+        cache.keep(out.new_kv, acc.accepted)
         step_tokens = [int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token]
         result.step_tokens.append(len(step_tokens))
         if emit(step_tokens):
             return result
         root = acc.next_token
-        heads_topk = model.heads_topk(hidden[0, int(acc.accepted[-1])], tree.topk).numpy()
+        heads_topk = model.heads_topk(out.hidden[0, int(acc.accepted[-1])], tree.topk).numpy()

@@ -3,8 +3,10 @@
 One readable file in the spirit of gpt-fast / nanoGPT ``model.py``. It differs from
 transformers' ``LlamaForCausalLM`` only in its interface, which is the export contract:
 
-* past K/V are explicit tensors ``[1, H_kv, P, D]`` (P = valid past length, may be 0);
-* the step returns only the *new* K/V of its S tokens ``[1, H_kv, S, D]``; the caller
+* past K/V are explicit tensors ``[1, P, H_kv, D]`` (P = valid past length, may be 0),
+  sequence-major so that the valid prefix of a runtime-owned ``[1, capacity, H_kv, D]``
+  buffer is a contiguous view (no host copy per step);
+* the step returns only the *new* K/V of its S tokens ``[1, S, H_kv, D]``; the caller
   owns the cache and decides which of them to keep (KV compaction);
 * attention over the new tokens uses a bool mask ``[S, S]`` (True = may attend), so the
   same graph runs the causal prefill and a tree step; the past is always fully visible;
@@ -91,24 +93,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
     def forward(self, x, cos, sin, bias, past_k, past_v):
-        # x: [1, S, d]; bias: [S, S] float32 additive (0 or -inf-safe); past_*: [1, Hkv, P, D]
+        # x: [1, S, d]; bias: [S, S] float32 additive (0 or -inf-safe); past_*: [1, P, Hkv, D]
         s = x.shape[1]
         g = self.n_heads // self.n_kv
         q = self.q_proj(x).view(1, s, self.n_heads, self.head_dim).transpose(1, 2)  # [1, H, S, D]
-        k = self.k_proj(x).view(1, s, self.n_kv, self.head_dim).transpose(1, 2)  # [1, Hkv, S, D]
-        v = self.v_proj(x).view(1, s, self.n_kv, self.head_dim).transpose(1, 2)
+        k_new = self.k_proj(x).view(1, s, self.n_kv, self.head_dim)  # [1, S, Hkv, D]
+        v_new = self.v_proj(x).view(1, s, self.n_kv, self.head_dim)
         q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        k_new = apply_rope(k_new, cos.transpose(1, 2), sin.transpose(1, 2))
         # Group queries by KV head: [1, Hkv, G*S, D]; no repeat of K/V.
         qg = q.reshape(1, self.n_kv, g * s, self.head_dim) * (self.head_dim**-0.5)
-        s_past = torch.matmul(qg, past_k.transpose(-1, -2)).float()  # [1, Hkv, G*S, P]
-        s_new = torch.matmul(qg, k.transpose(-1, -2)).float()  # [1, Hkv, G*S, S]
+        s_past = torch.matmul(qg, past_k.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, P]
+        s_new = torch.matmul(qg, k_new.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, S]
         s_new = (s_new.view(1, self.n_kv, g, s, s) + bias).view(1, self.n_kv, g * s, s)
         probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(x.dtype)
-        p_len = past_k.shape[2]
-        out = torch.matmul(probs[..., :p_len], past_v) + torch.matmul(probs[..., p_len:], v)
+        p_len = past_k.shape[1]
+        out = torch.matmul(probs[..., :p_len], past_v.transpose(1, 2)) + torch.matmul(
+            probs[..., p_len:], v_new.transpose(1, 2)
+        )  # [1, Hkv, G*S, D]
         out = out.view(1, self.n_heads, s, self.head_dim).transpose(1, 2).reshape(1, s, -1)
-        return self.o_proj(out), k, v
+        return self.o_proj(out), k_new, v_new
 
 
 class MLP(nn.Module):
@@ -175,10 +179,10 @@ class LlamaBackbone(nn.Module):
             input_ids: int64 [1, S].
             position_ids: int64 [1, S]; for a tree node, past length + depth.
             mask: bool [S, S]; ``mask[i, j]`` True when new token i may attend new token j.
-            past: per layer (key, value), each [1, H_kv, P, D] in the weight dtype.
+            past: per layer (key, value), each [1, P, H_kv, D] in the weight dtype.
 
         Returns:
-            (hidden [1, S, d] after the final norm, new_kv: per layer (key, value) [1, H_kv, S, D]).
+            (hidden [1, S, d] after the final norm, new_kv: per layer (key, value) [1, S, H_kv, D]).
         """
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
@@ -190,8 +194,8 @@ class LlamaBackbone(nn.Module):
         return self.norm(x), new_kv
 
     def empty_past(self, length: int = 0):
-        """Zero past K/V of ``length`` slots: per layer ([1, H_kv, length, D], same)."""
+        """Zero past K/V of ``length`` slots: per layer ([1, length, H_kv, D], same)."""
         c = self.config
         p = self.embed_tokens.weight
-        shape = (1, c.num_key_value_heads, length, c.head_dim)
+        shape = (1, length, c.num_key_value_heads, c.head_dim)
         return [(p.new_zeros(shape), p.new_zeros(shape)) for _ in range(c.num_hidden_layers)]

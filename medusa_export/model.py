@@ -1,12 +1,60 @@
-"""The PyTorch reference Medusa model: a Llama backbone plus K Medusa heads."""
+"""The PyTorch reference Medusa model: a Llama backbone plus K Medusa heads.
+
+:meth:`MedusaModel.step` is the exported backbone graph: besides the new K/V and the
+hidden states (for the heads) it returns only what acceptance needs, not [S, V] logits:
+
+* ``topk_ids`` int64 [1, S, k] and ``topk_logprobs`` float32 [1, S, k]: the k best next
+  tokens at each position and their log-probabilities at ``temperature`` (index 0 is the
+  argmax, all greedy acceptance needs; typical acceptance samples the bonus token from
+  these k);
+* ``entropy`` float32 [1, S]: entropy (nats) of the next-token distribution at ``temperature``;
+* ``token_logprobs`` float32 [1, S, S]: ``[0, i, j]`` = log P_T(input_ids[j] | position i),
+  so the host reads each tree node's probability under its parent at [parent[j], j].
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .heads import HeadsConfig, MedusaHeads
 from .llama import LlamaBackbone, LlamaConfig
+
+
+#: k of the step's top-k outputs (and the candidate top-k of the heads by default).
+STEP_TOPK = 10
+
+
+class StepOutput(NamedTuple):
+    """What one backbone step returns; shapes in the module docstring."""
+
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    entropy: torch.Tensor
+    token_logprobs: torch.Tensor
+    hidden: torch.Tensor
+    new_kv: list
+
+
+def acceptance_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: torch.Tensor, k: int):
+    """Reduce logits [1, S, V] to the acceptance outputs (see module docstring).
+
+    Args:
+        logits: [1, S, V], any float dtype (computed in float32).
+        input_ids: int64 [1, S], the step's tokens.
+        temperature: float32 [1], > 0 (1.0 for greedy: the ids do not depend on it).
+        k: top-k width (capped at V).
+
+    Returns:
+        (topk_ids [1,S,k] int64, topk_logprobs [1,S,k] f32, entropy [1,S] f32, token_logprobs [1,S,S] f32)
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [1, S, V]
+    top = torch.topk(logp, min(k, logits.shape[-1]), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    token_logprobs = torch.index_select(logp, 2, input_ids[0])  # [1, S, S]
+    return top.indices, top.values, entropy, token_logprobs
 
 
 class MedusaModel(nn.Module):
@@ -37,13 +85,26 @@ class MedusaModel(nn.Module):
         return cls(backbone, MedusaHeads(cfg, backbone.lm_head))
 
     def forward(self, input_ids, position_ids, mask, past):
-        """One step: see :meth:`LlamaBackbone.forward`.
+        """Backbone forward with full logits (for tests and checks): see :meth:`LlamaBackbone.forward`.
 
         Returns:
-            (logits float [1, S, V] of the backbone, hidden [1, S, d], new_kv per layer).
+            (logits [1, S, V] of the backbone, hidden [1, S, d], new_kv per layer [1, S, H_kv, D]).
         """
         hidden, new_kv = self.backbone(input_ids, position_ids, mask, past)
         return self.backbone.lm_head(hidden), hidden, new_kv
+
+    def step(self, input_ids, position_ids, mask, past, temperature=None, k: int = STEP_TOPK) -> StepOutput:
+        """The exported backbone step: forward + :func:`acceptance_outputs`.
+
+        Args:
+            input_ids, position_ids, mask, past: as :meth:`LlamaBackbone.forward`.
+            temperature: float32 [1] (default 1.0).
+            k: top-k width of the outputs.
+        """
+        if temperature is None:
+            temperature = torch.ones(1)
+        logits, hidden, new_kv = self(input_ids, position_ids, mask, past)
+        return StepOutput(*acceptance_outputs(logits, input_ids, temperature, k), hidden, new_kv)
 
     @torch.no_grad()
     def heads_topk(self, hidden: torch.Tensor, topk: int) -> torch.Tensor:

@@ -104,17 +104,26 @@ def accept_greedy(tree: Tree, tokens: np.ndarray, node_argmax: np.ndarray) -> Ac
     return Acceptance(accepted, int(node_argmax[accepted[-1]]), best)
 
 
-def log_softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """log softmax(logits / temperature) over the last axis, in float64."""
-    z = np.asarray(logits, dtype=np.float64) / temperature
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+def sample_topk(topk_ids: np.ndarray, topk_logprobs: np.ndarray, rng: np.random.Generator) -> int:
+    """Sample one token among the k best, with probabilities exp(logprob) renormalised.
+
+    Args:
+        topk_ids: int [k] candidate tokens.
+        topk_logprobs: float [k] their log-probabilities (at the sampling temperature).
+        rng: the generator (reproducible for a fixed seed).
+    """
+    lp = np.asarray(topk_logprobs, dtype=np.float64)
+    p = np.exp(lp - lp.max())
+    return int(topk_ids[rng.choice(len(p), p=p / p.sum())])
 
 
 def accept_typical(
     tree: Tree,
     tokens: np.ndarray,
-    node_logits: np.ndarray,
+    token_logprobs: np.ndarray,
+    entropy: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
     config: TypicalConfig,
     rng: np.random.Generator,
 ) -> Acceptance:
@@ -123,29 +132,30 @@ def accept_typical(
     Node x under parent p is accepted when its ancestors are and
     ``P_T(x | p) > min(epsilon, delta * exp(-H(P_T(. | p))))`` with ``P_T`` the softmax at
     ``config.temperature`` and H its entropy in nats (FasterDecoding/Medusa ``utils.py``
-    computes H with log(p + 1e-5); we use the exact entropy). The longest accepted path
-    wins; ties are broken by the larger summed log-probability of the accepted tokens,
-    then by the first row. The bonus token is *sampled* from ``P_T`` at the last
-    accepted node with ``rng`` (reproducible for a fixed seed).
+    computes H with log(p + 1e-5); the step computes it exactly). The longest accepted
+    path wins; ties are broken by the larger summed log-probability of the accepted
+    tokens, then by the first row. The bonus token is *sampled* with ``rng`` among the k
+    best at the last accepted node (:func:`sample_topk`), so runs are reproducible for a
+    fixed seed.
 
     Args:
         tree: the tree (T nodes).
         tokens: int [T], the token at each node.
-        node_logits: float [T, V], the backbone's next-token logits at each node.
-        config: the thresholds and temperature.
+        token_logprobs: float [T, T]; ``[i, j]`` = log P_T(tokens[j] | node i) (step output).
+        entropy: float [T], entropy of P_T at each node.
+        topk_ids, topk_logprobs: [T, k] the k best next tokens at each node and their log P_T.
+        config: the thresholds (the step must have been run at ``config.temperature``).
         rng: the generator used for the bonus token.
     """
     b = tree.buffers()
-    tokens = np.asarray(tokens)
-    logp = log_softmax(node_logits, config.temperature)  # [T, V]
-    probs = np.exp(logp)
-    entropy = -(probs * logp).sum(axis=-1)  # [T]
-    threshold = np.minimum(config.posterior_threshold, config.posterior_alpha * np.exp(-entropy))
+    token_logprobs = np.asarray(token_logprobs, dtype=np.float64)
+    threshold = np.minimum(config.posterior_threshold, config.posterior_alpha * np.exp(-np.asarray(entropy, np.float64)))
     ok = np.zeros(tree.size, dtype=bool)
     child_logp = np.zeros(tree.size, dtype=np.float64)
     if tree.size > 1:
+        nodes = np.arange(1, tree.size)
         par = b.parent[1:]
-        child_logp[1:] = logp[par, tokens[1:]]
+        child_logp[1:] = token_logprobs[par, nodes]
         ok[1:] = np.exp(child_logp[1:]) > threshold[par]
     lengths = _prefix_lengths(ok, b.retrieve_indices)
     best_len = lengths.max()
@@ -156,6 +166,5 @@ def accept_typical(
     else:
         best = int(cand[0])
     accepted = b.retrieve_indices[best, : best_len + 1].copy()
-    p_last = probs[accepted[-1]]
-    next_token = int(rng.choice(p_last.shape[0], p=p_last / p_last.sum()))
-    return Acceptance(accepted, next_token, best)
+    last = int(accepted[-1])
+    return Acceptance(accepted, sample_topk(topk_ids[last], topk_logprobs[last], rng), best)

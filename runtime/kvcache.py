@@ -1,8 +1,8 @@
 """KV-cache index compaction after acceptance (seeds/001 Algorithm step 6).
 
-The runtime owns one buffer per layer and per K/V, shaped [1, KV heads, capacity,
-head_dim]. A step reads the valid prefix ``[:past_len]`` and produces the K/V of the T
-tree nodes. Only the accepted nodes are kept: they are written to slots
+The runtime owns one buffer per layer and per K/V, shaped [1, capacity, KV heads,
+head_dim] (sequence-major, so the valid prefix ``[:, :past_len]`` is a contiguous view
+handed to the engine without a copy). A step produces the K/V of the T tree nodes. Only the accepted nodes are kept: they are written to slots
 ``past_len .. past_len + n - 1`` in root-to-leaf order, so the cache stays contiguous
 and equals the cache of feeding the accepted tokens one by one.
 
@@ -39,16 +39,16 @@ def write_accepted(cache: np.ndarray, new: np.ndarray, past_len: int, accepted: 
     """Copy the accepted nodes' K or V from a step output into the cache, in place.
 
     Args:
-        cache: [1, H_kv, capacity, D] buffer (valid prefix ``[:past_len]``).
-        new: [1, H_kv, T, D] this step's K or V for every tree node.
+        cache: [1, capacity, H_kv, D] buffer (valid prefix ``[:, :past_len]``).
+        new: [1, T, H_kv, D] this step's K or V for every tree node.
         past_len: valid slots before the step.
         accepted: int [n] node indices, root first.
 
     Returns:
         The new valid length, past_len + n.
     """
-    slots = compaction_slots(past_len, accepted, cache.shape[2])
-    cache[:, :, slots[0] : slots[-1] + 1] = new[:, :, np.asarray(accepted)]
+    slots = compaction_slots(past_len, accepted, cache.shape[1])
+    cache[:, slots[0] : slots[-1] + 1] = new[:, np.asarray(accepted)]
     return past_len + len(accepted)
 
 
