@@ -1,0 +1,235 @@
+"""The Medusa decode loop, batch size 1, over any engine (seeds/001, Algorithm).
+
+prefill -> candidates from the heads -> one step over the tree (tree mask, position =
+past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated.
+
+The loop is written once and driven by an :class:`Engine`: ONNX Runtime or TensorRT in
+deployment, PyTorch for the reference (``medusa_export.decode.TorchEngine``). It owns the
+KV buffers (numpy, sequence-major ``[1, capacity, H_kv, D]`` per layer and K/V), hands the
+engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from .acceptance import TypicalConfig, accept_greedy, accept_typical, sample_topk
+from .errors import ContextOverflowError
+from .kvcache import fits, write_accepted
+from .stops import apply_stops
+from .tree import Tree, gather_candidates, make_tree
+
+
+class StepResult(NamedTuple):
+    """One engine step's outputs, batch dimension dropped (see medusa_export.model)."""
+
+    topk_ids: np.ndarray  # int64 [S, k]
+    topk_logprobs: np.ndarray  # float32 [S, k]
+    entropy: np.ndarray  # float32 [S]
+    token_logprobs: np.ndarray  # float32 [S, S]
+    hidden: np.ndarray  # [S, d]
+    new_kv: list  # per layer (key, value), each [1, S, H_kv, D]
+
+
+class Engine(Protocol):
+    """What the loop needs from a backend."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int  # Medusa heads K
+    kv_dtype: np.dtype
+
+    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, mask: np.ndarray, temperature: float,
+             past: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
+        """Run S tokens (input_ids/position_ids int64 [1, S], mask bool [S, S]) after the past views."""
+
+    def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
+        """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens."""
+
+
+class KVCache:
+    """Per-layer K and V buffers [1, capacity, H_kv, D], reused across steps."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
+        shape = (1, capacity, num_kv_heads, head_dim)
+        self.keys = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [np.zeros(shape, dtype) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    @classmethod
+    def for_engine(cls, engine: Engine, capacity: int) -> "KVCache":
+        return cls(engine.num_layers, engine.num_kv_heads, engine.head_dim, capacity, engine.kv_dtype)
+
+    def past(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Contiguous views of the valid prefix, per layer ([1, length, H_kv, D] each); no copy."""
+        n = self.length
+        return [(k[:, :n], v[:, :n]) for k, v in zip(self.keys, self.values)]
+
+    def keep(self, new_kv, accepted: np.ndarray) -> None:
+        """Copy the accepted nodes' K/V (root first) into the next slots (KV compaction)."""
+        for ck, cv, (k, v) in zip(self.keys, self.values, new_kv):
+            write_accepted(ck, np.asarray(k), self.length, accepted)
+            write_accepted(cv, np.asarray(v), self.length, accepted)
+        self.length += len(accepted)
+
+
+@dataclass
+class GenerationResult:
+    """Output of one generation.
+
+    Attributes:
+        tokens: emitted token ids (EOS excluded).
+        finish_reason: "stop" (EOS or stop string) or "length" (max_new_tokens, or the context is full).
+        step_tokens: tokens produced by each tree step (accepted candidates + 1), before stops.
+        accept_depths: per tree step, the accepted candidates after the root.
+        prompt_tokens: prompt length.
+        engine_seconds / host_seconds: wall time in engine calls / in the loop's own work.
+        prefill_seconds: wall time of the prefill call.
+    """
+
+    tokens: list[int]
+    finish_reason: str
+    step_tokens: list[int] = field(default_factory=list)
+    accept_depths: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    engine_seconds: float = 0.0
+    host_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Tree steps run after the prefill."""
+        return len(self.step_tokens)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens per tree step (acceptance length incl. the bonus token); 0 if no step."""
+        return float(np.mean(self.step_tokens)) if self.step_tokens else 0.0
+
+
+def causal_mask(n: int) -> np.ndarray:
+    """bool [n, n] lower-triangular: the prefill's mask over the new tokens."""
+    return np.tril(np.ones((n, n), dtype=bool))
+
+
+def generate(
+    engine: Engine,
+    prompt_ids: Sequence[int],
+    tree: Tree,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    max_context: int = 2048,
+    typical: TypicalConfig | None = None,
+    seed: int = 0,
+    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    cache: KVCache | None = None,
+) -> GenerationResult:
+    """Generate with Medusa; greedy when ``typical`` is None (lossless vs plain greedy).
+
+    Args:
+        engine: the backend.
+        prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
+            ``cache`` given, these are the tokens *after* the cache's valid prefix.
+        tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps.
+        max_new_tokens: maximum emitted tokens (exact).
+        eos_token_ids: tokens that end generation (not emitted).
+        max_context: KV capacity in tokens. When the tree no longer fits, steps fall back
+            to the root alone; when nothing fits, generation ends with "length".
+        typical: typical acceptance settings (temperature > 0), or None for greedy.
+        seed: seeds the sampling of bonus tokens under typical acceptance.
+        on_tokens: called with each step's emitted tokens (streaming); returning True
+            stops generation (finish_reason "stop"; used for stop strings).
+        cache: a cache to continue from (multi-turn chat); a new one when None.
+
+    Raises:
+        ValueError: empty prompt, negative max_new_tokens, or a tree deeper than the heads.
+        ContextOverflowError: the prompt does not fit the context.
+    """
+    prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if tree.max_depth > engine.num_heads:
+        raise ValueError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
+    cache = cache if cache is not None else KVCache.for_engine(engine, max_context)
+    if cache.length + prompt.size > cache.capacity:
+        raise ContextOverflowError(
+            f"the prompt has {prompt.size} tokens but only {cache.capacity - cache.length} of the "
+            f"{cache.capacity}-token context are free"
+        )
+    rng = np.random.default_rng(seed)
+    result = GenerationResult([], "length", prompt_tokens=int(prompt.size))
+    if max_new_tokens == 0:
+        return result
+    root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
+    temperature = typical.temperature if typical else 1.0
+    t_start = time.perf_counter()
+
+    def run(tokens, positions, mask) -> StepResult:
+        t = time.perf_counter()
+        out = engine.step(tokens[None], positions[None], mask, temperature, cache.past())
+        result.engine_seconds += time.perf_counter() - t
+        return out
+
+    def heads_topk(hidden_row: np.ndarray) -> np.ndarray:
+        t = time.perf_counter()
+        out = engine.heads(hidden_row[None], tree.topk)[0]
+        result.engine_seconds += time.perf_counter() - t
+        return out
+
+    def emit(step_tokens: list[int]) -> bool:
+        stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=max_new_tokens,
+                           eos_token_ids=eos_token_ids)
+        result.tokens.extend(stop.tokens)
+        if on_tokens and stop.tokens and on_tokens(stop.tokens):
+            result.finish_reason = "stop"
+            return True
+        if stop.finish_reason:
+            result.finish_reason = stop.finish_reason
+            return True
+        return False
+
+    def finish() -> GenerationResult:
+        total = time.perf_counter() - t_start
+        result.host_seconds = total - result.engine_seconds
+        return result
+
+    # Prefill: the prompt with a causal mask; all of its K/V are kept.
+    n = int(prompt.size)
+    out = run(prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n))
+    result.prefill_seconds = result.engine_seconds
+    cache.keep(out.new_kv, np.arange(n))
+    root = int(out.topk_ids[-1, 0]) if typical is None else sample_topk(out.topk_ids[-1], out.topk_logprobs[-1], rng)
+    if emit([root]):
+        return finish()
+    heads = heads_topk(out.hidden[-1]) if tree.size > 1 else None
+    while True:
+        step_tree = tree if fits(cache.length, tree.size, cache.capacity) else root_tree
+        if not fits(cache.length, step_tree.size, cache.capacity):
+            result.finish_reason = "length"  # the context is full
+            return finish()
+        b = step_tree.buffers()
+        tokens = gather_candidates(root, heads, step_tree) if step_tree.size > 1 else np.array([root], np.int64)
+        out = run(tokens, cache.length + b.depth, b.attention_mask)
+        if typical is None:
+            acc = accept_greedy(step_tree, tokens, out.topk_ids[:, 0])
+        else:
+            acc = accept_typical(step_tree, tokens, out.token_logprobs, out.entropy, out.topk_ids,
+                                 out.topk_logprobs, typical, rng)
+        cache.keep(out.new_kv, acc.accepted)
+        step_tokens = [int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token]
+        result.step_tokens.append(len(step_tokens))
+        result.accept_depths.append(acc.accept_length)
+        if emit(step_tokens):
+            return finish()
+        root = acc.next_token
+        if tree.size > 1:
+            heads = heads_topk(out.hidden[int(acc.accepted[-1])])
