@@ -13,6 +13,7 @@ import time
 from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.errors import MedusaError
 
+from .build import PRECISIONS, BuildConfig
 from .registry import DEFAULT_MODEL, load_registry
 
 _TYPICAL = TypicalConfig()
@@ -83,6 +84,79 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_build(args) -> int:
+    """Export + validate an artifact."""
+    from medusa_runtime.tree import tree_from_spec
+
+    from .build import build_artifact
+    from .registry import load_model
+    from .validate import read_prompts
+
+    cfg = BuildConfig(precision=args.precision, max_context=args.max_context, new_tokens=args.new_tokens,
+                      validate=not args.no_validate)
+    t0 = time.perf_counter()
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
+                    trust_remote_code=args.trust_remote_code)
+    spec = args.tree or lm.default_tree
+    tree = tree_from_spec(spec, num_heads=lm.model.num_heads, accuracies=getattr(lm, "head_accuracies", None))
+    out = args.out or f"artifacts/{lm.name}-t{tree.size}-{cfg.precision}"
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    path = build_artifact(lm, tree, out, cfg, prompts=prompts)
+    _print_summary(path, time.perf_counter() - t0)
+    return 0
+
+
+def _print_summary(path, seconds: float) -> None:
+    import json
+    from pathlib import Path
+
+    m = json.loads((Path(path) / "manifest.json").read_text())
+    size = sum(r["bytes"] for r in m["checksums"].values())
+    print(f"\nartifact: {path}  ({size / 1e6:.1f} MB, built in {seconds:.0f}s)")
+    print(f"  model: {m['model']['name']} ({m['model']['num_layers']} layers, {m['model']['medusa_heads']} Medusa heads), "
+          f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
+    print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)")
+    for key in ("model", "heads", "weights"):
+        f = m["files"][key]
+        print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
+    v = m.get("validation")
+    if v:
+        same = sum(p["identical"] for p in v["prompts"])
+        worst = max(p["max_logprob_diff"] for p in v["prompts"])
+        print(f"  validation: {'PASSED' if v['passed'] else 'FAILED'}: greedy tokens identical on {same}/{len(v['prompts'])} "
+              f"prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}")
+    else:
+        print("  validation: skipped")
+
+
+def cmd_verify(args) -> int:
+    """Validate an existing artifact; exit 1 on mismatch."""
+    from medusa_runtime.artifact import load_artifact
+
+    from .chat import apply_chat_template
+    from .registry import load_model
+    from .validate import default_prompts, read_prompts, validate
+
+    art = load_artifact(args.artifact, full_verify=True)
+    lm = load_model(art.model["name"], model_path=args.model_path, heads_path=args.heads)
+    texts = read_prompts(args.prompts, args.limit) if args.prompts else default_prompts()[: args.limit]
+    ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
+    report = validate(art, lm.model, ids, texts, new_tokens=args.new_tokens, eos_token_ids=lm.eos_token_ids)
+    for p in report.prompts:
+        status = "identical" if p.identical else ("near-tie" if p.near_tie else "MISMATCH")
+        print(f"{status:9s} {p.tokens:4d} tokens  log-prob diff {p.max_logprob_diff:.1e}  {p.prompt[:60]!r}")
+    if args.junit:
+        from .junit import write_junit
+
+        write_junit(args.junit, report)
+    if not report.passed:
+        print("FAILED:\n  " + "\n  ".join(report.failures()), file=sys.stderr)
+        return 1
+    print(f"PASSED: {len(report.prompts)} prompts, precision {report.precision}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="medusa-export",
@@ -102,6 +176,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
+                       description="Trace backbone + heads to ONNX (backbone step graph for prefill and tree "
+                                   "steps, heads graph, one weights file), write the manifest, tree and tokenizer, "
+                                   "and validate ONNX Runtime against the PyTorch reference. The artifact is written "
+                                   "to a temporary folder and moved into place only when everything passed.")
+    _add_model_args(p)
+    p.add_argument("--tree", help="node budget (e.g. 64), preset (root, chain) or JSON file of medusa_choices "
+                                  "(default: the model's registered tree)")
+    p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION)")
+    p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
+                   help=f"fp32 (exact), fp16 or int8 (ONNX Runtime dynamic quantization) (default: {BuildConfig.precision})")
+    p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
+    p.add_argument("--prompts", help="JSONL file of validation prompts ('prompt', 'turns' or 'messages'; "
+                                     "default: the project's own 3 prompts)")
+    p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
+                   help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")
+    p.add_argument("--no-validate", action="store_true", help="skip validation (not recommended)")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("verify", help="check an artifact against the PyTorch reference (for CI)",
+                       description="Re-run build's validation on an existing artifact: step outputs within "
+                                   "tolerance and greedy tokens identical. Exits 1 on any mismatch.")
+    p.add_argument("artifact", help="artifact directory")
+    p.add_argument("--prompts", help="JSONL file of prompts (default: the project's own)")
+    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
+                   help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
+    p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name)")
+    p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
+    p.add_argument("--junit", help="also write a JUnit XML report to this file")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("models", help="list the registered models")
     p.set_defaults(func=cmd_models)

@@ -132,7 +132,9 @@ def export_step(model: MedusaModel, path: Path, dtype: torch.dtype, k: int = STE
     c = model.config
     s_dim, p_dim = Dim("S", min=1, max=1 << 20), Dim("P", min=0, max=1 << 20)
     s, p = 3, 5  # example sizes (not 0/1, which torch.export would specialise)
-    past = [(torch.zeros(1, p, c.num_key_value_heads, c.head_dim, dtype=dtype),) * 2 for _ in range(c.num_hidden_layers)]
+    # Distinct example tensors: torch.export would merge aliased inputs (one tensor as key and value).
+    kv_shape = (1, p, c.num_key_value_heads, c.head_dim)
+    past = [(torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)) for _ in range(c.num_hidden_layers)]
     args = (torch.zeros(1, s, dtype=torch.int64), torch.arange(p, p + s)[None],
             torch.ones(s, s, dtype=torch.bool).tril(), torch.ones(1), past)
     ds = {"input_ids": {1: s_dim}, "position_ids": {1: s_dim}, "new_token_mask": {0: s_dim, 1: s_dim},

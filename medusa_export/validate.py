@@ -1,0 +1,217 @@
+"""Validation of an artifact against the PyTorch reference (used by ``build`` and ``verify``).
+
+Two checks per prompt:
+
+1. Step outputs: the prefill and one tree step run through ONNX Runtime and PyTorch on
+   the same inputs; top-1 log-probability, entropy and hidden states must agree within
+   the precision's tolerance (:data:`TOLERANCES`).
+2. Greedy tokens: the shared decode loop over ONNX Runtime and over PyTorch must emit
+   identical tokens for ``new_tokens`` tokens. For fp16 / int8 a divergence at a position
+   where the reference's top-2 margin (log-prob gap) is below the precision's
+   ``margin`` is reported as a near-tie instead of a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_runtime.artifact import Artifact
+from medusa_runtime.loop import KVCache, causal_mask, generate
+from medusa_runtime.ort_engine import OrtEngine
+
+from .decode import TorchEngine
+from .errors import MedusaError
+from .model import MedusaModel
+
+
+class ValidationError(MedusaError):
+    """The artifact disagrees with the PyTorch reference; the message gives the first divergence."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Per-precision limits: ``atol`` on log-probs/entropy, ``hidden_atol`` on hidden states,
+    ``margin``: below this top-2 log-prob gap a token divergence counts as a near-tie
+    (0 = every divergence fails), ``exact``: greedy tokens must match exactly."""
+
+    atol: float
+    hidden_atol: float
+    margin: float
+    exact: bool
+
+
+TOLERANCES = {
+    "fp32": Tolerance(atol=1e-3, hidden_atol=1e-3, margin=0.0, exact=True),
+    "fp16": Tolerance(atol=5e-2, hidden_atol=5e-2, margin=0.1, exact=False),
+    "int8": Tolerance(atol=float("inf"), hidden_atol=float("inf"), margin=float("inf"), exact=False),
+}
+
+
+@dataclass
+class PromptReport:
+    prompt: str
+    tokens: int
+    identical: bool
+    max_logprob_diff: float
+    max_entropy_diff: float
+    max_hidden_diff: float
+    first_divergence: int | None = None  # index in the generated tokens
+    divergence_step: int | None = None  # tree step (0 = prefill's token)
+    reference_token: int | None = None
+    artifact_token: int | None = None
+    reference_margin: float | None = None  # top-1 minus top-2 log-prob at that position
+    near_tie: bool = False
+    agreement: float = 1.0  # fraction of generated positions before the first divergence
+
+
+@dataclass
+class ValidationReport:
+    precision: str
+    new_tokens: int
+    prompts: list[PromptReport] = field(default_factory=list)
+
+    def _steps_ok(self, p: PromptReport) -> bool:
+        tol = TOLERANCES[self.precision]
+        return p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol and p.max_hidden_diff <= tol.hidden_atol
+
+    @property
+    def passed(self) -> bool:
+        """Every prompt's step outputs within tolerance and tokens identical (or a near-tie)."""
+        return all(self._steps_ok(p) and (p.identical or p.near_tie) for p in self.prompts)
+
+    def failures(self) -> list[str]:
+        """One line per failing prompt."""
+        tol = TOLERANCES[self.precision]
+        lines = []
+        for p in self.prompts:
+            if not self._steps_ok(p):
+                lines.append(f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
+                             f"entropy {p.max_entropy_diff:.2e}, hidden {p.max_hidden_diff:.2e}; "
+                             f"tolerance {tol.atol:g}/{tol.hidden_atol:g})")
+            elif not (p.identical or p.near_tie):
+                lines.append(f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
+                             f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
+                             f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
+        return lines
+
+    def to_json(self) -> dict:
+        return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
+                "tolerance": asdict(TOLERANCES[self.precision]), "prompts": [asdict(p) for p in self.prompts]}
+
+
+def default_prompts() -> list[str]:
+    """The project's own validation prompts (models/validation_prompts.jsonl)."""
+    return read_prompts(Path(str(resources.files("medusa_models"))) / "validation_prompts.jsonl")
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """First user turns from a JSONL file: records with "prompt", "turns" (MT-Bench) or "messages".
+
+    Raises:
+        MedusaError: the file is missing or a line has none of those keys.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MedusaError(f"prompts file {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if "prompt" in rec:
+            out.append(rec["prompt"])
+        elif "turns" in rec:
+            out.append(rec["turns"][0])
+        elif "messages" in rec:
+            out.append(next(m["content"] for m in rec["messages"] if m["role"] == "user"))
+        else:
+            raise MedusaError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' key")
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()) if a.size else 0.0
+
+
+def compare_steps(ref: TorchEngine, eng: OrtEngine, prompt_ids: list[int], artifact: Artifact) -> tuple[float, float, float]:
+    """Prefill + one tree step on both engines with the same inputs; max |diff| of
+    (top-1 log-prob, entropy, hidden)."""
+    tree = artifact.tree
+    n = len(prompt_ids)
+    ids = np.asarray(prompt_ids, np.int64)[None]
+    pos = np.arange(n, dtype=np.int64)[None]
+    caches = [KVCache.for_engine(e, n + tree.size) for e in (ref, eng)]
+    outs = [e.step(ids, pos, causal_mask(n), 1.0, c.past()) for e, c in zip((ref, eng), caches)]
+    for c, o in zip(caches, outs):
+        c.keep(o.new_kv, np.arange(n))
+    b = tree.buffers()
+    # Same candidate tokens on both sides: the reference's argmax chain padded with its top-k.
+    tokens = outs[0].topk_ids[-1][np.arange(tree.size) % outs[0].topk_ids.shape[1]].astype(np.int64)
+    tpos = (n + b.depth)[None]
+    outs2 = [e.step(tokens[None], tpos, b.attention_mask, 1.0, c.past()) for e, c in zip((ref, eng), caches)]
+    lp = max(_max_diff(a.topk_logprobs[:, 0], b_.topk_logprobs[:, 0]) for a, b_ in (outs, outs2))
+    ent = max(_max_diff(a.entropy, b_.entropy) for a, b_ in (outs, outs2))
+    hid = max(_max_diff(a.hidden, b_.hidden) for a, b_ in (outs, outs2))
+    return lp, ent, hid
+
+
+def validate(
+    artifact: Artifact,
+    model: MedusaModel,
+    prompts: list[list[int]],
+    texts: list[str],
+    *,
+    new_tokens: int = 64,
+    eos_token_ids: list[int] = (),
+    engine: OrtEngine | None = None,
+    progress: bool = True,
+) -> ValidationReport:
+    """Validate the artifact's ONNX Runtime graphs against the PyTorch reference.
+
+    Args:
+        artifact: the artifact (its tree is used).
+        model: the fp32 PyTorch reference.
+        prompts: token ids per prompt (chat template applied).
+        texts: the prompts' text (for the report).
+        new_tokens: greedy tokens compared per prompt.
+        eos_token_ids: generation stops at these (both sides).
+        engine: an ONNX Runtime engine over the artifact (created when None).
+        progress: show a progress bar.
+    """
+    from tqdm.auto import tqdm
+
+    precision = artifact.manifest["precision"]["name"]
+    ref = TorchEngine(model, artifact.manifest["step_topk"])
+    eng = engine or OrtEngine(artifact)
+    report = ValidationReport(precision, new_tokens)
+    cap = artifact.model["max_context"]
+    for ids, text in tqdm(list(zip(prompts, texts)), desc="validating (ONNX Runtime vs PyTorch)",
+                          disable=not progress, unit="prompt"):
+        lp, ent, hid = compare_steps(ref, eng, ids, artifact)
+        kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
+        r = generate(ref, ids, artifact.tree, **kw)
+        a = generate(eng, ids, artifact.tree, **kw)
+        rep = PromptReport(text, len(r.tokens), r.tokens == a.tokens, lp, ent, hid)
+        if not rep.identical:
+            i = next((j for j, (x, y) in enumerate(zip(r.tokens, a.tokens)) if x != y), min(len(r.tokens), len(a.tokens)))
+            rep.first_divergence = i
+            rep.reference_token = r.tokens[i] if i < len(r.tokens) else None
+            rep.artifact_token = a.tokens[i] if i < len(a.tokens) else None
+            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + r.step_tokens), i, side="right"))
+            seq = list(ids) + r.tokens[:i]
+            out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
+                           causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
+            rep.reference_margin = float(out.topk_logprobs[-1, 0] - out.topk_logprobs[-1, 1])
+            tol = TOLERANCES[precision]
+            rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
+            rep.agreement = i / max(1, len(r.tokens))
+        report.prompts.append(rep)
+    return report

@@ -1,0 +1,106 @@
+"""Reading an artifact directory: the manifest, its files and checksums, the tree.
+
+The artifact is the contract between the exporter and everything downstream; this
+module reads it without importing the exporter (numpy + json only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ArtifactError, MedusaError
+from .tree import Tree, tree_from_json
+
+ARTIFACT_FORMAT = "medusa-export-artifact"
+ARTIFACT_VERSION = 1
+MANIFEST = "manifest.json"
+#: Files larger than this are checked by size only unless a full verification is asked for.
+QUICK_HASH_LIMIT = 64 << 20
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A loaded artifact.
+
+    Attributes:
+        path: the directory.
+        manifest: the parsed manifest.json.
+        tree: the tree the artifact was built for.
+    """
+
+    path: Path
+    manifest: dict
+    tree: Tree
+
+    def file(self, key: str) -> Path:
+        """Absolute path of a file named in manifest["files"][key]."""
+        return self.path / self.manifest["files"][key]
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+
+def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
+    """Open and check an artifact directory.
+
+    Checks: manifest present and valid JSON, format and version, every file in the
+    checksum table present with the recorded size, SHA-256 of every file (of files up to
+    :data:`QUICK_HASH_LIMIT` only, unless ``full_verify``), and the tree consistent with
+    the manifest (node count, depth <= heads).
+
+    Raises:
+        ArtifactError: anything missing, edited or inconsistent; the message names the file/key.
+    """
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        raise ArtifactError(f"artifact directory {path} does not exist")
+    if not mpath.is_file():
+        raise ArtifactError(f"{path} is not an artifact: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{mpath} is not valid JSON: {exc}") from None
+    if manifest.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"{mpath}: format is {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
+    if manifest.get("format_version") != ARTIFACT_VERSION:
+        raise ArtifactError(
+            f"{mpath}: format_version {manifest.get('format_version')!r} is not supported "
+            f"(this runtime reads version {ARTIFACT_VERSION})"
+        )
+    for key in ("files", "checksums", "model", "tree", "graphs"):
+        if key not in manifest:
+            raise ArtifactError(f"{mpath}: missing key {key!r}")
+    for rel, rec in manifest["checksums"].items():
+        f = path / rel
+        if not f.is_file():
+            raise ArtifactError(f"artifact file {rel} is missing from {path}")
+        size = f.stat().st_size
+        if size != rec["bytes"]:
+            raise ArtifactError(f"artifact file {rel} has {size} bytes, the manifest records {rec['bytes']}")
+        if (full_verify or size <= QUICK_HASH_LIMIT) and sha256_file(f) != rec["sha256"]:
+            raise ArtifactError(f"artifact file {rel} fails its SHA-256 check: it was changed after the build")
+    for key, rel in manifest["files"].items():
+        if rel not in manifest["checksums"]:
+            raise ArtifactError(f"{mpath}: file {key}={rel} has no checksum")
+    try:
+        tree_data = json.loads((path / manifest["files"]["tree"]).read_text())
+        tree = tree_from_json(tree_data, num_heads=manifest["model"]["medusa_heads"])
+    except (MedusaError, KeyError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: bad tree: {exc}") from None
+    if tree.size != manifest["tree"]["size"]:
+        raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest['tree']['size']}")
+    return Artifact(path, manifest, tree)
