@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny generated models, the embedded model, and ONE exported artifact.
+
+Expensive things are session-scoped: the embedded SmolLM2 model is loaded once and its
+artifact is exported once (tree of 16 nodes, fp32) and shared by every test that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+MT_BENCH = SHARED / "data" / "eval" / "mt_bench" / "question.jsonl"
+SMOLLM_TREE = "16"
+
+
+def mt_bench_prompts(n: int = 5) -> list[str]:
+    """First-turn MT-Bench questions (evaluation only; never trained on)."""
+    lines = MT_BENCH.read_text().splitlines()[:n]
+    return [json.loads(line)["turns"][0] for line in lines]
+
+
+def make_tiny_tokenizer(vocab_limit: int = 300):
+    """A real byte-level BPE tokenizer (transformers fast tokenizer) trained in-process on a
+    few sentences, with a ChatML-like chat template. Its ids stay below ``vocab_limit``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_limit, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = mt_bench_prompts(20) + [line for line in (SHARED / "data" / "README.md").read_text().splitlines() if line]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    return fast
+
+
+def make_tiny_medusa(*, vocab=1001, hidden=64, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=0,
+                     own_projection=False, head_noise=0.0, tie=False, intermediate=None):
+    """(hf_model, MedusaModel) with random weights; the MedusaModel shares the HF weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from medusa_export.loading import backbone_from_hf_model
+    from medusa_export.model import MedusaModel
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, tie_word_embeddings=tie)
+    hf = LlamaForCausalLM(cfg).eval()
+    model = MedusaModel.with_initial_heads(backbone_from_hf_model(hf), medusa_heads, own_projection=own_projection)
+    if head_noise:
+        with torch.no_grad():
+            for p in model.heads.parameters():
+                p.add_(torch.randn_like(p) * head_noise)
+    return hf, model.eval()
+
+
+def tiny_loaded(model, *, name="tiny", tree="16", max_context=512):
+    """Wrap a tiny MedusaModel as a registry LoadedMedusa with the tiny tokenizer."""
+    from medusa_export.registry import LoadedMedusa
+
+    tok = make_tiny_tokenizer()
+    return LoadedMedusa(model=model, tokenizer=tok, eos_token_ids=[tok.eos_token_id], chat_template=tok.chat_template,
+                        name=name, backbone_source="random (test)", heads_source="random (test)",
+                        default_tree=tree, max_context=max_context)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2-135M model with its registered heads (loaded once)."""
+    from medusa_export.registry import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm_artifact(smollm, tmp_path_factory):
+    """ONE fp32 artifact of the embedded model (16-node tree), exported once per session.
+
+    Built without build's own validation: the parity tests validate it explicitly.
+    """
+    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_runtime.tree import tree_from_spec
+
+    tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
+                          accuracies=getattr(smollm, "head_accuracies", None))
+    out = tmp_path_factory.mktemp("artifacts") / "smollm2-135m"
+    return build_artifact(smollm, tree, out, BuildConfig(max_context=1024, validate=False), progress=False)
