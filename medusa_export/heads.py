@@ -88,13 +88,16 @@ class MedusaHeads(nn.Module):
         self._shared = [lm_head]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> logits [K, ..., V]."""
-        lm_head = self._shared[0]
-        outs = []
-        for head in self.heads:
-            y = head(hidden)
-            outs.append(y if self.config.own_projection else lm_head(y))
-        return torch.stack(outs)
+        """hidden [..., d] -> logits [K, ..., V].
+
+        With the shared lm_head, the K heads' states are stacked and projected by one
+        matmul ([K, ..., d] @ [d, V]): the [V, d] weight is read once per call instead of
+        K times (on a CPU the heads graph of the embedded model took ~half a T=1 step
+        with K separate projections).
+        """
+        if self.config.own_projection:
+            return torch.stack([head(hidden) for head in self.heads])
+        return self._shared[0](torch.stack([head(hidden) for head in self.heads]))
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors in the FasterDecoding key layout (``heads.`` prefix removed)."""
