@@ -11,13 +11,11 @@ import sys
 import time
 
 from medusa_runtime.acceptance import TypicalConfig
+from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
 from medusa_runtime.errors import MedusaError
 
 from .build import PRECISIONS, BuildConfig
 from .registry import DEFAULT_MODEL, load_registry
-
-_TYPICAL = TypicalConfig()
-
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(load_registry()))
@@ -31,17 +29,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="allow transformers to run code shipped with the checkpoint (off by default)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum new tokens (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy acceptance (lossless, default); > 0 = typical acceptance at this temperature")
-    p.add_argument("--posterior-threshold", type=float, default=_TYPICAL.posterior_threshold,
-                   help=f"typical acceptance epsilon (default: {_TYPICAL.posterior_threshold})")
-    p.add_argument("--posterior-alpha", type=float, default=_TYPICAL.posterior_alpha,
-                   help=f"typical acceptance delta (default: {_TYPICAL.posterior_alpha})")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling under typical acceptance (default: 0)")
-
-
 def _typical(args) -> TypicalConfig | None:
     if args.temperature <= 0:
         return None
@@ -49,7 +36,13 @@ def _typical(args) -> TypicalConfig | None:
 
 
 def cmd_generate(args) -> int:
-    """Reference PyTorch Medusa generation for one prompt, streamed to stdout."""
+    """One prompt, streamed to stdout: the runtime over ``--artifact``, else the PyTorch reference."""
+    if args.artifact:
+        from medusa_runtime.cli import run_generate
+
+        return run_generate(args)
+    if args.stop:
+        raise MedusaError("--stop needs --artifact (the runtime); the PyTorch reference stops at EOS and length only")
     from medusa_runtime.tree import tree_from_spec
 
     from .chat import apply_chat_template, TextStreamer
@@ -60,7 +53,7 @@ def cmd_generate(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
-    tree = tree_from_spec(args.tree or lm.default_tree, num_heads=lm.model.num_heads)
+    tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads)
     if args.raw:
         prompt_ids = lm.tokenizer.encode(args.prompt)
     else:
@@ -82,6 +75,13 @@ def cmd_generate(args) -> int:
         print("[note: these Medusa heads are untrained (initialised as in the Medusa paper §2.1.1, they "
               "repeat the base model's next-token guess), so few candidates are accepted]", file=sys.stderr)
     return 0
+
+
+def cmd_chat(args) -> int:
+    """Interactive multi-turn chat over an artifact (the runtime)."""
+    from medusa_runtime.cli import run_chat
+
+    return run_chat(args)
 
 
 def cmd_build(args) -> int:
@@ -165,17 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("generate", help="generate a reply with the PyTorch reference Medusa loop",
+    p = sub.add_parser("generate", help="generate a reply (an artifact with the runtime, or the PyTorch reference)",
                        description="Apply the chat template to --prompt, decode with Medusa (greedy by default) "
-                                   "and print the reply and the mean accepted tokens per step.")
+                                   "and print the reply, the mean accepted tokens per step and tokens/s. With "
+                                   "--artifact the torch-free runtime runs the artifact (--model is not needed); "
+                                   "otherwise the PyTorch reference loop runs --model.")
     _add_model_args(p)
+    add_runtime_args(p, artifact_required=False)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--tree", help="node budget (e.g. 64), preset (root, chain) or JSON file of medusa_choices "
-                                  "(default: the model's registered tree)")
-    p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the model's)")
+                                  "(default: the model's registered tree, or the artifact's)")
+    p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the model's or the artifact's)")
     p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
-    _add_sampling_args(p)
+    add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat with an artifact (streaming)",
+                       description="Chat with an artifact through the torch-free runtime: the chat template over "
+                                   "the whole conversation, the KV cache reused across turns, tokens streamed as "
+                                   "they are accepted; tokens per step and tokens/s after each reply. "
+                                   "/reset starts a new conversation, /exit or Ctrl-D quits.")
+    add_chat_args(p)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
                        description="Trace backbone + heads to ONNX (backbone step graph for prefill and tree "
@@ -222,15 +233,7 @@ def cmd_models(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except MedusaError as exc:
-        print(f"medusa-export: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("medusa-export: interrupted", file=sys.stderr)
-        return 130
+    return run_command(build_parser().parse_args(argv), "medusa-export")
 
 
 if __name__ == "__main__":

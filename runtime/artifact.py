@@ -103,4 +103,39 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
         raise ArtifactError(f"{path}: bad tree: {exc}") from None
     if tree.size != manifest["tree"]["size"]:
         raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest['tree']['size']}")
+    check_model_vs_graphs(manifest, mpath, tree)
     return Artifact(path, manifest, tree)
+
+
+def _dims(spec: dict, name: str) -> list | None:
+    return next((t["shape"] for t in spec if t["name"] == name), None)
+
+
+def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
+    """The manifest's model geometry must agree with its own graph I/O lists.
+
+    Checks: one key and one value input per layer, KV shape [1, P, H_kv, D], the heads
+    graph's [R, K, topk] output against the Medusa head count and the tree's topk.
+
+    Raises:
+        ArtifactError: a disagreement (an edited manifest); the message names both values.
+    """
+    try:
+        m = manifest["model"]
+        step = manifest["graphs"]["model"]["inputs"]
+        heads_out = manifest["graphs"]["heads"]["outputs"]
+        layers, kv_heads, head_dim, heads = m["num_layers"], m["num_kv_heads"], m["head_dim"], m["medusa_heads"]
+    except (KeyError, TypeError) as exc:
+        raise ArtifactError(f"{mpath}: incomplete model or graphs section (missing {exc})") from None
+    past = [t["name"] for t in step if t["name"].startswith("past_key_values.")]
+    if len(past) != 2 * layers:
+        raise ArtifactError(f"{mpath}: model.num_layers is {layers} but the step graph has {len(past)} "
+                            f"past_key_values inputs (expected {2 * layers})")
+    kv = _dims(step, "past_key_values.0.key") or []
+    if kv[2:] != [kv_heads, head_dim]:
+        raise ArtifactError(f"{mpath}: the KV inputs are {kv} but the model section says "
+                            f"{kv_heads} KV heads of dimension {head_dim}")
+    topk_ids = _dims(heads_out, "medusa_topk_ids") or []
+    if topk_ids[1:] != [heads, tree.topk]:
+        raise ArtifactError(f"{mpath}: the heads graph outputs {topk_ids} but the manifest has {heads} Medusa heads "
+                            f"and the tree uses top-{tree.topk}")

@@ -19,3 +19,11 @@ class ArtifactError(MedusaError):
 
 class ContextOverflowError(MedusaError, ValueError):
     """A prompt does not fit the context the engine was built for."""
+
+
+class ChatTemplateError(MedusaError, ValueError):
+    """The chat template is missing, does not compile, or rejects the messages."""
+
+
+class BackendUnavailableError(MedusaError):
+    """An engine backend cannot run here (package, provider or GPU missing); the message says what is needed."""

@@ -49,21 +49,65 @@ class Engine(Protocol):
         """Run S tokens (input_ids/position_ids int64 [1, S], mask bool [S, S]) after the past views."""
 
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
-        """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens."""
+        """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens.
+
+        ``hidden`` is a row slice of a step's ``StepResult.hidden`` (whatever type the
+        engine returned there, e.g. a device buffer).
+        """
+
+    # Optional: ``make_cache(capacity) -> cache`` for engines that keep the KV cache in
+    # their own memory (a GPU). The cache must offer what :class:`KVCache` offers
+    # (a :class:`CacheState` with past() and keep()); ``step`` then receives its
+    # ``past()`` and may write the new K/V into the cache itself (``new_kv`` ignored).
 
 
-class KVCache:
-    """Per-layer K and V buffers [1, capacity, H_kv, D], reused across steps."""
+class CacheState:
+    """What every KV cache tracks besides its buffers (base of :class:`KVCache` and the device caches).
+
+    Attributes:
+        capacity: slots (tokens).
+        length: valid slots (the past length P).
+        tokens: the token id whose K/V is in each valid slot (len == length; -1 if unknown),
+            so that a later prompt sharing a prefix can reuse the cache (multi-turn chat).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.length = 0
+        self.tokens: list[int] = []
+
+    def _advance(self, accepted: np.ndarray, token_ids: Sequence[int] | None) -> None:
+        """Count ``len(accepted)`` newly kept slots and record their tokens."""
+        self.length += len(accepted)
+        self.tokens.extend([int(t) for t in token_ids] if token_ids is not None else [-1] * len(accepted))
+
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` slots (no copy; later steps overwrite the rest).
+
+        Raises:
+            ValueError: ``length`` is negative or beyond the valid length.
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+        del self.tokens[length:]
+
+
+class KVCache(CacheState):
+    """Per-layer K and V numpy buffers [1, capacity, H_kv, D], reused across steps."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
+        super().__init__(capacity)
         shape = (1, capacity, num_kv_heads, head_dim)
         self.keys = [np.zeros(shape, dtype) for _ in range(num_layers)]
         self.values = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.capacity = capacity
-        self.length = 0
 
     @classmethod
-    def for_engine(cls, engine: Engine, capacity: int) -> "KVCache":
+    def for_engine(cls, engine: Engine, capacity: int):
+        """The engine's own cache type when it has one (``make_cache``), else a numpy :class:`KVCache`."""
+        make = getattr(engine, "make_cache", None)
+        if make is not None:
+            return make(capacity)
         return cls(engine.num_layers, engine.num_kv_heads, engine.head_dim, capacity, engine.kv_dtype)
 
     def past(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -71,12 +115,18 @@ class KVCache:
         n = self.length
         return [(k[:, :n], v[:, :n]) for k, v in zip(self.keys, self.values)]
 
-    def keep(self, new_kv, accepted: np.ndarray) -> None:
-        """Copy the accepted nodes' K/V (root first) into the next slots (KV compaction)."""
+    def keep(self, new_kv, accepted: np.ndarray, token_ids: Sequence[int] | None = None) -> None:
+        """Copy the accepted nodes' K/V (root first) into the next slots (KV compaction).
+
+        Args:
+            new_kv: per layer (key, value) [1, S, H_kv, D], the step's K/V.
+            accepted: int [n] node indices, root first.
+            token_ids: the n accepted tokens (recorded in :attr:`tokens`); -1 when unknown.
+        """
         for ck, cv, (k, v) in zip(self.keys, self.values, new_kv):
             write_accepted(ck, np.asarray(k), self.length, accepted)
             write_accepted(cv, np.asarray(v), self.length, accepted)
-        self.length += len(accepted)
+        self._advance(accepted, token_ids)
 
 
 @dataclass
@@ -179,9 +229,9 @@ def generate(
         result.engine_seconds += time.perf_counter() - t
         return out
 
-    def heads_topk(hidden_row: np.ndarray) -> np.ndarray:
+    def heads_topk(hidden_row) -> np.ndarray:  # hidden_row: a [1, d] slice of StepResult.hidden
         t = time.perf_counter()
-        out = engine.heads(hidden_row[None], tree.topk)[0]
+        out = engine.heads(hidden_row, tree.topk)[0]
         result.engine_seconds += time.perf_counter() - t
         return out
 
@@ -206,11 +256,11 @@ def generate(
     n = int(prompt.size)
     out = run(prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n))
     result.prefill_seconds = result.engine_seconds
-    cache.keep(out.new_kv, np.arange(n))
+    cache.keep(out.new_kv, np.arange(n), prompt)
     root = int(out.topk_ids[-1, 0]) if typical is None else sample_topk(out.topk_ids[-1], out.topk_logprobs[-1], rng)
     if emit([root]):
         return finish()
-    heads = heads_topk(out.hidden[-1]) if tree.size > 1 else None
+    heads = heads_topk(out.hidden[n - 1 : n]) if tree.size > 1 else None
     while True:
         step_tree = tree if fits(cache.length, tree.size, cache.capacity) else root_tree
         if not fits(cache.length, step_tree.size, cache.capacity):
@@ -224,7 +274,7 @@ def generate(
         else:
             acc = accept_typical(step_tree, tokens, out.token_logprobs, out.entropy, out.topk_ids,
                                  out.topk_logprobs, typical, rng)
-        cache.keep(out.new_kv, acc.accepted)
+        cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
         step_tokens = [int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token]
         result.step_tokens.append(len(step_tokens))
         result.accept_depths.append(acc.accept_length)
@@ -232,4 +282,5 @@ def generate(
             return finish()
         root = acc.next_token
         if tree.size > 1:
-            heads = heads_topk(out.hidden[int(acc.accepted[-1])])
+            last = int(acc.accepted[-1])
+            heads = heads_topk(out.hidden[last : last + 1])

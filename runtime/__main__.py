@@ -1,0 +1,7 @@
+"""``python -m medusa_runtime generate|chat --artifact DIR`` (torch-free)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,164 @@
+"""Command line of the runtime (torch-free): ``python -m medusa_runtime generate|chat --artifact DIR``.
+
+``medusa-export generate --artifact DIR`` and ``medusa-export chat --artifact DIR`` use the
+same functions; this entry point exists for machines where only the runtime's
+dependencies (numpy, onnxruntime, tokenizers, jinja2) are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from .acceptance import TypicalConfig
+from .engines import BACKENDS, DEFAULT_BACKEND
+from .errors import ContextOverflowError, MedusaError
+
+_TYPICAL = TypicalConfig()
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """--max-new-tokens, --temperature, typical acceptance's epsilon/delta and --seed."""
+    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum new tokens (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy acceptance (lossless, default); > 0 = typical acceptance at this temperature")
+    p.add_argument("--posterior-threshold", type=float, default=_TYPICAL.posterior_threshold,
+                   help=f"typical acceptance epsilon (default: {_TYPICAL.posterior_threshold})")
+    p.add_argument("--posterior-alpha", type=float, default=_TYPICAL.posterior_alpha,
+                   help=f"typical acceptance delta (default: {_TYPICAL.posterior_alpha})")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling under typical acceptance (default: 0)")
+
+
+def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> None:
+    """--artifact, --backend, --threads, --stop, --vanilla (the runtime's own options)."""
+    p.add_argument("--artifact", required=artifact_required, metavar="DIR",
+                   help="run an artifact (medusa-export build output) with the torch-free runtime")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default=DEFAULT_BACKEND,
+                   help=f"engine backend for --artifact (default: {DEFAULT_BACKEND})")
+    p.add_argument("--threads", type=int, help="CPU threads for --artifact (default: ONNX Runtime's choice)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); the reply is cut where it starts")
+    p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
+
+
+def _session(args):
+    from .session import MedusaSession
+
+    return MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
+                         max_context=getattr(args, "max_context", None), tree=getattr(args, "tree", None))
+
+
+def _gen_kwargs(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
+                seed=args.seed, stop=args.stop, vanilla=args.vanilla)
+
+
+def summary(c, mode: str) -> str:
+    """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason."""
+    r = c.result
+    host = r.host_seconds / c.seconds if c.seconds else 0.0
+    reused = f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn" if c.reused_tokens else ""
+    return (f"[{len(c.token_ids)} tokens in {r.steps + 1} forward passes (prefill + {r.steps} steps); "
+            f"{c.tokens_per_step:.2f} tokens/step; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
+            f"{100 * host:.1f}%); finish: {c.finish_reason}{reused}]")
+
+
+def _mode(session, args) -> str:
+    tree = session.vanilla_tree if args.vanilla else session.tree
+    return f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} nodes"
+
+
+def run_generate(args, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """``generate --artifact``: one prompt, streamed to ``out``; the summary to ``err``."""
+    session = _session(args)
+    if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
+        print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
+              "guess), so few candidates are accepted]", file=err)
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    c = session.generate(args.prompt, raw=getattr(args, "raw", False), stream=write, **_gen_kwargs(args))
+    out.write("\n")
+    print(summary(c, _mode(session, args)), file=err)
+    return 0
+
+
+def run_chat(args, inp: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """``chat --artifact``: read user turns from ``inp`` until EOF or /exit; /reset starts over."""
+    session = _session(args)
+    session.reset(args.system)
+    interactive = inp.isatty()
+    print(f"chat with {session.artifact.model['name']} ({_mode(session, args)}); /reset starts over, "
+          "/exit or Ctrl-D quits", file=err)
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    while True:
+        if interactive:
+            err.write("\n> ")
+            err.flush()
+        line = inp.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        message = line.rstrip("\n")
+        if message.strip() == "/reset":
+            session.reset(args.system)
+            print("[new conversation]", file=err)
+            continue
+        if not message.strip():
+            continue
+        try:
+            c = session.chat(message, stream=write, **_gen_kwargs(args))
+        except ContextOverflowError as exc:
+            print(f"[{exc}; the conversation is full: /reset to start a new one]", file=err)
+            continue
+        out.write("\n")
+        out.flush()
+        print(summary(c, _mode(session, args)), file=err)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m medusa_runtime",
+                                     description="Run a medusa-export artifact without torch or transformers.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("generate", help="generate a reply to one prompt")
+    add_runtime_args(p, artifact_required=True)
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
+    p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the artifact's)")
+    add_sampling_args(p)
+    p.set_defaults(func=run_generate)
+    p = sub.add_parser("chat", help="interactive multi-turn chat (streaming)")
+    add_chat_args(p)
+    p.set_defaults(func=run_chat)
+    return parser
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """Everything ``chat`` takes."""
+    add_runtime_args(p, artifact_required=True)
+    p.add_argument("--system", help="system message (default: the chat template's own)")
+    p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the artifact's)")
+    add_sampling_args(p)
+
+
+def run_command(args, prog: str) -> int:
+    """Run ``args.func(args)``; a :class:`MedusaError` becomes a one-line message and exit code 2."""
+    try:
+        return args.func(args)
+    except MedusaError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv), "medusa_runtime")

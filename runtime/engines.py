@@ -1,0 +1,81 @@
+"""Engine backends by name: one registry, one small interface (:class:`medusa_runtime.loop.Engine`).
+
+========================  ==========================================================  =========
+name                      what                                                        status
+========================  ==========================================================  =========
+``onnxruntime``           ONNX Runtime, CPU provider (:class:`~.ort_engine.OrtEngine`)  tested
+``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device    unexecuted here
+                          (:class:`~.ort_cuda.OrtCudaEngine`)
+``tensorrt``              TensorRT plans of the artifact: ``medusa_runtime.trt_engine``  hook
+                          ``.TrtEngine(artifact, **options)`` (the TensorRT issue)
+========================  ==========================================================  =========
+
+A factory takes the loaded :class:`~.artifact.Artifact` and keyword options (``threads``,
+``device_id``; each factory ignores what it does not use) and returns an engine. Other
+backends plug in with :func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from .artifact import Artifact
+from .errors import BackendUnavailableError, MedusaError
+
+DEFAULT_BACKEND = "onnxruntime"
+
+
+def _onnxruntime(artifact: Artifact, *, threads: int | None = None, **_):
+    from .ort_engine import OrtEngine
+
+    return OrtEngine(artifact, threads=threads)
+
+
+def _onnxruntime_cuda(artifact: Artifact, *, threads: int | None = None, device_id: int = 0, **_):
+    from .ort_cuda import OrtCudaEngine
+
+    return OrtCudaEngine(artifact, device_id=device_id, threads=threads)
+
+
+def _tensorrt(artifact: Artifact, **options):
+    try:
+        importlib.import_module("tensorrt")
+    except ImportError:
+        raise BackendUnavailableError("the tensorrt backend needs TensorRT's Python package (`import tensorrt` "
+                                      "failed); build and run the engines on a machine with TensorRT") from None
+    try:
+        module = importlib.import_module(".trt_engine", __package__)
+    except ModuleNotFoundError:
+        raise BackendUnavailableError("this version of medusa_runtime has no TensorRT engine "
+                                      "(medusa_runtime.trt_engine is missing)") from None
+    return module.TrtEngine(artifact, **options)
+
+
+BACKENDS: dict[str, Callable] = {
+    "onnxruntime": _onnxruntime,
+    "onnxruntime-cuda": _onnxruntime_cuda,
+    "tensorrt": _tensorrt,
+}
+
+
+def register_backend(name: str, factory: Callable) -> None:
+    """Add (or replace) a backend: ``factory(artifact, **options) -> Engine``."""
+    BACKENDS[name] = factory
+
+
+def create_engine(artifact: Artifact, backend: str = DEFAULT_BACKEND, **options):
+    """An engine for ``artifact`` on ``backend``.
+
+    Args:
+        artifact: the loaded artifact.
+        backend: a name in :data:`BACKENDS`.
+        **options: ``threads`` (CPU intra-op threads), ``device_id`` (GPU).
+
+    Raises:
+        MedusaError: unknown backend name (the message lists the known ones).
+        BackendUnavailableError: the backend cannot run on this machine.
+    """
+    if backend not in BACKENDS:
+        raise MedusaError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[backend](artifact, **options)

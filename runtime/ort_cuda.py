@@ -1,0 +1,203 @@
+"""ONNX Runtime on a GPU: CUDA execution provider with I/O binding, KV cache on the device.
+
+NOT EXECUTED in this project's CI or development machines (CPU only, and onnxruntime
+without the CUDA provider): written against ONNX Runtime's documented Python I/O-binding
+API (``InferenceSession.io_binding``, ``IOBinding.bind_input/bind_output/bind_cpu_input``,
+``OrtValue.ortvalue_from_shape_and_type``) and the CUDA runtime's ``cudaMemcpy2D``.
+Construction fails with :class:`BackendUnavailableError` where the provider is missing.
+
+Layout: one device buffer per K and V, ``[L, capacity, H_kv, D]``. Layer ``l``'s valid
+past ``[1, P, H_kv, D]`` is the contiguous block at slot 0 of layer ``l``, bound as the
+``past_key_values.{l}.*`` input without a copy; the step's ``new_key_values.{l}.*`` output
+is bound to slots ``[P, P + S)`` of the same layer, so the step writes its K/V straight
+into the cache. KV compaction then only moves the accepted nodes that are not already in
+place (node ``accepted[i]`` -> slot ``P + i``): one strided ``cudaMemcpy2D`` per moved node
+covers every layer. The acceptance outputs (top-k, log-probs, entropy; a few KB) are
+copied to the host; the hidden states stay on the device and the heads graph reads the
+accepted row from there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from .artifact import Artifact
+from .errors import BackendUnavailableError
+from .loop import CacheState, StepResult
+from .ort_engine import KV_DTYPES, check_graph_io, session_options
+
+_HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+def _load_cudart() -> ctypes.CDLL:
+    """The CUDA runtime library (the one onnxruntime-gpu loads), for device-to-device copies."""
+    names = ["libcudart.so.12", "libcudart.so.11.0", "libcudart.so"]
+    try:
+        import nvidia.cuda_runtime  # pip wheel that onnxruntime-gpu depends on
+
+        names += glob.glob(os.path.join(list(nvidia.cuda_runtime.__path__)[0], "lib", "libcudart.so*"))
+    except ImportError:
+        pass
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.cudaMemcpy2D.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+        return lib
+    raise BackendUnavailableError("the CUDA runtime library (libcudart) was not found; install onnxruntime-gpu "
+                                  "with its CUDA 12 dependencies")
+
+
+class DeviceRows(NamedTuple):
+    """A [1, S, d] device tensor (the step's hidden states); ``rows[a:b]`` is a [b-a, d] view."""
+
+    value: object  # onnxruntime.OrtValue, kept alive here
+    rows: int
+    width: int
+    itemsize: int
+
+    def __getitem__(self, index: slice) -> "DeviceSlice":
+        start, stop, _ = index.indices(self.rows)
+        return DeviceSlice(self, self.value.data_ptr() + start * self.width * self.itemsize, (stop - start, self.width))
+
+
+class DeviceSlice(NamedTuple):
+    owner: DeviceRows  # keeps the OrtValue alive
+    ptr: int
+    shape: tuple[int, int]
+
+
+class DevicePast(NamedTuple):
+    """What :meth:`DeviceKVCache.past` hands to the engine: the cache and its valid length."""
+
+    cache: "DeviceKVCache"
+    length: int
+
+
+class DeviceKVCache(CacheState):
+    """The KV cache in device memory; same interface as :class:`medusa_runtime.loop.KVCache`.
+
+    Args:
+        engine: the engine whose geometry (layers, heads, dtype, device) the cache follows.
+        capacity: slots (tokens).
+    """
+
+    def __init__(self, engine: "OrtCudaEngine", capacity: int):
+        import onnxruntime as ort
+
+        super().__init__(capacity)
+        shape = [engine.num_layers, capacity, engine.num_kv_heads, engine.head_dim]
+        dtype = engine.kv_dtype.type
+        self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", engine.device_id)
+        self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", engine.device_id)
+        self.num_layers = engine.num_layers
+        self.row_bytes = engine.num_kv_heads * engine.head_dim * engine.kv_dtype.itemsize
+        self.layer_bytes = capacity * self.row_bytes
+        self._cudart = engine.cudart
+
+    def ptr(self, which: str, layer: int, slot: int) -> int:
+        """Device address of ``which`` ("key"/"value") at (layer, slot)."""
+        base = (self.keys if which == "key" else self.values).data_ptr()
+        return base + layer * self.layer_bytes + slot * self.row_bytes
+
+    def past(self) -> DevicePast:
+        return DevicePast(self, self.length)
+
+    def keep(self, new_kv, accepted: np.ndarray, token_ids=None) -> None:
+        """Compact: the step wrote node j's K/V to slot length + j; move accepted[i] to length + i."""
+        from .kvcache import compaction_slots
+
+        compaction_slots(self.length, accepted, self.capacity)  # raises when it would not fit
+        moved = False
+        for i, node in enumerate(int(a) for a in accepted):
+            if node == i:
+                continue  # already in place (always true for a prefill and the root)
+            for buf in (self.keys, self.values):
+                base = buf.data_ptr()
+                dst = base + (self.length + i) * self.row_bytes
+                src = base + (self.length + node) * self.row_bytes
+                err = self._cudart.cudaMemcpy2D(dst, self.layer_bytes, src, self.layer_bytes, self.row_bytes,
+                                                 self.num_layers, _D2D)
+                if err:
+                    raise RuntimeError(f"cudaMemcpy2D failed with CUDA error {err}")
+            moved = True
+        if moved:
+            self._cudart.cudaDeviceSynchronize()
+        self._advance(accepted, token_ids)
+
+
+class OrtCudaEngine:
+    """The artifact's graphs on ONNX Runtime's CUDA provider, with I/O binding.
+
+    Args:
+        artifact: a loaded artifact.
+        device_id: the CUDA device.
+        threads: intra-op threads for the CPU parts.
+
+    Raises:
+        BackendUnavailableError: onnxruntime has no CUDA provider here, or libcudart is missing.
+    """
+
+    def __init__(self, artifact: Artifact, device_id: int = 0, threads: int | None = None):
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise BackendUnavailableError(
+                "onnxruntime has no CUDAExecutionProvider here (available: "
+                f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu on a machine with an NVIDIA GPU"
+            )
+        m = artifact.model
+        self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
+        self.num_heads = m["medusa_heads"]
+        self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest["precision"]["kv_dtype"]])
+        self.hidden_size = m["hidden_size"]
+        self.device_id = device_id
+        self.cudart = _load_cudart()
+        providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+        opts = session_options(threads)
+        self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
+        self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
+        for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
+            check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
+
+    def make_cache(self, capacity: int) -> DeviceKVCache:
+        return DeviceKVCache(self, capacity)
+
+    def step(self, input_ids, position_ids, mask, temperature, past: DevicePast) -> StepResult:
+        cache, p = past
+        s = int(input_ids.shape[1])
+        io = self.step_session.io_binding()
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids))
+        io.bind_cpu_input("new_token_mask", np.ascontiguousarray(mask))
+        io.bind_cpu_input("temperature", np.array([temperature], dtype=np.float32))
+        for name in _HOST_OUTPUTS:
+            io.bind_output(name, "cpu")
+        io.bind_output("hidden_states", "cuda", self.device_id)
+        shape = lambda n: [1, n, self.num_kv_heads, self.head_dim]  # noqa: E731
+        for i in range(self.num_layers):
+            for which in ("key", "value"):
+                io.bind_input(f"past_key_values.{i}.{which}", "cuda", self.device_id, self.kv_dtype.type, shape(p),
+                              cache.ptr(which, i, 0))
+                io.bind_output(f"new_key_values.{i}.{which}", "cuda", self.device_id, self.kv_dtype.type, shape(s),
+                               cache.ptr(which, i, p))
+        self.step_session.run_with_iobinding(io)
+        outs = io.get_outputs()  # in binding order
+        topk_ids, topk_lp, entropy, token_lp = (outs[j].numpy()[0] for j in range(4))
+        hidden = DeviceRows(outs[4], s, self.hidden_size, self.kv_dtype.itemsize)
+        return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, [])
+
+    def heads(self, hidden: DeviceSlice, topk: int) -> np.ndarray:
+        io = self.heads_session.io_binding()
+        io.bind_input("hidden_states", "cuda", self.device_id, self.kv_dtype.type, list(hidden.shape), hidden.ptr)
+        io.bind_output("medusa_topk_ids", "cpu")
+        self.heads_session.run_with_iobinding(io)
+        return io.get_outputs()[0].numpy()
