@@ -95,9 +95,14 @@ class MedusaHeads(nn.Module):
         K times (on a CPU the heads graph of the embedded model took ~half a T=1 step
         with K separate projections).
         """
+        states = torch.stack([head(hidden) for head in self.heads])  # [K, ..., d] (or [K, ..., V])
         if self.config.own_projection:
-            return torch.stack([head(hidden) for head in self.heads])
-        return self._shared[0](torch.stack([head(hidden) for head in self.heads]))
+            return states
+        # A 2-D input keeps the projection a Gemm on the lm_head weight itself, so the
+        # exported graph shares that tensor with the backbone (a 3-D MatMul would store a
+        # transposed copy).
+        logits = self._shared[0](states.reshape(-1, states.shape[-1]))
+        return logits.reshape(*states.shape[:-1], logits.shape[-1])
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors in the FasterDecoding key layout (``heads.`` prefix removed)."""
