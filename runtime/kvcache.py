@@ -55,3 +55,26 @@ def write_accepted(cache: np.ndarray, new: np.ndarray, past_len: int, accepted: 
 def fits(past_len: int, step_tokens: int, capacity: int) -> bool:
     """Whether a step of ``step_tokens`` tree nodes fits after ``past_len`` slots."""
     return past_len + step_tokens <= capacity
+
+
+def in_place_moves(accepted: np.ndarray) -> list[tuple[int, int]]:
+    """Row moves that compact a step's K/V written straight into the cache after the past.
+
+    When the step's output rows are the cache slots ``past_len + j`` (node j), compaction
+    only has to move node ``accepted[i]`` to row ``i`` where they differ. Node indices on a
+    root-to-leaf path increase, so ``accepted[i] >= i`` and moving in order never reads a
+    row an earlier move wrote.
+
+    Args:
+        accepted: int [n] node indices, root first, increasing.
+
+    Returns:
+        (source row, destination row) pairs relative to ``past_len``, in the order to apply.
+
+    Raises:
+        ValueError: the indices do not increase.
+    """
+    acc = [int(a) for a in np.asarray(accepted).reshape(-1)]
+    if any(b <= a for a, b in zip(acc, acc[1:])):
+        raise ValueError(f"accepted node indices must increase along a path, got {acc}")
+    return [(a, i) for i, a in enumerate(acc) if a != i]

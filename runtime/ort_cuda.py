@@ -28,6 +28,7 @@ import numpy as np
 
 from .artifact import Artifact
 from .errors import BackendUnavailableError
+from .kvcache import compaction_slots, in_place_moves
 from .loop import CacheState, StepResult
 from .ort_engine import KV_DTYPES, check_graph_io, session_options
 
@@ -113,23 +114,17 @@ class DeviceKVCache(CacheState):
 
     def keep(self, new_kv, accepted: np.ndarray, token_ids=None) -> None:
         """Compact: the step wrote node j's K/V to slot length + j; move accepted[i] to length + i."""
-        from .kvcache import compaction_slots
-
         compaction_slots(self.length, accepted, self.capacity)  # raises when it would not fit
-        moved = False
-        for i, node in enumerate(int(a) for a in accepted):
-            if node == i:
-                continue  # already in place (always true for a prefill and the root)
+        moves = in_place_moves(accepted)
+        for src, dst in moves:
             for buf in (self.keys, self.values):
                 base = buf.data_ptr()
-                dst = base + (self.length + i) * self.row_bytes
-                src = base + (self.length + node) * self.row_bytes
-                err = self._cudart.cudaMemcpy2D(dst, self.layer_bytes, src, self.layer_bytes, self.row_bytes,
-                                                 self.num_layers, _D2D)
+                err = self._cudart.cudaMemcpy2D(base + (self.length + dst) * self.row_bytes, self.layer_bytes,
+                                                 base + (self.length + src) * self.row_bytes, self.layer_bytes,
+                                                 self.row_bytes, self.num_layers, _D2D)
                 if err:
                     raise RuntimeError(f"cudaMemcpy2D failed with CUDA error {err}")
-            moved = True
-        if moved:
+        if moves:
             self._cudart.cudaDeviceSynchronize()
         self._advance(accepted, token_ids)
 
