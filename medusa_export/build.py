@@ -29,6 +29,7 @@ from .errors import ArtifactError, MedusaError
 from .export import HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights, step_io
 from .model import STEP_TOPK
 from .registry import LoadedMedusa
+from .trt_readiness import check_artifact
 
 PRECISIONS = ("fp32", "fp16", "int8")
 
@@ -196,7 +197,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     max_context = cfg.max_context or lm.max_context
     if tree.size > max_context:
         raise MedusaError(f"the tree ({tree.size} nodes) does not fit --max-context {max_context}")
-    stages = Stages(4 + cfg.validate + (cfg.precision == "int8"), out=sys.stderr if progress else open(os.devnull, "w"))
+    stages = Stages(5 + cfg.validate + (cfg.precision == "int8"), out=sys.stderr if progress else open(os.devnull, "w"))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -226,6 +227,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             files = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
                      "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
             manifest = _manifest(lm, tree, cfg, max_context, tmp, files, winfo, dtype)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
+            manifest["trt_readiness"] = check_artifact(tmp, manifest).to_json()
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if cfg.validate:
             with stages("validating ONNX Runtime against PyTorch"):

@@ -16,6 +16,7 @@ from medusa_runtime.errors import MedusaError
 
 from .build import PRECISIONS, BuildConfig
 from .registry import DEFAULT_MODEL, load_registry
+from .trt.cli import add_build_engine_args, add_trt_commands, after_build, readiness_line
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(load_registry()))
@@ -104,7 +105,7 @@ def cmd_build(args) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts)
     _print_summary(path, time.perf_counter() - t0)
-    return 0
+    return after_build(args, path)
 
 
 def _print_summary(path, seconds: float) -> None:
@@ -128,6 +129,8 @@ def _print_summary(path, seconds: float) -> None:
               f"prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}")
     else:
         print("  validation: skipped")
+    if readiness_line(m):
+        print(readiness_line(m))
 
 
 def cmd_verify(args) -> int:
@@ -205,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")
     p.add_argument("--no-validate", action="store_true", help="skip validation (not recommended)")
+    add_build_engine_args(p)
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("verify", help="check an artifact against the PyTorch reference (for CI)",
@@ -219,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
     p.set_defaults(func=cmd_verify)
+
+    add_trt_commands(sub)
 
     p = sub.add_parser("models", help="list the registered models")
     p.set_defaults(func=cmd_models)

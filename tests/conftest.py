@@ -96,3 +96,17 @@ def smollm_artifact(smollm, tmp_path_factory):
                           accuracies=getattr(smollm, "head_accuracies", None))
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-135m"
     return build_artifact(smollm, tree, out, BuildConfig(max_context=1024, validate=False), progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_trt_artifact(tmp_path_factory):
+    """A tiny exported artifact (2 layers, 16-node tree, max context 256, fp32, real tokenizer),
+    built once per session without validation, for the TensorRT stage's tests (tests/test_trt.py).
+    Tests that change it copy it first."""
+    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_runtime.tree import tree_from_spec
+
+    _, model = make_tiny_medusa()
+    lm = tiny_loaded(model, max_context=256)
+    out = tmp_path_factory.mktemp("trt") / "tiny"
+    return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False), progress=False)

@@ -1,0 +1,111 @@
+"""``medusa-export doctor``: which backends, precisions and devices this machine offers.
+
+Imports every optional piece in a guarded way and reports what it found, never failing:
+ONNX Runtime (version, execution providers, CUDA through them), TensorRT's Python
+package, Polygraphy, cuda-python (CUDA devices), ``trtexec`` and ``nvidia-smi`` on PATH.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Check:
+    """One line of the report: ``name``, whether it is ``ok``, and ``detail``."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class DoctorReport:
+    checks: list[Check] = field(default_factory=list)
+    backends: dict[str, list[str]] = field(default_factory=dict)  # backend -> usable precisions
+    devices: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"checks": [c.__dict__ for c in self.checks], "backends": self.backends, "devices": self.devices}
+
+    def render(self) -> str:
+        w = max(len(c.name) for c in self.checks)
+        lines = [f"{'ok' if c.ok else '--':2s}  {c.name:{w}s}  {c.detail}" for c in self.checks]
+        lines.append("")
+        lines.append("devices:    " + (", ".join(self.devices) or "CPU only"))
+        for b, precs in self.backends.items():
+            lines.append(f"{b + ':':11s} " + (", ".join(precs) if precs else "unavailable"))
+        return "\n".join(lines)
+
+
+def _version(module: str) -> tuple[bool, str]:
+    try:
+        mod = __import__(module, fromlist=["__version__"])
+    except Exception as exc:  # noqa: BLE001 - a broken install raises OSError etc.
+        return False, f"not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return True, getattr(mod, "__version__", "installed")
+
+
+def _cuda_devices() -> tuple[bool, str, list[str]]:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart
+        except ImportError:
+            return False, "cuda-python not installed (pip install cuda-python)", []
+    err, count = cudart.cudaGetDeviceCount()
+    if int(err) != 0:
+        return False, f"cuda-python installed; no CUDA device ({getattr(err, 'name', err)})", []
+    names = []
+    for i in range(count):
+        e, props = cudart.cudaGetDeviceProperties(i)
+        name = props.name if int(e) == 0 else b"?"
+        names.append((name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\x00"))
+    return True, f"{count} CUDA device(s)", names
+
+
+def _nvidia_smi() -> tuple[bool, str]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return False, "not on PATH"
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"failed: {exc}"
+    return out.returncode == 0, (out.stdout.strip().replace("\n", "; ") or out.stderr.strip()[:200])
+
+
+def run_doctor() -> DoctorReport:
+    """Collect the report (a few seconds at most; nothing is built or run on a device)."""
+    r = DoctorReport()
+    ok, ver = _version("onnxruntime")
+    providers: list[str] = []
+    if ok:
+        import onnxruntime
+
+        providers = onnxruntime.get_available_providers()
+        ver = f"{ver}; providers: {', '.join(providers)}"
+    r.checks.append(Check("onnxruntime", ok, ver))
+    ort_cuda = any(p in providers for p in ("CUDAExecutionProvider", "TensorrtExecutionProvider"))
+    r.checks.append(Check("CUDA via onnxruntime", ort_cuda,
+                          "CUDA/TensorRT execution provider present" if ort_cuda
+                          else "CPU build of onnxruntime (onnxruntime-gpu brings the CUDA provider)"))
+    trt_ok, trt_ver = _version("tensorrt")
+    r.checks.append(Check("tensorrt", trt_ok, trt_ver if trt_ok else
+                          f"{trt_ver}; engines cannot be built here: `medusa-export engine` writes trtexec commands"))
+    r.checks.append(Check("polygraphy", *_version("polygraphy")))
+    cuda_ok, cuda_detail, names = _cuda_devices()
+    r.checks.append(Check("cuda-python", cuda_ok, cuda_detail))
+    trtexec = shutil.which("trtexec")
+    r.checks.append(Check("trtexec", bool(trtexec), trtexec or "not on PATH"))
+    r.checks.append(Check("nvidia-smi", *_nvidia_smi()))
+    r.devices = ["CPU"] + [f"cuda:{i} {n}" for i, n in enumerate(names)]
+    if ok:
+        r.backends["onnxruntime"] = ["fp32", "fp16", "int8"] + (["(CUDA)"] if ort_cuda else ["(CPU)"])
+    r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
+    r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
+    return r

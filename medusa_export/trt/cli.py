@@ -1,0 +1,101 @@
+"""Command-line parts of the TensorRT stage: ``engine``, ``doctor`` and ``build --engine trt``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
+
+
+def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}precision", dest="engine_precision", choices=ENGINE_PRECISIONS,
+                   default=EngineConfig.precision,
+                   help=f"engine precision: fp16 (norms and softmax kept fp32), int8 (calibrated on prompts, "
+                        f"fp16 elsewhere) or fp32 (default: {EngineConfig.precision})")
+    p.add_argument("--calibration", help="JSONL prompts for int8 calibration ('prompt', 'turns' or 'messages'; "
+                                         "default: the project's own prompts)")
+    p.add_argument("--calibration-batches", type=int, default=EngineConfig.calibration_batches,
+                   help=f"calibration windows (default: {EngineConfig.calibration_batches})")
+    p.add_argument("--workspace", type=int, dest="workspace_mib", metavar="MIB",
+                   help="builder workspace limit in MiB (default: TensorRT's, all free device memory)")
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(precision=args.engine_precision, calibration=args.calibration,
+                        calibration_batches=args.calibration_batches, workspace_mib=args.workspace_mib)
+
+
+def run_engine(path, args) -> int:
+    """The engine step on ``path``; prints its message, returns its exit code."""
+    from .engine_step import run_engine_step
+
+    outcome = run_engine_step(path, _engine_config(args))
+    print(("" if outcome.code == 0 else "medusa-export engine: ") + outcome.message,
+          file=sys.stdout if outcome.code == 0 else sys.stderr)
+    return outcome.code
+
+
+def cmd_engine(args) -> int:
+    """Build TensorRT engines from an artifact (or write the commands to, where TensorRT is absent)."""
+    return run_engine(args.artifact, args)
+
+
+def cmd_doctor(args) -> int:
+    """Report backends, precisions and devices."""
+    from ..doctor import run_doctor
+
+    report = run_doctor()
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return 0
+
+
+def add_build_engine_args(p: argparse.ArgumentParser) -> None:
+    """``build --engine trt`` (+ the engine options, ``--engine-precision``)."""
+    p.add_argument("--engine", choices=("none", "trt"), default="none",
+                   help="after the artifact is built, also build TensorRT engines (trt); where TensorRT is absent "
+                        f"the trtexec commands are written and build exits {EXIT_NO_TENSORRT}")
+    _add_engine_options(p, prefix="engine-")
+
+
+def after_build(args, path) -> int:
+    """Run the engine step after ``build`` when ``--engine trt`` was given; else 0."""
+    return run_engine(path, args) if args.engine == "trt" else 0
+
+
+def readiness_line(manifest: dict) -> str | None:
+    """The build summary's TensorRT readiness line, from the manifest."""
+    r = manifest.get("trt_readiness")
+    if not r:
+        return None
+    line = f"  TensorRT {r['tensorrt']} readiness: {'PASSED' if r['passed'] else 'FAILED'}"
+    if r["errors"]:
+        line += f" ({len(r['errors'])} error(s); first: {r['errors'][0]})"
+    elif r["warnings"]:
+        line += f" ({len(r['warnings'])} warning(s))"
+    else:
+        ops = sorted({op for g in r["graphs"].values() for op in g["op_types"]})
+        line += f" ({len(ops)} op types, all in the ONNX parser; tree step static but for the past length)"
+    return line
+
+
+def add_trt_commands(sub) -> None:
+    """Add ``engine`` and ``doctor`` to the CLI's sub-commands."""
+    p = sub.add_parser(
+        "engine", help="build TensorRT engines from an artifact (writes trtexec commands where TensorRT is absent)",
+        description="Check the artifact's ONNX for TensorRT (ops, opset, shapes, weight paths), write the equivalent "
+                    "trtexec commands (engines/trtexec.PRECISION.txt) and a build script (engines/build_engine.sh), "
+                    "then, where TensorRT's Python package imports, build the engines with optimization profiles for "
+                    "the prefill, the tree step and decoding, a timing cache and a build record in the manifest.",
+        epilog=f"exit codes: 0 engines built; 2 the ONNX is not ready for TensorRT; {EXIT_NO_TENSORRT} TensorRT is "
+               "not installed here (the commands and build script were written for a GPU machine)")
+    p.add_argument("artifact", help="artifact directory")
+    _add_engine_options(p)
+    p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("doctor", help="report available backends, precisions and devices",
+                       description="Which backends (onnxruntime and its providers, TensorRT, Polygraphy), precisions "
+                                   "and devices (CUDA via cuda-python or onnxruntime, nvidia-smi) this machine has.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)

@@ -1,0 +1,47 @@
+"""Options of ``medusa-export engine``; the CLI reads its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from medusa_runtime.errors import MedusaError
+
+ENGINE_PRECISIONS = ("fp16", "int8", "fp32")
+#: Exit code of ``medusa-export engine`` when TensorRT is not importable (the commands and
+#: build script are written, no engine is built).
+EXIT_NO_TENSORRT = 3
+TIMING_CACHE = "engines/timing.cache"
+CALIBRATION_CACHE = "engines/calibration.cache"
+BUILD_SCRIPT = "engines/build_engine.sh"
+#: ONNX op types whose layers are pinned to float32 when TensorRT may lower precision:
+#: RMSNorm (Pow, ReduceMean, Sqrt, Reciprocal), attention softmax, and the output tail
+#: (LogSoftmax, Exp, ReduceSum for the entropy, TopK over the log-probs).
+FP32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "LogSoftmax", "Exp", "ReduceSum", "TopK")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build the engines.
+
+    Attributes:
+        precision: "fp16" (norms and softmax kept fp32), "int8" (calibrated, fp16 elsewhere)
+            or "fp32".
+        calibration: JSONL prompts for int8 calibration (default: the project's prompts).
+        calibration_batches: calibration windows fed to TensorRT (int8 only).
+        workspace_mib: builder workspace limit in MiB (None: TensorRT's default, all free memory).
+        timing_cache: load and update ``engines/timing.cache``.
+    """
+
+    precision: str = "fp16"
+    calibration: str | None = None
+    calibration_batches: int = 16
+    workspace_mib: int | None = None
+    timing_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in ENGINE_PRECISIONS:
+            raise MedusaError(f"unknown engine precision {self.precision!r}; choose one of {', '.join(ENGINE_PRECISIONS)}")
+        if self.workspace_mib is not None and self.workspace_mib <= 0:
+            raise MedusaError(f"--workspace must be a positive number of MiB, got {self.workspace_mib}")
+        if self.calibration_batches < 1:
+            raise MedusaError(f"--calibration-batches must be >= 1, got {self.calibration_batches}")

@@ -1,0 +1,236 @@
+"""Pure planning for TensorRT: optimization profiles, concrete shapes, KV buffer layout, compaction copies.
+
+Everything here is numpy/json only and tested without TensorRT; ``trt_engine`` (runtime)
+and ``medusa_export.trt`` (engine build, trtexec command) both read their shapes from here,
+so the profiles an engine is built with and the ones the runtime selects are the same.
+
+The manifest's ``graphs.model.profiles`` gives each profile as ranges of the symbolic
+dims, e.g. ``{"tree_step": {"S": [T, T], "P": [0, max_context - T]}}``; the heads graph
+gets one profile over R in [1, T].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import MedusaError
+from .kvcache import compaction_slots
+
+#: Order of the model graph's optimization profiles in an engine (profile index = position).
+PROFILE_ORDER = ("prefill", "tree_step", "decode")
+#: TensorRT requires I/O tensor addresses aligned to this many bytes.
+ALIGN = 256
+#: Folder of an artifact that holds engines, their build records and build commands.
+ENGINE_DIR = "engines"
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "bool": 1}
+
+
+class ShapeOutOfProfileError(MedusaError, ValueError):
+    """No optimization profile of the engine covers a step's sizes; the message lists the profiles."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One optimization profile: symbol -> (min, opt, max), e.g. {"S": (16, 16, 16), "P": (0, 120, 240)}."""
+
+    name: str
+    dims: dict
+
+    def contains(self, sizes: dict[str, int]) -> bool:
+        """Whether every symbol of the profile is given and inside its [min, max]."""
+        return all(s in sizes and lo <= sizes[s] <= hi for s, (lo, _, hi) in self.dims.items())
+
+    def volume(self) -> int:
+        """Number of size combinations the profile admits (smaller = more specific)."""
+        v = 1
+        for lo, _, hi in self.dims.values():
+            v *= hi - lo + 1
+        return v
+
+    def describe(self) -> str:
+        return f"{self.name}(" + ", ".join(f"{s} in [{lo}, {hi}]" for s, (lo, _, hi) in self.dims.items()) + ")"
+
+
+def _opt(lo: int, hi: int) -> int:
+    """The size TensorRT tunes kernels for: the middle of the range (a neutral choice)."""
+    return lo + (hi - lo) // 2
+
+
+def model_profiles(manifest: dict) -> list[Profile]:
+    """The backbone step graph's profiles, in :data:`PROFILE_ORDER`."""
+    spec = manifest["graphs"]["model"]["profiles"]
+    unknown = set(spec) - set(PROFILE_ORDER)
+    if unknown:
+        raise MedusaError(f"manifest lists unknown profiles {sorted(unknown)}; known: {', '.join(PROFILE_ORDER)}")
+    return [Profile(name, {s: (lo, _opt(lo, hi), hi) for s, (lo, hi) in spec[name].items()})
+            for name in PROFILE_ORDER if name in spec]
+
+
+def heads_profiles(manifest: dict) -> list[Profile]:
+    """The heads graph's one profile: R (rows) in [1, tree size], tuned for the loop's R = 1."""
+    return [Profile("heads", {"R": (1, 1, max(1, manifest["tree"]["size"]))})]
+
+
+def graph_profiles(manifest: dict, graph: str) -> list[Profile]:
+    """Profiles of ``graph`` ("model" or "heads")."""
+    return model_profiles(manifest) if graph == "model" else heads_profiles(manifest)
+
+
+def select_profile(profiles: list[Profile], sizes: dict[str, int]) -> int:
+    """Index of the most specific profile containing ``sizes`` (first one on a tie).
+
+    Raises:
+        ShapeOutOfProfileError: no profile contains them.
+    """
+    fits = [(p.volume(), i) for i, p in enumerate(profiles) if p.contains(sizes)]
+    if not fits:
+        raise ShapeOutOfProfileError(
+            f"no optimization profile covers {sizes}; the engine has " + "; ".join(p.describe() for p in profiles))
+    return min(fits)[1]
+
+
+def concrete_shape(shape: list, sizes: dict[str, int]) -> tuple[int, ...]:
+    """A manifest shape (ints and symbols) with its symbols replaced by ``sizes``.
+
+    Raises:
+        KeyError: a symbol has no size.
+    """
+    return tuple(int(d) if isinstance(d, int) else int(sizes[d]) for d in shape)
+
+
+def profile_shapes(tensors: list[dict], profile: Profile) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """Per input tensor of the manifest: (min, opt, max) concrete shapes under ``profile``."""
+    pick = [{s: r[k] for s, r in profile.dims.items()} for k in range(3)]
+    return {t["name"]: tuple(concrete_shape(t["shape"], sizes) for sizes in pick) for t in tensors}
+
+
+def io_shapes(tensors: list[dict], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Concrete shapes of the manifest's tensors (inputs or outputs) for ``sizes``."""
+    return {t["name"]: concrete_shape(t["shape"], sizes) for t in tensors}
+
+
+def plan_files(manifest: dict, precision: str) -> dict[str, str]:
+    """Artifact-relative plan paths of ``precision``: the manifest's record, else the default names."""
+    rec = manifest.get("engines", {}).get(precision, {})
+    return {g: rec.get(f"{g}_plan", f"{ENGINE_DIR}/{g}.{precision}.plan") for g in ("model", "heads")}
+
+
+def nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    """Bytes of a dense tensor of ``dtype`` (manifest dtype name)."""
+    return int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype]
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One device allocation for all layers' K and V, sequence-major.
+
+    Plane ``2 * layer + (0 for key, 1 for value)`` holds ``[1, slots, H_kv, D]``; a plane's
+    size is padded to :data:`ALIGN`, so every plane (the address TensorRT gets for a
+    layer's past K or V, whose valid prefix is contiguous) is aligned. The step's new K/V
+    use the same layout with ``slots`` = the largest S of the engine's profiles.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+    slots: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) of one layer: H_kv * D * itemsize."""
+        return self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def plane_bytes(self) -> int:
+        return align(self.slots * self.row_bytes)
+
+    @property
+    def planes(self) -> int:
+        return 2 * self.num_layers
+
+    @property
+    def total_bytes(self) -> int:
+        return self.planes * self.plane_bytes
+
+    def plane_offset(self, layer: int, kind: str) -> int:
+        """Byte offset of layer ``layer``'s "key" or "value" plane."""
+        return (2 * layer + {"key": 0, "value": 1}[kind]) * self.plane_bytes
+
+
+def kv_bindings(layout: KVLayout, prefix: str) -> dict[str, int]:
+    """Tensor name -> byte offset in the allocation, e.g. ``past_key_values.3.value``."""
+    return {f"{prefix}.{i}.{kind}": layout.plane_offset(i, kind)
+            for i in range(layout.num_layers) for kind in ("key", "value")}
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    """One ``cudaMemcpy2DAsync``: ``height`` rows of ``width`` bytes, one row per K/V plane."""
+
+    dst_offset: int
+    dpitch: int
+    src_offset: int
+    spitch: int
+    width: int
+    height: int
+
+
+def compaction_runs(accepted: np.ndarray) -> list[tuple[int, int, int]]:
+    """Accepted node indices -> runs (first source node, first destination index, count).
+
+    Consecutive node indices are merged: ``[0, 1, 5, 6, 9]`` -> ``[(0, 0, 2), (5, 2, 2), (9, 4, 1)]``.
+    """
+    acc = [int(a) for a in np.asarray(accepted).reshape(-1)]
+    runs: list[list[int]] = []
+    for i, a in enumerate(acc):
+        if runs and a == runs[-1][0] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, i, 1])
+    return [tuple(r) for r in runs]
+
+
+def compaction_copies(new: KVLayout, cache: KVLayout, past_len: int, accepted: np.ndarray, *,
+                      in_place: bool = False) -> list[Copy2D]:
+    """Device copies that move the accepted nodes' K/V from the step output into the cache.
+
+    Node ``accepted[i]`` of every layer's new K and V (rows of ``new``) lands in cache slot
+    ``past_len + i`` of the same plane: one 2-D copy per run of consecutive nodes covers all
+    ``2 * num_layers`` planes at once (height = planes, pitches = the plane sizes). The
+    result equals :func:`medusa_runtime.kvcache.write_accepted` applied to every plane.
+
+    With ``in_place`` the step wrote its K/V straight into the cache at slot 0 (a prefill:
+    past_len 0, ``new`` is ``cache``): rows already in place are skipped and the others are
+    copied one row at a time, in order, so that no copy reads a row an earlier one wrote
+    (node indices on a root-to-leaf path increase: row ``accepted[i] >= i``).
+
+    Raises:
+        ContextOverflowError: the accepted nodes do not fit the cache.
+        ValueError: the layouts disagree, a node index is outside the step's output, or an
+            in-place compaction is asked for with a past or with decreasing node indices.
+    """
+    if (new.num_layers, new.num_kv_heads, new.head_dim, new.itemsize) != \
+            (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.itemsize):
+        raise ValueError("new-K/V and cache layouts differ in layers, heads, head_dim or dtype")
+    acc = np.asarray(accepted).reshape(-1)
+    compaction_slots(past_len, acc, cache.slots)  # capacity check
+    if acc.size and (acc.min() < 0 or acc.max() >= new.slots):
+        raise ValueError(f"accepted node indices {acc.tolist()} outside the step's {new.slots} rows")
+    rb = new.row_bytes
+    runs = compaction_runs(acc)
+    if in_place:
+        if past_len != 0 or np.any(np.diff(acc) <= 0):
+            raise ValueError("in-place compaction needs past_len 0 and increasing node indices")
+        runs = [(src + k, dst + k, 1) for src, dst, count in runs if src != dst for k in range(count)]
+    return [Copy2D(dst_offset=(past_len + dst) * rb, dpitch=cache.plane_bytes, src_offset=src * rb,
+                   spitch=new.plane_bytes, width=count * rb, height=new.planes)
+            for src, dst, count in runs]

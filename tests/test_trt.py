@@ -1,0 +1,397 @@
+"""TensorRT stage: readiness check, trtexec commands and build script, profile/shape planning,
+device KV compaction plan, `engine` without TensorRT, `doctor`.
+
+TensorRT cannot be installed in this project's CI; the tests that need it (engine build,
+TrtEngine parity) are skipped with the reason printed. Everything else runs here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from medusa_export.cli import main
+from medusa_export.manifest_update import update_manifest
+from medusa_export.trt.calibration import calibration_feeds, calibration_windows, step_feeds
+from medusa_export.trt.cli import after_build
+from medusa_export.trt.commands import strongly_typed, trtexec_args
+from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
+from medusa_export.trt_readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.errors import BackendUnavailableError, ContextOverflowError
+from medusa_runtime.kvcache import write_accepted
+from medusa_runtime.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileError, compaction_copies, compaction_runs,
+                                     model_profiles, profile_shapes, select_profile)
+
+HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+NO_TRT = "TensorRT is not installed here (its libraries are not on the reachable registries); needs TensorRT 10.x and a GPU"
+
+
+@pytest.fixture
+def art(tiny_trt_artifact, tmp_path):
+    """A private copy of the session's tiny artifact (the engine step writes into it)."""
+    return Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
+
+
+def _manifest(path) -> dict:
+    return json.loads((Path(path) / "manifest.json").read_text())
+
+
+# ---------------------------------------------------------------- readiness
+
+
+def test_readiness_passes_on_exported_artifact(tiny_trt_artifact):
+    report = check_artifact(tiny_trt_artifact)
+    assert report.passed, [str(e) for e in report.errors]
+    assert "MatMul" in report.graphs["model"]["op_types"] and "TopK" in report.graphs["heads"]["op_types"]
+    stored = _manifest(tiny_trt_artifact)["trt_readiness"]  # build ran the check and kept the result
+    assert stored["passed"] and stored["tensorrt"] == report.tensorrt
+
+
+@pytest.mark.slow
+def test_readiness_passes_on_embedded_model_artifact(smollm_artifact):
+    report = check_artifact(smollm_artifact)
+    assert report.passed, [str(e) for e in report.errors]
+    assert report.graphs["model"]["opset"] == 18
+
+
+def _model(nodes, inputs, outputs, initializers=(), opset=18, domains=()):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    imports = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    return helper.make_model(graph, opset_imports=imports)
+
+
+def _vi(name, dims, elem=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, elem, dims)
+
+
+def test_readiness_names_the_unsupported_op():
+    m = _model([helper.make_node("Relu", ["x"], ["r"], name="ok_relu"),
+                helper.make_node("Unique", ["r"], ["y"], name="dedupe_tokens")],
+               [_vi("x", [4])], [_vi("y", [None])])
+    findings, info = check_ops(m, "model.onnx")
+    errors = [str(f) for f in findings if f.level == "error"]
+    assert len(errors) == 1 and "unsupported op Unique" in errors[0] and "dedupe_tokens" in errors[0], errors
+    assert info["op_types"] == ["Relu", "Unique"]
+
+
+def test_readiness_flags_custom_domain_opset_and_quantized_matmul():
+    m = _model([helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"], name="dq"),
+                helper.make_node("MatMulInteger", ["q", "w"], ["y32"], name="mmi"),
+                helper.make_node("FusedGelu", ["x"], ["g"], name="fg", domain="com.example")],
+               [_vi("x", [2, 2]), _vi("w", [2, 2], TensorProto.UINT8)], [_vi("y32", [2, 2], TensorProto.INT32),
+                                                                         _vi("g", [2, 2])],
+               opset=25, domains=("com.example",))
+    text = "\n".join(str(f) for f in check_ops(m, "model.onnx")[0] if f.level == "error")
+    assert "opset 25 is outside" in text
+    assert "MatMulInteger" in text and "DynamicQuantizeLinear" in text  # what an ORT int8 artifact contains
+    assert "com.example::FusedGelu" in text and "plugin" in text
+
+
+def test_readiness_checks_constant_inputs():
+    k = helper.make_tensor("k", TensorProto.INT64, [1], [3])
+    m = _model([helper.make_node("TopK", ["x", "k"], ["v", "i"], name="topk_const"),
+                helper.make_node("TopK", ["x", "kdyn"], ["v2", "i2"], name="topk_dynamic"),
+                helper.make_node("ReduceMean", ["x", "axes"], ["mean"], name="mean_dynamic_axes")],
+               [_vi("x", [1, 8]), _vi("kdyn", [1], TensorProto.INT64), _vi("axes", [1], TensorProto.INT64)],
+               [_vi("v", None), _vi("i", None, TensorProto.INT64), _vi("v2", None), _vi("i2", None, TensorProto.INT64),
+                _vi("mean", None)], initializers=[k])
+    errors = [str(f) for f in check_ops(m, "g.onnx")[0] if f.level == "error"]
+    assert any("topk_dynamic" in e and "K input" in e for e in errors), errors
+    assert any("mean_dynamic_axes" in e and "axes" in e for e in errors), errors
+    assert not any("topk_const" in e for e in errors)
+
+
+def test_readiness_tree_step_shapes_must_be_static_but_for_past():
+    # y = concat(past, x) depends on P: with S bound it is still dynamic -> error; z = x * 2 is fine.
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    m = _model([helper.make_node("Concat", ["past", "x"], ["y"], axis=1),
+                helper.make_node("Mul", ["x", "two"], ["z"])],
+               [_vi("x", [1, "S"]), _vi("past", [1, "P"]), _vi("extra", ["L"])], [_vi("y", [1, "S"]), _vi("z", [1, "S"])],
+               initializers=[two])
+    errors = [str(f) for f in check_fixed_shapes(m, "model.onnx", {"S": 16}, ("P",))]
+    assert any("output 'y'" in e for e in errors), errors
+    assert not any("output 'z'" in e for e in errors), errors
+    assert any("input 'extra'" in e for e in errors), errors
+
+
+def test_readiness_external_data_must_stay_inside_the_artifact(tiny_trt_artifact, tmp_path):
+    model = onnx.load(str(tiny_trt_artifact / "model.onnx"), load_external_data=False)
+    assert not check_external_data(model, "model.onnx", tiny_trt_artifact)
+    ext = next(t for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL)
+    loc = next(e for e in ext.external_data if e.key == "location")
+    loc.value = str(tiny_trt_artifact / "weights.bin")  # absolute: depends on where the artifact lives
+    assert "absolute" in str(check_external_data(model, "model.onnx", tiny_trt_artifact)[0])
+    loc.value = "../weights.bin"
+    assert "outside" in str(check_external_data(model, "model.onnx", tiny_trt_artifact)[0])
+
+
+# ---------------------------------------------------------------- profiles and shapes (pure)
+
+
+def test_profiles_follow_the_manifest(tiny_trt_artifact):
+    m = _manifest(tiny_trt_artifact)
+    t, ctx = m["tree"]["size"], m["model"]["max_context"]
+    prefill, tree_step, decode = model_profiles(m)
+    assert prefill.dims == {"S": (1, ctx // 2, ctx), "P": (0, 0, 0)}
+    assert tree_step.dims["S"] == (t, t, t) and tree_step.dims["P"][::2] == (0, ctx - t)
+    assert decode.dims["S"] == (1, 1, 1)
+    profiles = [prefill, tree_step, decode]
+    assert select_profile(profiles, {"S": 7, "P": 0}) == 0  # the prompt
+    assert select_profile(profiles, {"S": t, "P": 0}) == 1  # tree step right after a 0-token past
+    assert select_profile(profiles, {"S": t, "P": 100}) == 1
+    assert select_profile(profiles, {"S": 1, "P": 100}) == 2
+    with pytest.raises(ShapeOutOfProfileError, match="tree_step"):
+        select_profile(profiles, {"S": t, "P": ctx})  # past too long: the message lists the profiles
+    shapes = profile_shapes(m["graphs"]["model"]["inputs"], tree_step)
+    h, d = m["model"]["num_kv_heads"], m["model"]["head_dim"]
+    assert shapes["past_key_values.1.value"] == ((1, 0, h, d), (1, (ctx - t) // 2, h, d), (1, ctx - t, h, d))
+    assert shapes["new_token_mask"] == ((t, t),) * 3
+
+
+def _emulate(copies, dst: np.ndarray, src: np.ndarray) -> None:
+    """cudaMemcpy2D on byte arrays."""
+    for c in copies:
+        for row in range(c.height):
+            s0, d0 = c.src_offset + row * c.spitch, c.dst_offset + row * c.dpitch
+            dst[d0:d0 + c.width] = src[s0:s0 + c.width].copy()
+
+
+@pytest.mark.parametrize("past_len, accepted", [(0, [0, 1, 2, 3, 4]), (5, [0]), (5, [0, 1, 5, 6, 9]), (9, [0, 2, 7])])
+def test_device_compaction_equals_write_accepted(past_len, accepted):
+    layers, h, d, cap, t = 3, 2, 4, 24, 12
+    new = KVLayout(layers, h, d, 4, t)
+    cache = KVLayout(layers, h, d, 4, cap)
+    assert cache.plane_bytes % ALIGN == 0 and cache.plane_offset(1, "value") == 3 * cache.plane_bytes
+    rng = np.random.default_rng(past_len)
+    # Reference: per-plane numpy buffers [1, slots, H, D]; the device version packs planes at their offsets.
+    ref_cache = [rng.standard_normal((1, cap, h, d)).astype(np.float32) for _ in range(new.planes)]
+    ref_new = [rng.standard_normal((1, t, h, d)).astype(np.float32) for _ in range(new.planes)]
+
+    def pack(planes, layout):
+        buf = np.zeros(layout.total_bytes, np.uint8)
+        for i, p in enumerate(planes):
+            raw = p.view(np.uint8).reshape(-1)
+            buf[i * layout.plane_bytes:i * layout.plane_bytes + raw.size] = raw
+        return buf
+
+    dev_cache, dev_new = pack(ref_cache, cache), pack(ref_new, new)
+    acc = np.array(accepted)
+    copies = compaction_copies(new, cache, past_len, acc)
+    assert len(copies) == len(compaction_runs(acc))
+    _emulate(copies, dev_cache, dev_new)
+    for c, n in zip(ref_cache, ref_new):
+        write_accepted(c, n, past_len, acc)
+    assert np.array_equal(dev_cache, pack(ref_cache, cache))
+
+
+def test_in_place_compaction_after_prefill_never_reads_overwritten_rows():
+    layout = KVLayout(2, 1, 2, 4, 16)
+    buf = np.arange(layout.total_bytes, dtype=np.int64).astype(np.uint8)
+    expect = buf.copy()
+    acc = np.array([0, 2, 3, 4, 7])  # the in-place source rows overlap their destinations
+    rb = layout.row_bytes
+    for plane in range(layout.planes):
+        base = plane * layout.plane_bytes
+        rows = [expect[base + a * rb: base + (a + 1) * rb].copy() for a in acc]
+        for i, r in enumerate(rows):
+            expect[base + i * rb: base + (i + 1) * rb] = r
+    copies = compaction_copies(layout, layout, 0, acc, in_place=True)
+    assert all(c.width == rb for c in copies) and len(copies) == 4  # row 0 already in place
+    _emulate(copies, buf, buf)
+    assert np.array_equal(buf, expect)
+    assert compaction_copies(layout, layout, 0, np.arange(5), in_place=True) == []  # a prefill: nothing moves
+    with pytest.raises(ContextOverflowError):
+        compaction_copies(layout, layout, 14, np.array([0, 1, 2]))
+    assert compaction_runs(np.array([0, 1, 5, 6, 9])) == [(0, 0, 2), (5, 2, 2), (9, 4, 1)]
+
+
+# ---------------------------------------------------------------- engine without TensorRT
+
+
+def _parse_profiles(argv: list[str]) -> list[dict[str, list[str]]]:
+    """trtexec argv -> per profile {flag: ["name:AxB", ...]} (flags after each --profile=N)."""
+    profiles: list[dict] = []
+    for a in argv:
+        if a.startswith("--profile="):
+            assert int(a.split("=")[1]) == len(profiles)
+            profiles.append({})
+        elif a.split("=")[0] in ("--minShapes", "--optShapes", "--maxShapes"):
+            flag, spec = a.split("=", 1)
+            profiles[-1][flag] = {s.rsplit(":", 1)[0]: tuple(int(x) for x in s.rsplit(":", 1)[1].split("x"))
+                                  for s in spec.split(",")}
+    return profiles
+
+
+def _expected_shapes(m: dict, graph: str) -> list[dict]:
+    """The shapes each profile must give, computed here from the manifest's ranges (not via trt_plan)."""
+    inputs = m["graphs"][graph]["inputs"]
+    if graph == "heads":
+        ranges = [{"R": (1, 1, m["tree"]["size"])}]
+    else:
+        ranges = [{s: (lo, lo + (hi - lo) // 2, hi) for s, (lo, hi) in m["graphs"]["model"]["profiles"][n].items()}
+                  for n in ("prefill", "tree_step", "decode")]
+    out = []
+    for r in ranges:
+        out.append({flag: {t["name"]: tuple(d if isinstance(d, int) else r[d][k] for d in t["shape"]) for t in inputs}
+                    for k, flag in enumerate(("--minShapes", "--optShapes", "--maxShapes"))})
+    return out
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed: `engine` builds instead of stopping")
+def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
+    assert main(["engine", str(art), "--precision", "fp16"]) == EXIT_NO_TENSORRT
+    err = capsys.readouterr().err
+    assert "TensorRT is not available here" in err and "bash engines/build_engine.sh fp16" in err
+    m = load_artifact(art).manifest  # checksums still hold after the manifest update
+    rec = m["engines"]["fp16"]
+    assert rec["status"].startswith("pending") and rec["model_plan"] == "engines/model.fp16.plan"
+    assert {"engines/trtexec.fp16.txt", "engines/build_engine.sh"} <= set(m["checksums"])
+    lines = [ln for ln in (art / "engines/trtexec.fp16.txt").read_text().splitlines() if not ln.startswith("#")]
+    model_argv, heads_argv = (shlex.split(ln) for ln in lines)
+    assert model_argv[:2] == ["trtexec", "--onnx=model.onnx"] and heads_argv[1] == "--onnx=heads.onnx"
+    assert _parse_profiles(model_argv) == _expected_shapes(m, "model")
+    assert _parse_profiles(heads_argv) == _expected_shapes(m, "heads")
+    for flag in ("--fp16", "--precisionConstraints=obey", "--timingCacheFile=engines/timing.cache",
+                 "--profilingVerbosity=detailed", "--saveEngine=engines/model.fp16.plan"):
+        assert flag in model_argv, flag
+    pinned = next(a for a in model_argv if a.startswith("--layerPrecisions=")).split("=", 1)[1].split(",")
+    names = {n.name: n.op_type for n in onnx.load(str(art / "model.onnx"), load_external_data=False).graph.node}
+    assert {names[p.rsplit(":", 1)[0]] for p in pinned} >= {"ReduceMean", "Softmax", "Pow", "LogSoftmax"}
+    # The script carries the same commands for every precision.
+    script = (art / "engines/build_engine.sh").read_text()
+    block = script.split("    run model fp16 \\\n")[1].split("\n    run heads")[0]
+    assert shlex.split(block.replace("\\\n", " ")) == model_argv[1:]
+    assert "--int8" in script and "--calib=engines/calibration.cache" in script
+
+
+def test_fp16_artifact_builds_strongly_typed(tiny_trt_artifact):
+    m = _manifest(tiny_trt_artifact)
+    assert not strongly_typed(m, "fp16")
+    m16 = {**m, "precision": {**m["precision"], "kv_dtype": "float16"}}
+    args = trtexec_args(m16, "model", "fp16")
+    assert "--stronglyTyped" in args and "--fp16" not in args
+    int8 = trtexec_args(m, "model", "int8", fp32_nodes=["n1"], workspace_mib=2048)
+    assert {"--fp16", "--int8", "--calibProfile=0", "--layerPrecisions=n1:fp32", "--memPoolSize=workspace:2048M"} <= set(int8)
+
+
+def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
+    main(["engine", str(art)])
+    stub = tmp_path / "trtexec"
+    stub.write_text("#!/usr/bin/env bash\necho '[TensorRT v101500]'\n"
+                    "for a in \"$@\"; do case \"$a\" in --saveEngine=*) echo plan > \"${a#--saveEngine=}\";; esac; done\n")
+    stub.chmod(0o755)
+    run = lambda *a, exe=str(stub): subprocess.run(["bash", str(art / "engines/build_engine.sh"), *a],  # noqa: E731
+                                                   env={"PATH": "/usr/bin:/bin", "TRTEXEC": exe},
+                                                   capture_output=True, text=True)
+    r = run("fp16")
+    assert r.returncode == 0, r.stderr
+    assert (art / "engines/model.fp16.plan").is_file() and (art / "engines/heads.fp16.plan").is_file()
+    record = json.loads((art / "engines/build_record.fp16.json").read_text())
+    assert record["tensorrt"] == "10.15.0" and record["plans"] == ["engines/model.fp16.plan", "engines/heads.fp16.plan"]
+    r = run("int8")
+    assert r.returncode == 3 and "calibration.cache" in r.stderr
+    r = run("fp16", exe="/nonexistent/trtexec")
+    assert r.returncode == 3 and "not found" in r.stderr
+    assert run("bf16").returncode == 2
+
+
+def test_build_engine_flag_runs_the_engine_step(art):
+    args = Namespace(engine="trt", engine_precision="int8", calibration=None, calibration_batches=2, workspace_mib=None)
+    assert after_build(args, art) == (0 if HAVE_TRT else EXIT_NO_TENSORRT)
+    assert (art / "engines/trtexec.int8.txt").is_file()
+    assert after_build(Namespace(engine="none"), art) == 0
+
+
+def test_engine_refuses_a_graph_that_is_not_ready(art, capsys):
+    m = onnx.load(str(art / "heads.onnx"), load_external_data=False)
+    m.graph.node.append(helper.make_node("Unique", [m.graph.output[0].name], ["u"], name="bad_unique"))
+    onnx.save(m, str(art / "heads.onnx"))
+    update_manifest(art, {}, ["heads.onnx"])
+    assert main(["engine", str(art)]) == 2
+    assert "unsupported op Unique" in capsys.readouterr().err
+    assert _manifest(art)["engines"]["fp16"]["status"].startswith("blocked")
+
+
+def test_update_manifest_merges_and_rechecksums(art):
+    (art / "engines").mkdir()
+    (art / "engines/a.txt").write_text("x")
+    update_manifest(art, {"engines": {"fp16": {"status": "a"}}}, ["engines/a.txt"])
+    update_manifest(art, {"engines": {"int8": {"status": "b"}}})
+    m = load_artifact(art).manifest
+    assert m["engines"] == {"fp16": {"status": "a"}, "int8": {"status": "b"}}
+    assert m["checksums"]["engines/a.txt"]["bytes"] == 1
+    assert not list(art.glob(".manifest.json.tmp*"))
+
+
+def test_calibration_inputs_have_the_prefill_opt_shape(tiny_trt_artifact):
+    m = _manifest(tiny_trt_artifact)
+    feeds = calibration_feeds(tiny_trt_artifact, m, ["Hello there", "What is a tree?"], batches=3)
+    s = model_profiles(m)[0].dims["S"][1]
+    assert len(feeds) == 3 and feeds[0]["input_ids"].shape == (1, s) and feeds[0]["new_token_mask"].shape == (s, s)
+    assert feeds[0]["past_key_values.0.key"].shape == (1, 0, m["model"]["num_kv_heads"], m["model"]["head_dim"])
+    assert set(feeds[0]) == {t["name"] for t in m["graphs"]["model"]["inputs"]}
+    w = calibration_windows([[1, 2, 3]], 4, 2)
+    assert [list(x) for x in w] == [[1, 2, 3, 1], [2, 3, 1, 2]]
+    assert step_feeds(m, w)[1]["position_ids"].tolist() == [[0, 1, 2, 3]]
+
+
+def test_doctor_reports_backends(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "onnxruntime" in out and "tensorrt" in out and "CPUExecutionProvider" in out
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backends"]["tensorrt"] == ([] if not HAVE_TRT else report["backends"]["tensorrt"])
+    assert report["devices"][0] == "CPU"
+
+
+def test_engine_config_rejects_bad_options():
+    from medusa_runtime.errors import MedusaError
+
+    with pytest.raises(MedusaError, match="fp16, int8, fp32"):
+        EngineConfig(precision="bf16")
+    with pytest.raises(MedusaError, match="workspace"):
+        EngineConfig(workspace_mib=0)
+
+
+# ---------------------------------------------------------------- TensorRT runtime
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed")
+def test_trt_backend_says_what_is_missing(tiny_trt_artifact):
+    from medusa_runtime.trt_engine import TrtEngine
+
+    with pytest.raises(BackendUnavailableError, match="TensorRT"):
+        TrtEngine(load_artifact(tiny_trt_artifact))
+
+
+def test_trt_engine_matches_onnxruntime(art):
+    """Build fp32 engines and compare greedy Medusa output with ONNX Runtime (needs TensorRT + GPU)."""
+    pytest.importorskip("tensorrt", reason=NO_TRT)
+    pytest.importorskip("cuda", reason="cuda-python is not installed (pip install cuda-python)")
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.trt_engine import TrtEngine
+
+    assert main(["engine", str(art), "--precision", "fp32"]) == 0
+    a = load_artifact(art)
+    assert a.manifest["engines"]["fp32"]["status"] == "built"
+    trt_engine = TrtEngine(a, precision="fp32")
+    try:
+        for prompt in ([5, 6, 7], list(range(10, 40))):
+            ref = generate(OrtEngine(a), prompt, a.tree, max_new_tokens=24, max_context=a.model["max_context"])
+            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model["max_context"])
+            assert got.tokens == ref.tokens
+    finally:
+        trt_engine.close()
