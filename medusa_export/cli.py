@@ -15,8 +15,10 @@ from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_arg
 from medusa_runtime.errors import MedusaError
 
 from .build import PRECISIONS, BuildConfig
+from .cli_heads import add_heads_commands
 from .registry import DEFAULT_MODEL, load_registry
 from .trt.cli import add_build_engine_args, add_trt_commands, after_build, readiness_line
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     names = ", ".join(sorted(load_registry()))
@@ -54,7 +56,8 @@ def cmd_generate(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
-    tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads)
+    tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
+                          accuracies=lm.head_accuracies)
     if args.raw:
         prompt_ids = lm.tokenizer.encode(args.prompt)
     else:
@@ -225,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
 
     add_trt_commands(sub)
+    add_heads_commands(sub)
 
     p = sub.add_parser("models", help="list the registered models")
     p.set_defaults(func=cmd_models)

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from .calibrate import load_accuracies
 from .errors import UnknownModelError, WeightsNotFoundError
 from .heads import load_heads
 from .loading import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
@@ -89,6 +91,8 @@ class LoadedMedusa:
     heads_source: str
     default_tree: str
     max_context: int
+    #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
+    head_accuracies: np.ndarray | None = None
 
     @property
     def heads_are_initial(self) -> bool:
@@ -146,8 +150,10 @@ def load_model(
                                            chat_template=template)
     backbone = loaded.backbone
     heads_cfg = entry.heads
+    hp = None
     if heads_path:
-        heads = load_heads(heads_path, backbone.lm_head)
+        hp = Path(heads_path)
+        heads = load_heads(hp, backbone.lm_head)
         medusa, heads_source = MedusaModel(backbone, heads), str(heads_path)
     elif heads_cfg["source"] == "init":
         medusa = MedusaModel.with_initial_heads(backbone, heads_cfg["num_heads"], heads_cfg["num_layers"])
@@ -171,4 +177,5 @@ def load_model(
         heads_source=heads_source,
         default_tree=entry.default_tree,
         max_context=entry.max_context,
+        head_accuracies=load_accuracies(hp) if hp is not None else None,
     )

@@ -106,7 +106,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     """
     path = Path(path)
     out = []
-    for n, line in enumerate(path.read_text().splitlines()):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n")):  # not splitlines(): U+2028 in strings
         if not line.strip():
             continue
         rec = json.loads(line)
@@ -172,7 +172,7 @@ def read_replies(cache_dir: str | Path) -> list[Reply]:
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):
         if line.strip():
             rec = json.loads(line)
             if (Path(cache_dir) / rec["shard"]).is_file():
@@ -196,8 +196,9 @@ class _NormCapture:
 
 @torch.no_grad()
 def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                   eos_token_ids: Sequence[int], pad_token_id: int) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy replies of a batch (left padding) with their aligned hidden states.
+                   eos_token_ids: Sequence[int], pad_token_id: int, hidden_dtype: torch.dtype = torch.bfloat16
+                   ) -> list[tuple[list[int], torch.Tensor]]:
+    """Greedy replies of a batch (left padding) with their aligned hidden states (``hidden_dtype``).
 
     Returns:
         per prompt: (tokens r_0..r_{n-1}, hidden [n, d] where hidden[i] predicts r_i).
@@ -222,14 +223,15 @@ def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_
     for b in range(len(prompt_ids)):
         toks = [int(t) for t in gen[b]]
         n = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
-        results.append((toks[:n], hidden[b, :n].to(torch.bfloat16).clone()))
+        results.append((toks[:n], hidden[b, :n].to(hidden_dtype).clone()))
     return results
 
 
 def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Sequence[Prompt],
                      cache_dir: str | Path, *, batch_size: int = 32, max_new_tokens: int = 384,
                      max_prompt_tokens: int = 768, eos_token_ids: Sequence[int], pad_token_id: int,
-                     progress: bool = True, budget_tokens: int | None = None) -> list[Reply]:
+                     progress: bool = True, budget_tokens: int | None = None,
+                     hidden_dtype: torch.dtype = torch.bfloat16) -> list[Reply]:
     """Answer every prompt not yet in the cache; append shards and reply lines as batches finish.
 
     Args:
@@ -241,6 +243,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
         max_prompt_tokens: longer prompts are skipped.
         eos_token_ids, pad_token_id: stop tokens and the left-padding token.
         budget_tokens: stop once the cache holds this many reply tokens (None: all prompts).
+        hidden_dtype: storage dtype of the hidden states (bf16 for training; fp32 where top-k
+            ties matter, as in calibration).
 
     Returns:
         All cached replies.
@@ -255,33 +259,38 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
     done = read_replies(cache)
     have = {r.id for r in done}
     total = sum(len(r.tokens) for r in done)
-    todo = [p for p in prompts if p.id not in have]
+    todo = []
+    for p in prompts:
+        if p.id not in have:
+            ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
+            if len(ids) <= max_prompt_tokens:
+                todo.append((p, ids))
+    # Sort by prompt length inside windows of 8 batches: less padding, and the cache
+    # still fills in (roughly) the given order, so a partial cache is a fair sample.
+    window = batch_size * 8
+    for w in range(0, len(todo), window):
+        todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
     shard_no = len(list(cache.glob("shard-*.safetensors")))
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="self-distillation", unit="prompt",
+    bar = tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distillation", unit="prompt",
                disable=not progress, dynamic_ncols=True)
     t0, new_tokens = time.perf_counter(), 0
     for start in range(0, len(todo), batch_size):
         if budget_tokens is not None and total >= budget_tokens:
             break
         batch = todo[start:start + batch_size]
-        encoded = [(p, apply_chat_template(tokenizer, chat_template, list(p.messages))) for p in batch]
-        encoded = [(p, ids) for p, ids in encoded if len(ids) <= max_prompt_tokens]
-        bar.update(len(batch) - len(encoded))
-        if not encoded:
-            continue
-        results = generate_batch(hf_model, tokenizer, [ids for _, ids in encoded], max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+        results = generate_batch(hf_model, tokenizer, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
+                                 eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, hidden_dtype=hidden_dtype)
         name = f"shard-{shard_no:05d}.safetensors"
         shard_no += 1
         save_file({f"r{i}": h for i, (_, h) in enumerate(results)}, str(cache / name))
         with (cache / REPLIES_FILE).open("a") as f:
-            for i, ((p, ids), (toks, _)) in enumerate(zip(encoded, results)):
+            for i, ((p, ids), (toks, _)) in enumerate(zip(batch, results)):
                 rep = Reply(p.id, toks, name, f"r{i}", len(ids))
                 done.append(rep)
                 f.write(json.dumps(asdict(rep)) + "\n")
                 total += len(toks)
                 new_tokens += len(toks)
-        bar.update(len(encoded))
+        bar.update(len(batch))
         bar.set_postfix(tokens=total, tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     return done
@@ -300,3 +309,306 @@ def load_hidden(cache_dir: str | Path, replies: Sequence[Reply]) -> list[torch.T
             for i in idx:
                 out[i] = f.get_tensor(replies[i].key)
     return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------
+# Loading the generator (transformers) for a registered model
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Generator:
+    """A transformers causal LM with what batched self-distillation needs."""
+
+    hf_model: object
+    tokenizer: object
+    chat_template: str | None
+    eos_token_ids: list[int]
+    pad_token_id: int
+    source: str
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.hf_model.lm_head
+
+
+def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dtype = torch.float32) -> Generator:
+    """Load a registered model (or a path) as a transformers LM for batched generation.
+
+    Raises:
+        UnknownModelError, WeightsNotFoundError: as :func:`medusa_export.registry.load_model`.
+    """
+    import logging
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from .loading import _eos_ids
+    from .registry import ModelEntry, _resolve_backbone, get_entry, load_registry, models_dir
+
+    if Path(model).exists() and model not in load_registry():
+        entry, model_path = ModelEntry(Path(model).name, "local", {"source": "path"}, {"source": "init"}), model
+    else:
+        entry = get_entry(model)
+    path, _ = _resolve_backbone(entry, model_path)
+    kwargs = {}
+    if path.is_file() and path.suffix == ".gguf":
+        path, kwargs = path.parent, {"gguf_file": path.name}
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+    template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
+    eos = _eos_ids(hf_model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    hf_model.requires_grad_(False)
+    return Generator(hf_model, tokenizer, template, eos, int(pad), str(path / kwargs.get("gguf_file", "")))
+
+
+# ---------------------------------------------------------------------------
+# Training data: positions, targets (hard or soft)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class TrainData:
+    """Every training position of a set of replies.
+
+    Attributes:
+        hidden: bf16 [N, d], the hidden state at each position (all replies concatenated).
+        target_ids: int64 [N, K, S]; for head k (column k-1), the target token(s) at the
+            position (S = 1 for hard labels, the teacher's top-S for soft targets).
+        target_p: float32 [N, K, S]; their weights (sum 1 per row; 0 where invalid).
+        valid: bool [N, K]; head k has a target (the reply is long enough).
+    """
+
+    hidden: torch.Tensor
+    target_ids: torch.Tensor
+    target_p: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+def future_index(lengths: Sequence[int], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of the target position of every (position, head) and whether it exists.
+
+    For a reply of length n, position i's head k (1-based) target is position i + k of the
+    same reply (valid when i + k < n). Positions are the concatenation of all replies.
+
+    Returns:
+        (index int64 [N, K] into the concatenation (clamped where invalid), valid bool [N, K]).
+    """
+    idx, val = [], []
+    start = 0
+    ks = torch.arange(1, num_heads + 1)
+    for n in lengths:
+        i = torch.arange(n)[:, None]
+        tgt = i + ks[None]
+        val.append(tgt < n)
+        idx.append(start + tgt.clamp(max=max(n - 1, 0)))
+        start += n
+    if not idx:
+        return torch.zeros(0, num_heads, dtype=torch.long), torch.zeros(0, num_heads, dtype=torch.bool)
+    return torch.cat(idx), torch.cat(val)
+
+
+@torch.no_grad()
+def teacher_topk(hidden: torch.Tensor, lm_weight: torch.Tensor, k: int, *, chunk: int = 2048,
+                 progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backbone's own next-token distribution at each position, truncated to its top-k.
+
+    Args:
+        hidden: [N, d] final-norm hidden states.
+        lm_weight: [V, d] the frozen LM head.
+        k: how many tokens to keep; the kept probabilities are renormalised to sum 1.
+
+    Returns:
+        (ids int64 [N, k], probs float32 [N, k]).
+    """
+    from tqdm import tqdm
+
+    w = lm_weight.to(torch.bfloat16)
+    ids, probs = [], []
+    for s in tqdm(range(0, hidden.shape[0], chunk), desc="teacher top-k", disable=not progress, dynamic_ncols=True):
+        logits = (hidden[s:s + chunk].to(torch.bfloat16) @ w.T).float()
+        p, i = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        ids.append(i)
+        probs.append(p / p.sum(-1, keepdim=True))
+    return torch.cat(ids), torch.cat(probs)
+
+
+def build_train_data(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor], num_heads: int, *,
+                     lm_weight: torch.Tensor | None = None, soft_topk: int = 0,
+                     teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainData:
+    """Positions and targets of a set of replies (alignment in the module docstring).
+
+    Args:
+        tokens: each reply's tokens r_0..r_{n-1}.
+        hiddens: each reply's hidden states [n, d] (hidden[i] predicts r_i).
+        num_heads: K.
+        lm_weight: the frozen LM head (needed for soft targets unless ``teacher`` is given).
+        soft_topk: 0 for hard labels (the reply's tokens); S > 0 for the teacher's top-S
+            distribution at the target position (seeds/001 §2.3.2 self-distillation).
+        teacher: precomputed :func:`teacher_topk` output for the concatenated positions.
+
+    Returns:
+        :class:`TrainData`, positions with no valid target dropped.
+    """
+    lengths = [len(t) for t in tokens]
+    hidden = torch.cat(list(hiddens)) if hiddens else torch.zeros(0, 0)
+    index, valid = future_index(lengths, num_heads)
+    if soft_topk:
+        if teacher is None:
+            teacher = teacher_topk(hidden, lm_weight, soft_topk)
+        t_ids, t_p = teacher
+        target_ids, target_p = t_ids[index], t_p[index].float()  # [N, K, S]
+    else:
+        flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+        target_ids, target_p = flat[index][..., None], torch.ones(index.shape + (1,))
+    target_p = target_p * valid[..., None]
+    keep = valid[:, 0]
+    return TrainData(hidden[keep], target_ids[keep], target_p[keep], valid[keep])
+
+
+# ---------------------------------------------------------------------------
+# Loss and training loop
+# ---------------------------------------------------------------------------
+
+
+def medusa_loss(heads: MedusaHeads, lm_weight_bf16: torch.Tensor, hidden: torch.Tensor, target_ids: torch.Tensor,
+                target_p: torch.Tensor, valid: torch.Tensor, *, decay: float = LOSS_DECAY
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Medusa-1 loss sum_k decay^k * CE(head k, targets) (seeds/001 eq. 1, app. B.2).
+
+    The vocab projection is the frozen, shared LM head, run in bf16 (fast on CPUs with
+    AVX512-BF16/AMX); the residual blocks and the softmax run in fp32.
+
+    Args:
+        heads: heads without their own projection.
+        lm_weight_bf16: [V, d] the LM head weight in bf16 (no grad).
+        hidden: [B, d]; target_ids int64 [B, K, S]; target_p [B, K, S]; valid bool [B, K].
+
+    Returns:
+        (loss scalar, per-head mean CE [K] (detached), per-head top-1 hits vs the first
+        target [K] (detached counts)).
+    """
+    h = hidden.float()
+    loss = h.new_zeros(())
+    ces, hits = [], []
+    for k, head in enumerate(heads.heads):
+        y = head(h)
+        logits = nn.functional.linear(y.to(torch.bfloat16), lm_weight_bf16).float()
+        ce = torch.logsumexp(logits, -1) - (logits.gather(1, target_ids[:, k]) * target_p[:, k]).sum(-1)
+        m = valid[:, k].float()
+        ce_k = (ce * m).sum() / m.sum().clamp(min=1)
+        loss = loss + decay ** (k + 1) * ce_k
+        ces.append(ce_k.detach())
+        hits.append(((logits.argmax(-1) == target_ids[:, k, 0]) & valid[:, k]).sum().detach())
+    return loss, torch.stack(ces), torch.stack(hits)
+
+
+@dataclass
+class TrainConfig:
+    """Head training settings (defaults = the shipped recipe)."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    epochs: float = 2.0
+    batch_tokens: int = 512
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 40
+    soft_topk: int = 16
+    loss_decay: float = LOSS_DECAY
+    seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    heads: MedusaHeads
+    steps: int
+    seconds: float
+    history: list[dict] = field(default_factory=list)
+
+
+def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, progress: bool = True,
+                checkpoint: str | Path | None = None, log: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train fresh heads (§2.1.1 init: zero residual blocks, shared frozen LM head).
+
+    AdamW, linear warmup then cosine decay, shuffled positions (fixed seed). With
+    ``checkpoint``, the heads, optimiser and step are saved there every 200 steps and at
+    the end, and a run with the same data and config resumes from it.
+    """
+    from tqdm import tqdm
+
+    torch.manual_seed(config.seed)
+    vocab, hidden = lm_head.weight.shape
+    cfg = HeadsConfig(config.num_heads, config.num_layers, hidden, vocab, own_projection=False)
+    heads = MedusaHeads(cfg, lm_head).float().train()
+    w_bf16 = lm_head.weight.detach().to(torch.bfloat16)
+    opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    n = data.num_tokens
+    steps_per_epoch = max(1, n // config.batch_tokens)
+    total = max(1, int(round(config.epochs * steps_per_epoch)))
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup_steps:
+            return config.lr * (step + 1) / config.warmup_steps
+        t = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        return config.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    step = 0
+    ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt and ckpt.is_file():
+        state = torch.load(str(ckpt), weights_only=True)
+        if state["total"] == total and state["n"] == n:
+            heads.load_state_dict(state["heads"])
+            opt.load_state_dict(state["opt"])
+            step = int(state["step"])
+
+    def save_ckpt() -> None:
+        if ckpt:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step, "total": total, "n": n},
+                       str(ckpt) + ".tmp")
+            Path(str(ckpt) + ".tmp").replace(ckpt)
+
+    gen = torch.Generator().manual_seed(config.seed)
+    perms = [torch.randperm(n, generator=gen) for _ in range(math.ceil(total / steps_per_epoch))]
+    history: list[dict] = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc="train heads", unit="step", disable=not progress, dynamic_ncols=True)
+    run_ce, run_hits, run_valid = None, None, None
+    while step < total:
+        epoch, j = divmod(step, steps_per_epoch)
+        idx = perms[epoch][j * config.batch_tokens:(j + 1) * config.batch_tokens]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        loss, ce, hits = medusa_loss(heads, w_bf16, data.hidden[idx], data.target_ids[idx], data.target_p[idx],
+                                     data.valid[idx], decay=config.loss_decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        nvalid = data.valid[idx].sum(0)
+        run_ce = ce if run_ce is None else 0.95 * run_ce + 0.05 * ce
+        run_hits = hits.float() if run_hits is None else run_hits + hits.float()
+        run_valid = nvalid.float() if run_valid is None else run_valid + nvalid.float()
+        bar.update(1)
+        if step % 20 == 0 or step == total:
+            acc = (run_hits / run_valid.clamp(min=1)).tolist()
+            rec = {"step": step, "epoch": step / steps_per_epoch, "lr": lr_at(step - 1), "loss": float(loss.detach()),
+                   "ce": [round(float(c), 4) for c in run_ce], "train_top1": [round(a, 4) for a in acc]}
+            history.append(rec)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1_h1=f"{acc[0]:.3f}")
+            run_hits, run_valid = None, None
+            if log:
+                log(rec)
+        if step % 200 == 0:
+            save_ckpt()
+    bar.close()
+    save_ckpt()
+    return TrainResult(heads.eval(), step, time.perf_counter() - t0, history)
