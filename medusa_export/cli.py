@@ -163,6 +163,18 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_triton(args) -> int:
+    """Write a Triton Inference Server model repository for an artifact."""
+    from .triton import TritonConfig, write_repository
+
+    cfg = TritonConfig(model_name=args.name, reference=args.reference, instances=args.instances, threads=args.threads,
+                       backend=args.backend, engine_precision=args.engine_precision,
+                       engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit)
+    repo = write_repository(args.artifact, args.out, cfg)
+    print(f"Triton model repository: {repo} (see {repo / 'README.md'})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="medusa-export",
@@ -227,12 +239,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
     p.set_defaults(func=cmd_verify)
 
+    _add_triton_parser(sub)
     add_trt_commands(sub)
     add_heads_commands(sub)
 
     p = sub.add_parser("models", help="list the registered models")
     p.set_defaults(func=cmd_models)
     return parser
+
+
+def _add_triton_parser(sub) -> None:
+    from medusa_runtime.engines import BACKENDS
+
+    from .triton import TritonConfig
+
+    p = sub.add_parser("triton", help="write a Triton Inference Server model repository for an artifact",
+                       description="A model repository with a Python-backend model that runs the Medusa loop "
+                                   "(decoupled: text or token ids in, token ids and text out, streaming per tree "
+                                   "step) and the artifact's step and heads graphs as models of their own "
+                                   "(tensorrt_plan when the artifact holds built plans, else onnxruntime).")
+    p.add_argument("artifact", help="artifact directory")
+    p.add_argument("--out", required=True, help="repository folder (created or replaced)")
+    p.add_argument("--name", default=TritonConfig.model_name,
+                   help=f"generation model name; the engine models are NAME_step and NAME_heads "
+                        f"(default: {TritonConfig.model_name})")
+    p.add_argument("--reference", action="store_true",
+                   help="refer to the artifact by its absolute path instead of copying it into the repository")
+    p.add_argument("--instances", type=int, default=TritonConfig.instances,
+                   help=f"instances of the generation model, each with its own session (default: {TritonConfig.instances})")
+    p.add_argument("--threads", type=int, help="CPU threads per instance (default: ONNX Runtime's choice)")
+    p.add_argument("--backend", choices=sorted(BACKENDS),
+                   help="medusa_runtime backend (default: tensorrt with built plans, else onnxruntime)")
+    p.add_argument("--engine-precision", help="which built TensorRT plans to serve (default: the first built)")
+    p.add_argument("--no-engine-models", action="store_true", help="write only the generation model")
+    p.add_argument("--max-new-tokens-limit", type=int, help="largest max_new_tokens a request may ask (default: the context)")
+    p.set_defaults(func=cmd_triton)
 
 
 def cmd_models(args) -> int:

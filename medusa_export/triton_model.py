@@ -1,0 +1,115 @@
+"""Triton Inference Server Python-backend model: Medusa generation with medusa_runtime.
+
+This file is a template: ``medusa-export triton`` (medusa_export/triton.py) copies it to
+``<repository>/<model>/1/model.py`` next to a copy of the ``medusa_runtime`` package, so
+the Python environment of the backend needs only the runtime's own dependencies (numpy,
+onnxruntime, tokenizers, jinja2), not torch. It is never imported by medusa_export.
+
+The model is decoupled: a request gets one response (``stream`` false) or one response
+per tree step followed by a final one carrying the finish reason (``stream`` true); the
+last response has the FINAL flag. A malformed request gets one response with a
+``TritonError`` (INVALID_ARG) and the model goes on serving. Each model instance owns one
+:class:`MedusaSession` (engine and KV cache, batch size 1) and serves its requests in turn;
+more instances (``instance_group.count``) serve requests side by side.
+
+Inputs (all optional but one prompt; also accepted as request parameters, see
+medusa_runtime/serving.py): text_input, messages, input_ids, max_new_tokens, temperature,
+seed, stop, stream, raw. Outputs: output_ids, text_output, finish_reason,
+num_input_tokens, tokens_per_step.
+
+Model parameters (config.pbtxt): artifact_dir (absolute, or relative to this file's
+folder), backend (medusa_runtime engine backend), precision (for tensorrt), threads,
+max_context, max_new_tokens_limit.
+"""
+
+import json
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if sys.path[:1] != [_HERE]:
+    sys.path.insert(0, _HERE)  # the runtime copied beside this file wins over any installed one
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from medusa_runtime.serving import FIELDS, RequestError, merge_fields, parse_request, serve  # noqa: E402
+from medusa_runtime.session import MedusaSession  # noqa: E402
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _error(message: str, code_name: str):
+    code = getattr(pb_utils.TritonError, code_name, None)
+    err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(output_tensors=[], error=err)
+
+
+def _response(ids, text: str, finish_reason: str = "", prompt_tokens: int = 0, tokens_per_step: float = 0.0):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64).reshape(-1)),
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("num_input_tokens", np.array([prompt_tokens], dtype=np.int32)),
+        pb_utils.Tensor("tokens_per_step", np.array([tokens_per_step], dtype=np.float32)),
+    ])
+
+
+class TritonPythonModel:
+    """One Medusa session per model instance."""
+
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("the medusa model must be decoupled "
+                                                "(model_transaction_policy { decoupled: true })")
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        artifact = params.get("artifact_dir") or "artifact"
+        if not os.path.isabs(artifact):
+            artifact = os.path.join(_HERE, artifact)
+        options = {}
+        if params.get("precision"):
+            options["precision"] = params["precision"]
+        if args.get("model_instance_kind") == "GPU":
+            options["device_id"] = int(args["model_instance_device_id"])
+        self.session = MedusaSession(artifact, backend=params.get("backend") or "onnxruntime",
+                                     threads=int(params.get("threads") or 0) or None,
+                                     max_context=int(params.get("max_context") or 0) or None, **options)
+        self.limit = int(params.get("max_new_tokens_limit") or 0) or None
+        pb_utils.Logger.log_info(f"medusa: {artifact} on {self.session.backend}, tree of {self.session.tree.size} "
+                                 f"nodes, context {self.session.max_context}")
+
+    def execute(self, requests):
+        for request in requests:
+            self._handle(request)
+        return None
+
+    def _handle(self, request):
+        sender = request.get_response_sender()
+        try:
+            inputs = {}
+            for name in FIELDS:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            params = json.loads(request.parameters() or "{}")
+            req = parse_request(merge_fields(inputs, params), self.session, max_new_tokens_limit=self.limit)
+        except RequestError as exc:
+            sender.send(_error(str(exc), "INVALID_ARG"), flags=_FINAL)
+            return
+        is_cancelled = getattr(request, "is_cancelled", None)
+        try:
+            on_step = (lambda ids, text: sender.send(_response(ids, text))) if req.stream else None
+            out = serve(self.session, req, on_step, is_cancelled)
+        except Exception as exc:  # report it on this request and keep serving the others
+            pb_utils.Logger.log_error(f"medusa: generation failed: {exc!r}")
+            sender.send(_error(f"generation failed: {exc}", "INTERNAL"), flags=_FINAL)
+            return
+        if out.finish_reason == "cancelled":
+            sender.send(_error("the request was cancelled", "CANCELLED"), flags=_FINAL)
+            return
+        ids, text = ([], "") if req.stream else (out.token_ids, out.text)
+        sender.send(_response(ids, text, out.finish_reason, out.prompt_tokens, out.tokens_per_step), flags=_FINAL)
+
+    def finalize(self):
+        self.session = None

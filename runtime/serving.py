@@ -1,0 +1,284 @@
+"""Serving one request over a :class:`~.session.MedusaSession`: request checking and per-step streaming.
+
+A server (the Triton Python-backend model written by ``medusa-export triton``, or any
+other) hands over the request's fields as plain values; :func:`merge_fields` joins the
+ones given as tensors and as request parameters, :func:`parse_request` checks them and
+encodes the prompt, and :func:`serve` runs the Medusa loop, calling back once per tree
+step with that step's token ids and newly printable text. Every malformed field raises
+:class:`RequestError` naming the field, so a server can answer with an error and keep
+serving. Torch-free (numpy + the session's engine and tokenizer).
+
+Request fields (all optional but the prompt):
+
+=================  ===============================  ============================================
+field              value                            meaning
+=================  ===============================  ============================================
+``text_input``     str                              a user message (chat template applied) or,
+                                                    with ``raw``, text encoded as is
+``messages``       str (JSON list) or list          ``[{"role", "content"}, ...]`` through the
+                                                    chat template
+``input_ids``      ints                             prompt token ids, used as is
+``max_new_tokens`` int, 1 .. limit                  reply budget (default
+                                                    :data:`DEFAULT_MAX_NEW_TOKENS`)
+``temperature``    float >= 0                       0: greedy acceptance (lossless); > 0: typical
+``seed``           int >= 0                         sampling seed under typical acceptance
+``stop``           str or list of str               stop strings (the text is cut where one starts)
+``stream``         bool                             one response per tree step (decoupled mode)
+``raw``            bool                             ``text_input`` without the chat template
+=================  ===============================  ============================================
+
+Exactly one of ``text_input``, ``messages`` and ``input_ids`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .acceptance import TypicalConfig
+from .errors import ChatTemplateError, MedusaError
+from .loop import generate
+from .session import Completion, MedusaSession
+
+#: Reply budget when a request gives none.
+DEFAULT_MAX_NEW_TOKENS = 128
+PROMPT_FIELDS = ("text_input", "messages", "input_ids")
+FIELDS = PROMPT_FIELDS + ("max_new_tokens", "temperature", "seed", "stop", "stream", "raw")
+#: Request parameters with this prefix belong to the server or client library, not to us.
+RESERVED_PREFIX = "triton_"
+
+
+class RequestError(MedusaError, ValueError):
+    """A malformed request (missing/empty prompt, wrong type, out-of-range value); the message names the field."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (chat template applied), length >= 1.
+        max_new_tokens: reply budget (>= 1).
+        temperature: 0 for greedy acceptance, > 0 for typical acceptance.
+        seed: sampling seed (>= 0).
+        stop: stop strings.
+        stream: answer once per tree step.
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+
+
+def merge_fields(inputs: Mapping[str, object], parameters: Mapping[str, object]) -> dict:
+    """Join the fields given as input tensors and as request parameters.
+
+    Args:
+        inputs: field -> value of the request's input tensors.
+        parameters: the request's parameters (keys starting with :data:`RESERVED_PREFIX` are ignored).
+
+    Raises:
+        RequestError: an unknown field, or a field given both ways.
+    """
+    fields = dict(inputs)
+    for key, value in parameters.items():
+        if key.startswith(RESERVED_PREFIX):
+            continue
+        if key not in FIELDS:
+            raise RequestError(f"unknown request parameter {key!r}; known: {', '.join(FIELDS)}")
+        if key in fields:
+            raise RequestError(f"{key} is given both as an input tensor and as a request parameter; give it once")
+        fields[key] = value
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown request field {unknown[0]!r}; known: {', '.join(FIELDS)}")
+    return fields
+
+
+def _scalar(name: str, value):
+    """One value from a scalar, a 1-element list or a 1-element array."""
+    if isinstance(value, np.ndarray):
+        if value.size != 1:
+            raise RequestError(f"{name} must hold one value, got shape {list(value.shape)}")
+        value = value.reshape(-1)[0]
+    elif isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise RequestError(f"{name} must hold one value, got {len(value)}")
+        value = value[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _text(name: str, value) -> str:
+    value = _scalar(name, value)
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"{name} is not valid UTF-8") from None
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _int(name: str, value, lo: int, hi: int | None = None) -> int:
+    value = _scalar(name, value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < lo or (hi is not None and value > hi):
+        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise RequestError(f"{name} must be in {span}, got {value}")
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    value = _scalar(name, value)
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be a boolean, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _float(name: str, value) -> float:
+    value = _scalar(name, value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _stop(value) -> tuple[str, ...]:
+    items = value.reshape(-1).tolist() if isinstance(value, np.ndarray) else value
+    if isinstance(items, (str, bytes)):
+        items = [items]
+    if not isinstance(items, (list, tuple)):
+        raise RequestError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+    out = tuple(_text("stop", s) for s in items)
+    if any(not s for s in out):
+        raise RequestError("stop contains an empty string")
+    return out
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list):
+        try:
+            value = json.loads(_text("messages", value))
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"messages is not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not value:
+        raise RequestError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
+    return value
+
+
+def _input_ids(value, vocab_size: int) -> tuple[int, ...]:
+    arr = np.asarray(value)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise RequestError(f"input_ids must be integers, got {arr.dtype}")
+    ids = tuple(int(t) for t in arr.reshape(-1))
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"input_ids holds {bad[0]}, outside the vocabulary 0..{vocab_size - 1}")
+    return ids
+
+
+def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
+                  max_new_tokens_limit: int | None = None) -> GenerationRequest:
+    """Check a request's fields and encode its prompt.
+
+    Args:
+        fields: field -> value (see the module docstring; :func:`merge_fields` output).
+        session: the loaded session (tokenizer, vocabulary, context).
+        max_new_tokens_limit: the largest ``max_new_tokens`` accepted (default: the session's context).
+
+    Raises:
+        RequestError: no prompt or several, an empty prompt, a prompt longer than the
+            context, a wrong type or an out-of-range value; the message names the field.
+    """
+    given = [f for f in PROMPT_FIELDS if f in fields]
+    if len(given) != 1:
+        raise RequestError(f"give exactly one of {', '.join(PROMPT_FIELDS)} (got {', '.join(given) or 'none'})")
+    limit = max_new_tokens_limit or session.max_context
+    temperature = _float("temperature", fields["temperature"]) if "temperature" in fields else 0.0
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    raw = _bool("raw", fields["raw"]) if "raw" in fields else False
+    try:
+        if "input_ids" in fields:
+            ids = _input_ids(fields["input_ids"], int(session.artifact.model["vocab_size"]))
+        elif "messages" in fields:
+            ids = tuple(session.encode(_messages(fields["messages"])))
+        else:
+            text = _text("text_input", fields["text_input"])
+            if not text:
+                raise RequestError("text_input is empty")
+            ids = tuple(session.encode(text, raw=raw))
+    except ChatTemplateError as exc:
+        raise RequestError(f"the chat template rejects the prompt: {exc}") from None
+    if not ids:
+        raise RequestError(f"the prompt ({given[0]}) is empty: give at least one token")
+    if len(ids) > session.max_context:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the context holds {session.max_context}")
+    return GenerationRequest(
+        prompt_ids=ids,
+        max_new_tokens=_int("max_new_tokens", fields["max_new_tokens"], 1, limit)
+        if "max_new_tokens" in fields else min(DEFAULT_MAX_NEW_TOKENS, limit),
+        temperature=temperature,
+        seed=_int("seed", fields["seed"], 0, 2**63 - 1) if "seed" in fields else 0,
+        stop=_stop(fields["stop"]) if "stop" in fields else (),
+        stream=_bool("stream", fields["stream"]) if "stream" in fields else False,
+    )
+
+
+def serve(session: MedusaSession, req: GenerationRequest,
+          on_step: Callable[[list[int], str], None] | None = None,
+          cancelled: Callable[[], bool] | None = None) -> Completion:
+    """Generate the reply to one checked request.
+
+    Args:
+        session: the loaded session (engine, tree, tokenizer, context).
+        req: the request (:func:`parse_request`).
+        on_step: called after each step that emitted something with the step's token ids
+            (EOS excluded, cut at a stop string) and the newly printable text; a last call
+            with no ids may carry text held back until the end.
+        cancelled: polled after each step; True ends the generation (finish reason "cancelled").
+
+    Returns:
+        The :class:`Completion`, as :meth:`MedusaSession.generate` returns it (same tokens
+        for the same request).
+    """
+    typical = TypicalConfig(temperature=req.temperature) if req.temperature > 0 else None
+    decoder = session.tokenizer.stream(req.stop)
+    state = {"cancelled": False}
+
+    def on_tokens(tokens: list[int]) -> bool:
+        start = len(decoder.tokens)
+        for t in tokens:
+            if decoder.add(t):
+                break
+        if on_step is not None:
+            ids, piece = decoder.tokens[start:], decoder.take()
+            if ids or piece:
+                on_step(ids, piece)
+        if cancelled is not None and cancelled():
+            state["cancelled"] = True
+            return True
+        return decoder.stopped
+
+    t = time.perf_counter()
+    res = generate(session.engine, req.prompt_ids, session.tree, max_new_tokens=req.max_new_tokens,
+                   eos_token_ids=session.eos_token_ids, max_context=session.max_context, typical=typical,
+                   seed=req.seed, on_tokens=on_tokens)
+    seconds = time.perf_counter() - t
+    tail = decoder.finish()
+    if on_step is not None and tail:
+        on_step([], tail)
+    reason = "cancelled" if state["cancelled"] else res.finish_reason
+    return Completion(decoder.text, list(decoder.tokens), reason, res, len(req.prompt_ids), 0, seconds)
