@@ -112,6 +112,20 @@ def backbone_from_hf_model(hf_model) -> LlamaBackbone:
     return backbone_from_state_dict(cfg, hf_model.state_dict())
 
 
+def _align_parameters(module: torch.nn.Module, alignment: int = 64) -> None:
+    """Copy parameters whose memory is not ``alignment``-byte aligned (tied ones stay tied).
+
+    transformers' GGUF loader hands out tensors at arbitrary offsets; oneDNN/MKL GEMMs on
+    such weights are ~100x slower (measured here: a [1536, 576] linear on 16 rows, 32 ms
+    at a 48-byte offset vs 0.25-0.6 ms on an aligned copy). torch's own allocator aligns
+    to 64 bytes.
+    """
+    with torch.no_grad():
+        for p in module.parameters():  # a tied parameter is yielded once
+            if p.data_ptr() % alignment:
+                p.data = p.data.clone()
+
+
 def backbone_from_state_dict(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -> LlamaBackbone:
     """Build a backbone from a transformers-layout Llama state dict (``model.`` prefix).
 
@@ -141,6 +155,7 @@ def backbone_from_state_dict(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -
     backbone.load_state_dict(mapped, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         backbone.lm_head.weight = backbone.embed_tokens.weight
+    _align_parameters(backbone)
     return backbone.eval()
 
 
