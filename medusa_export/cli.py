@@ -167,7 +167,7 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for an artifact."""
     from .triton import TritonConfig, write_repository
 
-    cfg = TritonConfig(model_name=args.name, reference=args.reference, instances=args.instances, threads=args.threads,
+    cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
                        engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit)
     repo = write_repository(args.artifact, args.out, cfg)
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_triton_parser(sub) -> None:
     from medusa_runtime.engines import BACKENDS
 
-    from .triton import TritonConfig
+    from .triton import ARTIFACT_MODES, TritonConfig
 
     p = sub.add_parser("triton", help="write a Triton Inference Server model repository for an artifact",
                        description="A model repository with a Python-backend model that runs the Medusa loop "
@@ -263,8 +263,9 @@ def _add_triton_parser(sub) -> None:
     p.add_argument("--name", default=TritonConfig.model_name,
                    help=f"generation model name; the engine models are NAME_step and NAME_heads "
                         f"(default: {TritonConfig.model_name})")
-    p.add_argument("--reference", action="store_true",
-                   help="refer to the artifact by its absolute path instead of copying it into the repository")
+    p.add_argument("--artifact-mode", choices=ARTIFACT_MODES, default=TritonConfig.artifact_mode,
+                   help="copy: an independent copy inside the repository (default); link: hard links (no space, "
+                        "but shared with the artifact); reference: the artifact's absolute path, nothing copied")
     p.add_argument("--instances", type=int, default=TritonConfig.instances,
                    help=f"instances of the generation model, each with its own session (default: {TritonConfig.instances})")
     p.add_argument("--threads", type=int, help="CPU threads per instance (default: ONNX Runtime's choice)")

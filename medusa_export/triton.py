@@ -14,11 +14,15 @@ Reads only the artifact (manifest, files) and writes::
       medusa_step/1/...           artifact holds built plans, else onnxruntime (model.onnx + weights.bin)
       medusa_heads/...            the heads graph, likewise
 
-The artifact is placed inside the repository by default because a Triton repository is
-deployed as one folder (mounted into a container, synced to object storage); a path
-outside it would break when it moves, and hard links make the copy free on one file
-system. ``reference=True`` writes the artifact's absolute path instead (no copy; the
-repository then works only where that path exists, whatever the working directory).
+Where the artifact goes (``artifact_mode``): ``copy`` (default) places an independent copy
+inside the repository, because a Triton repository is deployed as one folder (mounted into
+a container, synced to object storage) and a path outside it breaks when it moves; ``link``
+hard-links the files instead (free on one file system, but the repository then shares the
+files with the artifact: rebuilding an engine into the artifact in place changes the
+repository too); ``reference`` writes the artifact's absolute path into the config and
+symbolic links for the engine models (nothing copied; works only where that path exists,
+whatever the working directory). Within the repository, the engine models hard-link the
+repository's own copy, so each file is stored once.
 
 The engine models are stateless: a client that drives them passes the whole past K/V on
 every call (docs/cpp_contract.md gives the loop). The ``medusa`` model keeps its KV cache
@@ -64,6 +68,7 @@ GENERATION_OUTPUTS = (
     ("tokens_per_step", "TYPE_FP32", [1]),
 )
 _GPU_BACKENDS = ("tensorrt", "onnxruntime-cuda")
+ARTIFACT_MODES = ("copy", "link", "reference")
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class TritonConfig:
 
     Attributes:
         model_name: name of the generation model; the engine models are NAME_step and NAME_heads.
-        reference: refer to the artifact by its absolute path instead of copying it in.
+        artifact_mode: "copy", "link" (hard links) or "reference" (absolute path); see the module docstring.
         instances: model instances of the generation model (each owns a session and a KV cache).
         threads: CPU threads per instance (None: ONNX Runtime's default).
         backend: medusa_runtime backend of the generation model (None: tensorrt when the
@@ -83,7 +88,7 @@ class TritonConfig:
     """
 
     model_name: str = "medusa"
-    reference: bool = False
+    artifact_mode: str = "copy"
     instances: int = 1
     threads: int | None = None
     backend: str | None = None
@@ -94,6 +99,8 @@ class TritonConfig:
     def __post_init__(self) -> None:
         if not self.model_name or not all(c.isalnum() or c in "_-" for c in self.model_name):
             raise MedusaError(f"model name {self.model_name!r} must be letters, digits, '_' or '-'")
+        if self.artifact_mode not in ARTIFACT_MODES:
+            raise MedusaError(f"unknown artifact mode {self.artifact_mode!r}; choose one of {', '.join(ARTIFACT_MODES)}")
         if self.instances < 1:
             raise MedusaError(f"--instances must be >= 1, got {self.instances}")
         if self.threads is not None and self.threads < 1:
@@ -172,14 +179,15 @@ def engine_config(name: str, graph: dict, plan: bool, profiles: int = 1) -> str:
 
 
 def built_plans(art: Artifact, precision: str | None = None) -> tuple[str, dict] | None:
-    """(precision, engine record) of built TensorRT plans present in the artifact, or None.
+    """(precision, engine record) of built TensorRT plans of the artifact (listed in its checksums,
+    so load_artifact has checked they are present), or None.
 
     Raises:
         ArtifactError: ``precision`` was asked for but has no built plans.
     """
     engines = art.manifest.get("engines", {})
     built = [(p, rec) for p, rec in engines.items() if rec.get("status") == "built"
-             and all((art.path / rec[k]).is_file() for k in ("model_plan", "heads_plan"))]
+             and all(rec[k] in art.manifest["checksums"] for k in ("model_plan", "heads_plan"))]
     if precision is not None:
         found = [b for b in built if b[0] == precision]
         if not found:
@@ -189,18 +197,25 @@ def built_plans(art: Artifact, precision: str | None = None) -> tuple[str, dict]
     return built[0] if built else None
 
 
-def _place(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst``, or copy it where links are not possible (another file system)."""
+def _place(src: Path, dst: Path, how: str) -> None:
+    """Put ``src`` at ``dst``: "copy", "link" (a hard link, or a copy across file systems) or
+    "symlink" (a symbolic link to its absolute path)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    if how == "symlink":
+        os.symlink(src.resolve(), dst)
+        return
+    if how == "link":
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copy2(src, dst)
 
 
-def _copy_artifact(art: Artifact, dst: Path) -> None:
+def _place_artifact(art: Artifact, dst: Path, how: str) -> None:
     for rel in list(art.manifest["checksums"]) + [MANIFEST]:
-        _place(art.path / rel, dst / rel)
+        _place(art.path / rel, dst / rel, how)
 
 
 def _copy_runtime(dst: Path) -> None:
@@ -212,7 +227,8 @@ def _copy_runtime(dst: Path) -> None:
         shutil.copy2(f, dst / f.name)
 
 
-def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict] | None) -> list[str]:
+def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict] | None, how: str) -> list[str]:
+    """NAME_step and NAME_heads from ``art`` (the repository's own copy, or the referenced artifact)."""
     from medusa_runtime.trt_plan import graph_profiles
 
     written = []
@@ -221,11 +237,11 @@ def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict]
         version = repo / model / "1"
         spec = art.manifest["graphs"][graph]
         if plans is not None:
-            _place(art.path / plans[1][f"{graph}_plan"], version / "model.plan")
+            _place(art.path / plans[1][f"{graph}_plan"], version / "model.plan", how)
             text = engine_config(model, spec, plan=True, profiles=len(graph_profiles(art.manifest, graph)))
         else:
-            _place(art.file(graph), version / "model.onnx")
-            _place(art.file("weights"), version / art.manifest["files"]["weights"])  # external data, beside the graph
+            _place(art.file(graph), version / "model.onnx", how)
+            _place(art.file("weights"), version / art.manifest["files"]["weights"], how)  # external data, beside it
             text = engine_config(model, spec, plan=False)
         (repo / model / "config.pbtxt").write_text(text)
         written.append(model)
@@ -284,11 +300,12 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
         version = tmp / cfg.model_name / "1"
         _copy_runtime(version / "medusa_runtime")
         shutil.copy2(_TEMPLATE, version / "model.py")
-        if cfg.reference:
-            artifact_param = str(art.path.resolve())
+        if cfg.artifact_mode == "reference":
+            artifact_param, source, how = str(art.path.resolve()), art, "symlink"
         else:
-            _copy_artifact(art, version / "artifact")
-            artifact_param = "artifact"
+            _place_artifact(art, version / "artifact", cfg.artifact_mode)
+            artifact_param, how = "artifact", "link"
+            source = Artifact(version / "artifact", art.manifest, art.tree)  # engine models link the repo's copy
         params = {"artifact_dir": artifact_param, "backend": backend}
         if backend == "tensorrt" and plans:
             params["precision"] = plans[0]
@@ -298,10 +315,10 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
             params["max_new_tokens_limit"] = str(cfg.max_new_tokens_limit)
         (tmp / cfg.model_name / "config.pbtxt").write_text(
             generation_config(cfg.model_name, params, cfg.instances, gpu=backend in _GPU_BACKENDS))
-        engines = _engine_models(art, tmp, cfg.model_name, plans) if cfg.engine_models else []
+        engines = _engine_models(source, tmp, cfg.model_name, plans, how) if cfg.engine_models else []
         (tmp / "README.md").write_text(_readme(cfg, engines))
         record = {"generator": f"medusa-export {__version__}", "artifact": str(art.path.resolve()),
-                  "artifact_mode": "reference" if cfg.reference else "copy", "model": art.model["name"],
+                  "artifact_mode": cfg.artifact_mode, "model": art.model["name"],
                   "generation_model": cfg.model_name, "backend": backend, "engine_models": engines,
                   "engine_format": ("tensorrt_plan " + plans[0]) if plans else "onnxruntime"}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")

@@ -103,7 +103,10 @@ class TritonPythonModel:
             out = serve(self.session, req, on_step, is_cancelled)
         except Exception as exc:  # report it on this request and keep serving the others
             pb_utils.Logger.log_error(f"medusa: generation failed: {exc!r}")
-            sender.send(_error(f"generation failed: {exc}", "INTERNAL"), flags=_FINAL)
+            try:
+                sender.send(_error(f"generation failed: {exc}", "INTERNAL"), flags=_FINAL)
+            except Exception:  # the client is gone (a cancelled stream): nothing to answer
+                pass
             return
         if out.finish_reason == "cancelled":
             sender.send(_error("the request was cancelled", "CANCELLED"), flags=_FINAL)

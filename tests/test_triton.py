@@ -23,6 +23,7 @@ import pytest
 from medusa_export.errors import ArtifactError
 from medusa_export.triton import GENERATION_INPUTS, GENERATION_OUTPUTS, MARKER, TritonConfig, write_repository
 from medusa_runtime import MedusaSession
+from medusa_runtime.artifact import sha256_file
 from medusa_runtime.serving import RequestError, merge_fields, parse_request, serve
 
 from conftest import mt_bench_prompts
@@ -158,6 +159,10 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
     for rel in manifest["checksums"]:
         assert (copied / rel).read_bytes() == (Path(tiny_trt_artifact) / rel).read_bytes(), rel
     assert (repo / "medusa" / "1" / "medusa_runtime" / "serving.py").is_file()
+    ino = lambda f: f.stat().st_ino  # noqa: E731
+    weights = Path(tiny_trt_artifact) / "weights.bin"
+    assert ino(copied / "weights.bin") != ino(weights)  # "copy": independent of the artifact ...
+    assert ino(repo / "medusa_step" / "1" / "weights.bin") == ino(copied / "weights.bin")  # ... stored once
     for model, graph in (("medusa_step", "model"), ("medusa_heads", "heads")):
         text = (repo / model / "config.pbtxt").read_text()
         assert 'backend: "onnxruntime"' in text and 'default_model_filename: "model.onnx"' in text
@@ -171,10 +176,15 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
                                                            manifest["model"]["head_dim"]])
     assert json.loads((repo / MARKER).read_text())["artifact_mode"] == "copy"
     # replacing our own repository works; a foreign folder is refused
-    write_repository(tiny_trt_artifact, repo, TritonConfig(reference=True, engine_models=False))
+    write_repository(tiny_trt_artifact, repo, TritonConfig(artifact_mode="reference"))
     gen = (repo / "medusa" / "config.pbtxt").read_text()
     assert f'string_value: "{Path(tiny_trt_artifact).resolve()}"' in gen
-    assert not (repo / "medusa" / "1" / "artifact").exists() and not (repo / "medusa_step").exists()
+    assert not (repo / "medusa" / "1" / "artifact").exists()
+    link = repo / "medusa_step" / "1" / "model.onnx"
+    assert link.is_symlink() and link.resolve() == (Path(tiny_trt_artifact) / "model.onnx").resolve()
+    write_repository(tiny_trt_artifact, repo, TritonConfig(artifact_mode="link", engine_models=False))
+    assert ino(repo / "medusa" / "1" / "artifact" / "weights.bin") == ino(weights)
+    assert not (repo / "medusa_step").exists()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "x").write_text("mine")
@@ -201,7 +211,9 @@ def test_repository_serves_built_tensorrt_plans(tiny_trt_artifact, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     (art / "engines").mkdir()
     for g in ("model", "heads"):
-        (art / "engines" / f"{g}.fp16.plan").write_bytes(b"plan " + g.encode())
+        plan = art / "engines" / f"{g}.fp16.plan"
+        plan.write_bytes(b"plan " + g.encode())
+        manifest["checksums"][f"engines/{g}.fp16.plan"] = {"sha256": sha256_file(plan), "bytes": plan.stat().st_size}
     manifest["engines"] = {"fp16": {"status": "built", "model_plan": "engines/model.fp16.plan",
                                     "heads_plan": "engines/heads.fp16.plan"}}
     (art / "manifest.json").write_text(json.dumps(manifest))
