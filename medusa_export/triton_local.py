@@ -199,6 +199,14 @@ class LocalTritonServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # never leave a server behind (a timeout, an interrupt, a bug here)
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -207,11 +215,10 @@ class LocalTritonServer:
             try:
                 with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise TritonUnavailableError(f"tritonserver was not ready after {timeout:.0f}s; its log:\n{self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:

@@ -425,6 +425,14 @@ def test_clean_shutdown(server, tmp_path):
         assert srv.stop(sig) == 0
         assert group_processes(pgid) == []
         assert "successfully unloaded 'medusa'" in srv.log_tail(20000)
+    # a start that fails while waiting for readiness leaves nothing behind
+    from unittest import mock
+
+    srv = LocalTritonServer(repo, tmp_path / "interrupted", models=["medusa"])
+    with mock.patch.object(LocalTritonServer, "_wait_ready", side_effect=KeyboardInterrupt), \
+            pytest.raises(KeyboardInterrupt):
+        srv.start()
+    assert srv.proc is None
 
 
 @pytest.mark.slow
