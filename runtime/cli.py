@@ -70,8 +70,13 @@ def _mode(session, args) -> str:
     return f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} nodes"
 
 
-def run_generate(args, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """``generate --artifact``: one prompt, streamed to ``out``; the summary to ``err``."""
+def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``generate --artifact``: one prompt, streamed to ``out``; the summary to ``err``.
+
+    ``out`` / ``err`` default to the *current* sys.stdout / sys.stderr (looked up per call, not
+    bound when this module is imported, so redirections made later are honoured).
+    """
+    out, err = out or sys.stdout, err or sys.stderr
     session = _session(args)
     if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
         print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
@@ -87,8 +92,12 @@ def run_generate(args, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> in
     return 0
 
 
-def run_chat(args, inp: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """``chat --artifact``: read user turns from ``inp`` until EOF or /exit; /reset starts over."""
+def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``chat --artifact``: read user turns from ``inp`` until EOF or /exit; /reset starts over.
+
+    The streams default to the current sys.stdin / sys.stdout / sys.stderr, looked up per call.
+    """
+    inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     session = _session(args)
     session.reset(args.system)
     interactive = inp.isatty()
