@@ -7,10 +7,16 @@ artifact is exported once (tree of 16 nodes, fp32) and shared by every test that
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# OpenMP threads that spin while waiting made every torch op take ~10-20 ms when the 2 cores were
+# shared with other processes (the tiny-model tests ran ~30x slower, the embedded model ~14x);
+# passive waiting costs little when the machine is idle. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 MT_BENCH = SHARED / "data" / "eval" / "mt_bench" / "question.jsonl"
@@ -73,6 +79,65 @@ def tiny_loaded(model, *, name="tiny", tree="16", max_context=512):
     return LoadedMedusa(model=model, tokenizer=tok, eos_token_ids=[tok.eos_token_id], chat_template=tok.chat_template,
                         name=name, backbone_source="random (test)", heads_source="random (test)",
                         default_tree=tree, max_context=max_context)
+
+
+def save_tiny_hf_dir(path, **kwargs):
+    """Write a tiny random Llama (:func:`make_tiny_medusa` kwargs) as an HF model directory:
+    ``save_pretrained`` safetensors weights, config, generation config and the tiny tokenizer.
+    Returns the transformers model."""
+    hf, _ = make_tiny_medusa(**kwargs)
+    hf.save_pretrained(path, safe_serialization=True)
+    make_tiny_tokenizer().save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    """Factory of tiny random Llama models: ``tiny_hf(**kwargs)`` -> (hf_model, MedusaModel) as
+    :func:`make_tiny_medusa` builds them (seeded), built once per distinct kwargs and shared."""
+    built = {}
+
+    def make(**kwargs):
+        key = tuple(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = make_tiny_medusa(**kwargs)
+        return built[key]
+
+    return make
+
+
+@torch.no_grad()
+def plain_greedy(hf_model, prompt_ids, max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding by transformers (the independent reference), EOS ignored.
+
+    The attention mask is given explicitly: inferred from ``pad_token_id`` it would mask every
+    prompt token equal to it (a random prompt may well contain id 0)."""
+    ids = torch.tensor([list(prompt_ids)])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def hf_from_backbone(backbone):
+    """A transformers ``LlamaForCausalLM`` sharing a :class:`LlamaBackbone`'s weights (no copy):
+    an independent implementation of the same model, for reference decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    c = backbone.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                      max_position_embeddings=c.max_position_embeddings)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+    state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in backbone.state_dict().items()}
+    hf.load_state_dict(state, strict=True, assign=True)
+    hf.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # its inv_freq buffer is not in the state dict
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
 
 
 @pytest.fixture(scope="session")
