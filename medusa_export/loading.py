@@ -112,7 +112,7 @@ def backbone_from_hf_model(hf_model) -> LlamaBackbone:
     return backbone_from_state_dict(cfg, hf_model.state_dict())
 
 
-def _align_parameters(module: torch.nn.Module, alignment: int = 64) -> None:
+def align_parameters(module: torch.nn.Module, alignment: int = 64) -> None:
     """Copy parameters whose memory is not ``alignment``-byte aligned (tied ones stay tied).
 
     transformers' GGUF loader hands out tensors at arbitrary offsets; oneDNN/MKL GEMMs on
@@ -155,7 +155,7 @@ def backbone_from_state_dict(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -
     backbone.load_state_dict(mapped, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         backbone.lm_head.weight = backbone.embed_tokens.weight
-    _align_parameters(backbone)
+    align_parameters(backbone)
     return backbone.eval()
 
 

@@ -59,7 +59,8 @@ def summary(c, mode: str) -> str:
     """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason."""
     r = c.result
     host = r.host_seconds / c.seconds if c.seconds else 0.0
-    reused = f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn" if c.reused_tokens else ""
+    reused = (f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn"
+              if c.reused_tokens else "")
     return (f"[{len(c.token_ids)} tokens in {r.steps + 1} forward passes (prefill + {r.steps} steps); "
             f"{c.tokens_per_step:.2f} tokens/step; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
             f"{100 * host:.1f}%); finish: {c.finish_reason}{reused}]")

@@ -34,7 +34,8 @@ def session_options(threads: int | None):
     return opts
 
 
-_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)", "bool": "tensor(bool)"}
+_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
+              "bool": "tensor(bool)"}
 
 
 def check_graph_io(session, graph: dict, path) -> None:

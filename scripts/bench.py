@@ -74,7 +74,8 @@ def summarize(runs: list, max_depth: int) -> dict:
 
 
 def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) -> dict:
-    """Median wall time (ms) of one engine step, tree and vanilla, at each past length; and the heads graph."""
+    """Wall time (ms, median and best of ``repeats``) of one engine step, tree and vanilla, at each
+    past length; and the heads graph."""
     engine = session.engine
     tree = session.tree
     b = tree.buffers()
@@ -92,16 +93,20 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
         if p + tree.size > cap:
             continue
         cache.truncate(min(p, cache.length))
-        row = {"past_length": p}
-        for name, t, pos, mask in (("tree_step_ms", tree.size, p + b.depth, b.attention_mask),
-                                   ("vanilla_step_ms", 1, np.array([p]), causal_mask(1))):
-            tokens = rng.integers(0, session.tokenizer.vocab_size, t, dtype=np.int64)[None]
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
+        kinds = {"tree_step": (tree.size, p + b.depth, b.attention_mask),
+                 "vanilla_step": (1, np.array([p]), causal_mask(1))}
+        times = {k: [] for k in kinds}
+        for r in range(repeats + 1):  # interleaved, so that load drifts hit both alike; run 0 warms up
+            for name, (t, pos, mask) in kinds.items():
+                tokens = rng.integers(0, session.tokenizer.vocab_size, t, dtype=np.int64)[None]
                 start = time.perf_counter()
                 engine.step(tokens, pos[None], mask, 1.0, cache.past())
-                times.append(time.perf_counter() - start)
-            row[name] = 1e3 * statistics.median(times[1:])
+                if r:
+                    times[name].append(time.perf_counter() - start)
+        row = {"past_length": p}
+        for name, ts in times.items():
+            row[f"{name}_ms"] = 1e3 * statistics.median(ts)
+            row[f"{name}_min_ms"] = 1e3 * min(ts)
         rows.append(row)
     hidden = engine.step(ids[None, :1], np.zeros((1, 1), np.int64), causal_mask(1), 1.0,
                          KVCache.for_engine(engine, 1).past()).hidden
@@ -120,7 +125,7 @@ def transformers_reference(model_name: str, prompt_ids: list[list[int]], max_new
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from medusa_export.loading import find_package_file, hf_cache_snapshot
+    from medusa_export.loading import align_parameters, find_package_file, hf_cache_snapshot
     from medusa_export.registry import get_entry
 
     hf_logging.set_verbosity_error()
@@ -132,7 +137,7 @@ def transformers_reference(model_name: str, prompt_ids: list[list[int]], max_new
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(hf_cache_snapshot(src["repo"])), torch_dtype=torch.float32)
-    model.eval()
+    align_parameters(model.eval())  # as our loader does: GEMMs on the GGUF loader's unaligned tensors crawl
     tps, outputs = [], []
     for ids in prompt_ids:
         x = torch.tensor([ids])
@@ -202,7 +207,7 @@ def run(args) -> dict:
         "precision": m["precision"]["name"], "backend": session.backend, "threads": args.threads,
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
                  "medusa_choices": [list(c) for c in session.tree.choices]},
-        "max_new_tokens": args.max_new_tokens, "prompts": texts,
+        "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": texts,
         "vanilla": summarize(vanilla, session.tree.max_depth),
         "medusa": summarize(medusa, session.tree.max_depth),
         "identical_outputs": sum(v.token_ids == c.token_ids for v, c in zip(vanilla, medusa)),
@@ -236,9 +241,12 @@ def print_table(r: dict) -> None:
     print("accept rate per depth:", ", ".join(f"d{i + 1} {a:.2f}" for i, a in enumerate(m["accept_rate_per_depth"])))
     print(f"identical outputs: {r['identical_outputs']}/{len(r['prompts'])}")
     st = r["step_time"]
-    print("step time (ms) by past length:", "; ".join(
-        f"{row['past_length']}: tree {row['tree_step_ms']:.1f}, vanilla {row['vanilla_step_ms']:.1f}"
-        for row in st["by_past_length"]), f"; heads {st['heads_ms']:.1f}")
+    print(f"step time (ms, median / best of {r['repeats']}) by past length:")
+    for row in st["by_past_length"]:
+        print(f"  {row['past_length']:5d}: tree (T={st['tree_size']}) {row['tree_step_ms']:6.1f} / "
+              f"{row['tree_step_min_ms']:6.1f}   vanilla {row['vanilla_step_ms']:6.1f} / "
+              f"{row['vanilla_step_min_ms']:6.1f}")
+    print(f"  heads graph: {st['heads_ms']:.1f}")
     t = r["transformers"]
     print("transformers generate:", f"{t['median_tokens_per_second']:.1f} tokens/s (median), same tokens as the "
           f"runtime on {t['identical_to_runtime']}/{len(r['prompts'])}" if "tokens_per_second" in t else t["skipped"])
@@ -254,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, a JSON file)")
     p.add_argument("--past-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 256, 512, 1024],
                    help="past lengths for the step-time scan (default: 0,256,512,1024)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per step-time point (default: 5)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per step-time point (default: 7)")
     p.add_argument("--no-transformers", dest="transformers", action="store_false",
                    help="skip the plain transformers reference")
-    p.add_argument("--out", default="bench.json", help="JSON report (default: bench.json); the chart is .png beside it")
+    p.add_argument("--out", default="bench.json",
+                   help="JSON report (default: bench.json); the chart is written beside it as .png")
     args = p.parse_args(argv)
     report = run(args)
     out = Path(args.out)
