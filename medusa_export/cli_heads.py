@@ -49,13 +49,14 @@ def cmd_train_heads(args) -> int:
     print(f"{len(train)} training prompts, {len(held)} held out", file=sys.stderr)
     gen = load_generator(args.model, model_path=args.model_path)
     cache = Path(args.cache)
-    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, train, cache / "train",
+    # One cache; the held-out prompts are answered first and never trained on.
+    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held + train, cache / "train",
                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                               budget_tokens=args.budget_tokens)
-    held_replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held, cache / "heldout",
-                                    batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                    eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id)
+                               budget_tokens=args.budget_tokens, sort_window=args.sort_window)
+    held_ids = {p.id for p in held}
+    held_replies = [r for r in replies if r.id in held_ids]
+    replies = [r for r in replies if r.id not in held_ids]
     if args.generate_only:
         return 0
     if args.max_tokens is not None:  # a prefix of the cache (data-scaling runs)
@@ -102,7 +103,7 @@ def cmd_train_heads(args) -> int:
     if held_replies:
         from .calibrate import head_accuracies, save_accuracies
 
-        acc = head_accuracies(heads, load_hidden(cache / "heldout", held_replies),
+        acc = head_accuracies(heads, [h.float() for h in load_hidden(cache / "train", held_replies)],
                               [r.tokens for r in held_replies])
         save_accuracies(acc, args.out, source=f"held-out split of the training prompts ({len(held_replies)} prompts)",
                         positions=sum(len(r.tokens) for r in held_replies))
@@ -160,11 +161,15 @@ def add_heads_commands(sub) -> None:
                    help="prompt JSONL file (repeatable): 'messages', 'turns', 'prompt', 'instruction' or "
                         "OASST '### Human:' records")
     p.add_argument("--cap", action="append", help="SOURCE=N: at most N prompts of a source (repeatable)")
-    p.add_argument("--holdout", type=int, default=100, help="prompts held out for calibration (default: 100)")
+    p.add_argument("--holdout", type=int, default=32,
+                   help="prompts answered but never trained on; the heads' accuracies on them go to accuracies.json "
+                        "(default: 32)")
     p.add_argument("--out", required=True, help="output heads directory")
     p.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache directory (default: {DEFAULT_CACHE})")
     p.add_argument("--batch-size", type=int, default=32, help="generation batch (default: 32)")
     p.add_argument("--max-new-tokens", type=int, default=384, help="reply length cap (default: 384)")
+    p.add_argument("--sort-window", type=int, default=2,
+                   help="sort prompts by length within windows of this many batches (default: 2)")
     p.add_argument("--budget-tokens", type=int, help="stop generating once the cache holds this many reply tokens")
     p.add_argument("--max-tokens", type=int, help="train on only the first N cached reply tokens")
     p.add_argument("--generate-only", action="store_true", help="fill the caches and stop")

@@ -231,7 +231,7 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
                      cache_dir: str | Path, *, batch_size: int = 32, max_new_tokens: int = 384,
                      max_prompt_tokens: int = 768, eos_token_ids: Sequence[int], pad_token_id: int,
                      progress: bool = True, budget_tokens: int | None = None,
-                     hidden_dtype: torch.dtype = torch.bfloat16) -> list[Reply]:
+                     hidden_dtype: torch.dtype = torch.bfloat16, sort_window: int = 2) -> list[Reply]:
     """Answer every prompt not yet in the cache; append shards and reply lines as batches finish.
 
     Args:
@@ -243,6 +243,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
         max_prompt_tokens: longer prompts are skipped.
         eos_token_ids, pad_token_id: stop tokens and the left-padding token.
         budget_tokens: stop once the cache holds this many reply tokens (None: all prompts).
+        sort_window: prompts are sorted by length inside windows of this many batches (less
+            padding; a small window keeps a partial cache a fair sample of the order).
         hidden_dtype: storage dtype of the hidden states (bf16 for training; fp32 where top-k
             ties matter, as in calibration).
 
@@ -265,9 +267,7 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
             ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
             if len(ids) <= max_prompt_tokens:
                 todo.append((p, ids))
-    # Sort by prompt length inside windows of 8 batches: less padding, and the cache
-    # still fills in (roughly) the given order, so a partial cache is a fair sample.
-    window = batch_size * 8
+    window = batch_size * max(1, sort_window)
     for w in range(0, len(todo), window):
         todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
     shard_no = len(list(cache.glob("shard-*.safetensors")))
