@@ -11,7 +11,7 @@ name                      what                                                  
 ========================  ==========================================================  =========
 
 A factory takes the loaded :class:`~.artifact.Artifact` and keyword options (``threads``,
-``device_id``; each factory ignores what it does not use) and returns an engine. Other
+``spin``, ``device_id``; each factory ignores what it does not use) and returns an engine. Other
 backends plug in with :func:`register_backend`.
 """
 
@@ -26,10 +26,10 @@ from .errors import BackendUnavailableError, MedusaError
 DEFAULT_BACKEND = "onnxruntime"
 
 
-def _onnxruntime(artifact: Artifact, *, threads: int | None = None, **_):
+def _onnxruntime(artifact: Artifact, *, threads: int | None = None, spin: bool = False, **_):
     from .ort_engine import OrtEngine
 
-    return OrtEngine(artifact, threads=threads)
+    return OrtEngine(artifact, threads=threads, spin=spin)
 
 
 def _onnxruntime_cuda(artifact: Artifact, *, threads: int | None = None, device_id: int = 0, **_):
@@ -70,7 +70,8 @@ def create_engine(artifact: Artifact, backend: str = DEFAULT_BACKEND, **options)
     Args:
         artifact: the loaded artifact.
         backend: a name in :data:`BACKENDS`.
-        **options: ``threads`` (CPU intra-op threads), ``device_id`` (GPU).
+        **options: ``threads`` (CPU intra-op threads), ``spin`` (busy-waiting CPU threads),
+            ``device_id`` (GPU).
 
     Raises:
         MedusaError: unknown backend name (the message lists the known ones).

@@ -18,13 +18,17 @@ through the same engine. Reported (JSON + PNG chart):
 * plain transformers ``generate`` (greedy, same prompt ids and threads) as the outside
   reference; skipped with a note when it cannot run (e.g. the backbone is not on disk).
 
-Only the transformers reference imports torch, after every runtime measurement.
+Only the transformers reference imports torch, after every runtime measurement. Both sides
+wait passively for work (ONNX Runtime without spinning threads unless ``--spin``; OpenMP with
+``OMP_WAIT_POLICY=PASSIVE`` unless set): on the shared 2-core machines here, busy-waiting
+threads made steps up to 2-5x slower whenever other processes ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +38,8 @@ import numpy as np
 
 from medusa_runtime.loop import KVCache, causal_mask
 from medusa_runtime.session import MedusaSession
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
 
@@ -190,7 +196,7 @@ def chart(report: dict, path: Path) -> None:
 
 
 def run(args) -> dict:
-    session = MedusaSession(args.artifact, threads=args.threads, tree=args.tree)
+    session = MedusaSession(args.artifact, threads=args.threads, tree=args.tree, spin=args.spin)
     texts = read_first_turns(Path(args.questions), args.prompts)
     prompt_ids = [session.encode(t) for t in texts]
     session.generate(prompt_ids=prompt_ids[0], max_new_tokens=8)  # warm-up
@@ -204,7 +210,8 @@ def run(args) -> dict:
     m = session.artifact.manifest
     report = {
         "model": m["model"]["name"], "heads_source": m["model"]["heads_source"], "artifact": str(args.artifact),
-        "precision": m["precision"]["name"], "backend": session.backend, "threads": args.threads,
+        "precision": m["precision"]["name"], "backend": session.backend, "threads": args.threads, "spin": args.spin,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
                  "medusa_choices": [list(c) for c in session.tree.choices]},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": texts,
@@ -260,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--threads", type=int, help="CPU threads (default: ONNX Runtime's choice)")
     p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, a JSON file)")
+    p.add_argument("--spin", action="store_true", help="let ONNX Runtime's idle threads busy-wait (dedicated machines)")
     p.add_argument("--past-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 256, 512, 1024],
                    help="past lengths for the step-time scan (default: 0,256,512,1024)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per step-time point (default: 7)")
