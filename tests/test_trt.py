@@ -143,11 +143,13 @@ def test_profiles_follow_the_manifest(tiny_trt_artifact):
     m = _manifest(tiny_trt_artifact)
     t, ctx = m["tree"]["size"], m["model"]["max_context"]
     prefill, tree_step, decode = model_profiles(m)
-    assert prefill.dims == {"S": (1, ctx // 2, ctx), "P": (0, 0, 0)}
+    # the prefill profile admits a past (a later turn's prompt after an existing cache)
+    assert prefill.dims == {"S": (1, ctx // 2, ctx), "P": (0, (ctx - 1) // 2, ctx - 1)}
     assert tree_step.dims["S"] == (t, t, t) and tree_step.dims["P"][::2] == (0, ctx - t)
     assert decode.dims["S"] == (1, 1, 1)
     profiles = [prefill, tree_step, decode]
     assert select_profile(profiles, {"S": 7, "P": 0}) == 0  # the prompt
+    assert select_profile(profiles, {"S": 7, "P": 50}) == 0  # a later turn's prompt
     assert select_profile(profiles, {"S": t, "P": 0}) == 1  # tree step right after a 0-token past
     assert select_profile(profiles, {"S": t, "P": 100}) == 1
     assert select_profile(profiles, {"S": 1, "P": 100}) == 2
