@@ -185,12 +185,14 @@ def chart(report: dict, path: Path) -> None:
               xlabel="tree depth", ylabel="fraction of steps", ylim=(0, 1))
     rows = report["step_time"]["by_past_length"]
     past = [r["past_length"] for r in rows]
-    ax[2].plot(past, [r["tree_step_ms"] for r in rows], "o-", label=f"tree step (T={report['step_time']['tree_size']})")
-    ax[2].plot(past, [r["vanilla_step_ms"] for r in rows], "o-", label="vanilla step (T=1)")
-    ax[2].set(title="step time vs context", xlabel="past length (tokens)", ylabel="ms")
+    for key, label, color in (("tree_step", f"tree step (T={report['step_time']['tree_size']})", "C0"),
+                              ("vanilla_step", "vanilla step (T=1)", "C1")):
+        ax[2].plot(past, [r[f"{key}_ms"] for r in rows], "o-", color=color, label=f"{label}, median")
+        ax[2].plot(past, [r[f"{key}_min_ms"] for r in rows], "o--", color=color, alpha=0.6, label=f"{label}, best")
+    ax[2].set(title="step time vs context", xlabel="past length (tokens)", ylabel="ms", ylim=(0, None))
     ax[2].legend()
     fig.suptitle(f"{report['model']} · {report['backend']} · {report['threads'] or 'default'} threads · "
-                 f"heads: {report['heads_source'][:40]}")
+                 f"heads: {report['heads_source'].split(' (')[0]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
