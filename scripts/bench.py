@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Vanilla vs Medusa on the same artifact and runtime, side by side, over MT-Bench first turns.
 
-    python scripts/bench.py --artifact artifacts/smollm2-135m-t16-fp32 --prompts 5 --threads 2
+    python scripts/bench.py artifacts/smollm2-135m-t16-fp32 --prompts 5 --threads 2
 
 For each prompt (chat template applied) the runtime generates ``--max-new-tokens`` greedy
 tokens twice, one token per step (vanilla: the root-only tree) and with the Medusa tree,
@@ -263,7 +263,7 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--artifact", required=True, help="artifact directory")
+    p.add_argument("artifact", help="artifact directory (medusa-export build output)")
     p.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns to use (default: 5)")
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-Bench question.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")

@@ -1,0 +1,438 @@
+"""The torch-free runtime: parity with PyTorch and greedy decoding, stops, sampling, chat,
+tokenizer, CLI, backends and refusing bad artifacts.
+
+Tiny artifacts wherever the embedded model is not needed. The "counter" model below is a
+2-layer Llama whose greedy continuation of token t is t + 1 (mod V) and whose Medusa head
+k guesses t + 1 + k, so every tree step accepts a full path of *different* tokens: the
+place to test stops that fall inside an accepted path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MT_BENCH, make_tiny_medusa, mt_bench_prompts, tiny_loaded
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
+from medusa_runtime.loop import KVCache, generate
+from medusa_runtime.session import MedusaSession
+from medusa_runtime.tokenizer import RuntimeTokenizer
+
+VOCAB = 300
+CONTEXT = 128
+EOS = 2  # the tiny tokenizer's "</s>"
+
+
+def make_counter_medusa(scale: float = 6.0):
+    """A MedusaModel whose greedy next token after t is t+1 mod V, head k's top guess t+1+k.
+
+    Layers' residual outputs are scaled down (they still run and perturb the logits a
+    little, so the K/V matter); lm_head row j is scale * E[j-1] and head k's own projection
+    row j is scale * E[j-1-k] (E the embeddings), so after the final norm the logit of
+    t+1 (head k: t+1+k) is ~scale * 1.3 against ~N(0, scale * 0.16) for the others.
+    """
+    _, model = make_tiny_medusa(vocab=VOCAB, medusa_heads=3, own_projection=True)
+    with torch.no_grad():
+        for block in model.backbone.layers:
+            block.self_attn.o_proj.weight.mul_(0.05)
+            block.mlp.down_proj.weight.mul_(0.05)
+        emb = model.backbone.embed_tokens.weight
+        model.backbone.lm_head.weight.copy_(scale * torch.roll(emb, 1, dims=0))
+        for k, head in enumerate(model.heads.heads, start=1):
+            head[-1].weight.copy_(scale * torch.roll(emb, 1 + k, dims=0))
+    return model
+
+
+@pytest.fixture(scope="module")
+def counter_artifact(tmp_path_factory):
+    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_runtime.tree import tree_from_spec
+
+    lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=CONTEXT)
+    assert lm.eos_token_ids == [EOS]
+    tree = tree_from_spec("16", num_heads=3)
+    assert tree.max_depth == 3
+    out = tmp_path_factory.mktemp("runtime") / "counter"
+    return build_artifact(lm, tree, out, BuildConfig(validate=False), progress=False)
+
+
+@pytest.fixture(scope="module")
+def counter(counter_artifact):
+    return MedusaSession(counter_artifact, threads=2)
+
+
+def _counting(start: int, n: int) -> list[int]:
+    return [(start + i) % VOCAB for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------
+# Stops inside an accepted path, length, context
+# ---------------------------------------------------------------------------------------
+
+
+def test_counter_accepts_full_paths_and_vanilla_matches(counter):
+    c = counter.generate(prompt_ids=[100], max_new_tokens=20)
+    assert c.token_ids == _counting(101, 20) and c.finish_reason == "length"
+    assert max(c.result.step_tokens) == 4  # a depth-3 path + the bonus token
+    v = counter.generate(prompt_ids=[100], max_new_tokens=20, vanilla=True)
+    assert v.token_ids == c.token_ids
+    assert v.result.step_tokens == [1] * 19 and v.result.accept_depths == [0] * 19
+
+
+def test_eos_inside_an_accepted_path(counter):
+    # 295 -> 296 .. 299, 0, 1, then EOS (2); the step that reaches EOS accepted tokens beyond it.
+    c = counter.generate(prompt_ids=[295], max_new_tokens=50)
+    assert c.token_ids == [296, 297, 298, 299, 0, 1]
+    assert c.finish_reason == "stop"
+    emitted_in_last_step = len(c.token_ids) - 1 - sum(c.result.step_tokens[:-1])
+    assert emitted_in_last_step < c.result.step_tokens[-1]  # cut mid-path
+
+
+def test_eos_through_the_loop_directly(counter):
+    res = generate(counter.engine, [100], counter.tree, max_new_tokens=50, eos_token_ids=[106], max_context=CONTEXT)
+    assert res.tokens == _counting(101, 5) and res.finish_reason == "stop"
+
+
+def test_stop_string_inside_an_accepted_path(counter):
+    tok = counter.tokenizer
+    ids = _counting(260, 12)  # BPE merges: ' t', 'on', 'he', ...
+    pieces = [tok.decode([i]) for i in ids]
+    # A stop string that starts inside token i and ends inside token i + 1 (i >= 2), and
+    # does not occur earlier.
+    for i in range(2, 8):
+        stop = pieces[i][-1:] + pieces[i + 1][:1]
+        before = "".join(pieces[: i + 1])[:-1]
+        if len(stop) == 2 and stop not in before + pieces[i][-1:]:
+            break
+    else:
+        pytest.skip("no usable stop string in the tiny tokenizer's pieces")
+    streamed = []
+    c = counter.generate(prompt_ids=[259], max_new_tokens=50, stop=[stop], stream=streamed.append)
+    assert c.finish_reason == "stop"
+    assert c.text == before
+    assert "".join(streamed) == before  # the stop string's start was never printed
+    assert c.token_ids == ids[: i + 2]  # up to the token that completed the stop string
+    assert sum(c.result.step_tokens) + 1 > len(c.token_ids)  # the step had accepted more
+
+
+def test_max_new_tokens_exact_inside_a_long_path(counter):
+    for n in (1, 2, 3, 6):
+        c = counter.generate(prompt_ids=[100], max_new_tokens=n)
+        assert c.token_ids == _counting(101, n) and c.finish_reason == "length"
+    c = counter.generate(prompt_ids=[100], max_new_tokens=0)
+    assert c.token_ids == [] and c.finish_reason == "length"
+
+
+def test_prompt_that_fills_the_context(counter):
+    prompt = _counting(0, CONTEXT - 5)
+    c = counter.generate(prompt_ids=prompt, max_new_tokens=50)
+    # 1 token from the prefill, then the 16-node tree no longer fits: one-token steps until the cache is full.
+    assert c.finish_reason == "length"
+    assert c.token_ids == _counting(CONTEXT - 5, 6)
+    assert c.result.step_tokens == [1] * 5
+    full = counter.generate(prompt_ids=_counting(0, CONTEXT), max_new_tokens=50)
+    assert full.token_ids == [CONTEXT % VOCAB] and full.finish_reason == "length"
+    with pytest.raises(ContextOverflowError, match="prompt has 129 tokens"):
+        counter.generate(prompt_ids=_counting(0, CONTEXT + 1), max_new_tokens=5)
+
+
+# ---------------------------------------------------------------------------------------
+# Typical acceptance
+# ---------------------------------------------------------------------------------------
+
+
+def test_typical_acceptance_is_reproducible_per_seed(counter):
+    kw = dict(prompt_ids=[100], max_new_tokens=40, temperature=2.0)
+    a = counter.generate(seed=1, **kw)
+    assert counter.generate(seed=1, **kw).token_ids == a.token_ids
+    b = counter.generate(seed=2, **kw)
+    assert b.token_ids != a.token_ids
+    assert len(a.token_ids) == 40 and a.tokens_per_step > 1.0
+    with pytest.raises(ValueError, match="posterior_threshold"):
+        counter.generate(posterior_threshold=0.0, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# Multi-turn chat, streaming, tokenizer
+# ---------------------------------------------------------------------------------------
+
+
+def test_chat_reuses_the_cache_and_equals_a_fresh_prefill(counter):
+    counter.reset()
+    first = counter.chat("hello there", max_new_tokens=6)
+    second = counter.chat("and again", max_new_tokens=6)
+    assert first.reused_tokens == 0 and second.reused_tokens > 0
+    assert second.reused_tokens + 1 < second.prompt_tokens
+    fresh = counter.generate(counter.messages[:-1], max_new_tokens=6)
+    assert fresh.token_ids == second.token_ids
+    assert [m["role"] for m in counter.messages] == ["user", "assistant", "user", "assistant"]
+    counter.reset(system="be brief")
+    assert counter.messages == [{"role": "system", "content": "be brief"}]
+
+
+def test_stream_never_prints_half_characters(counter):
+    tok = counter.tokenizer
+    text = "héllo wörld → 日本語 🙂 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 2  # multi-byte characters span several byte-level tokens
+    dec = tok.stream()
+    pieces = []
+    for i in ids:
+        dec.add(i)
+        pieces.append(dec.take())
+    pieces.append(dec.finish())
+    assert "".join(pieces) == text == dec.text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_holds_back_a_possible_stop_string(counter):
+    tok = counter.tokenizer
+    ids = tok.encode("abc END xyz", add_special_tokens=False)
+    dec = tok.stream(stop_strings=["END", "ENOUGH"])
+    printed = ""
+    for i in ids:
+        stopped = dec.add(i)
+        printed += dec.take()
+        assert "E" not in printed
+        if stopped:
+            break
+    printed += dec.finish()
+    assert dec.stopped and printed == dec.text == "abc "
+
+
+def test_tiny_tokenizer_matches_transformers(counter_artifact):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(counter_artifact / "tokenizer"))
+    rt = RuntimeTokenizer.from_artifact(load_artifact(counter_artifact))
+    template = (counter_artifact / "chat_template.jinja").read_text()
+    for msgs in ([{"role": "user", "content": "Hi there!"}],
+                 [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]):
+        assert rt.apply_chat_template(msgs) == hf.apply_chat_template(msgs, chat_template=template, tokenize=True,
+                                                                      add_generation_prompt=True)
+    ids = hf.encode("Compose an engaging travel blog post , isn't it ?")
+    assert rt.encode("Compose an engaging travel blog post , isn't it ?") == ids
+    assert rt.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Torch-free import, CLI, backends
+# ---------------------------------------------------------------------------------------
+
+
+def test_runtime_runs_without_torch_or_transformers(counter_artifact):
+    code = textwrap.dedent(f"""
+        import sys
+        from medusa_runtime.session import MedusaSession
+        s = MedusaSession({str(counter_artifact)!r}, threads=1)
+        c = s.generate("hello", max_new_tokens=4)
+        assert len(c.token_ids) == 4, c
+        bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+        assert not bad, bad
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_cli_generate_and_chat(counter_artifact, capsys):
+    from medusa_export.cli import main
+    from medusa_runtime.cli import build_parser, run_chat
+
+    assert main(["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "5",
+                 "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "5 tokens in" in err and "tokens/step" in err and "tokens/s" in err
+    args = build_parser().parse_args(["chat", "--artifact", str(counter_artifact), "--max-new-tokens", "4"])
+    out, log = io.StringIO(), io.StringIO()
+    assert run_chat(args, io.StringIO("hello\nmore\n/reset\nagain\n/exit\n"), out, log) == 0
+    lines = log.getvalue().splitlines()
+    assert sum("tokens/s" in line for line in lines) == 3
+    assert "reused from the last turn" in lines[2] and "[new conversation]" in lines[3]
+    assert main(["generate", "--artifact", str(counter_artifact / "nope"), "--prompt", "x"]) == 2
+
+
+def test_backends(counter_artifact):
+    import onnxruntime as ort
+
+    from medusa_runtime.engines import BACKENDS, create_engine
+
+    art = load_artifact(counter_artifact)
+    assert {"onnxruntime", "onnxruntime-cuda", "tensorrt"} <= set(BACKENDS)
+    with pytest.raises(MedusaError, match="unknown backend 'cuda'; choose one of onnxruntime"):
+        create_engine(art, "cuda")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(BackendUnavailableError, match="CUDAExecutionProvider"):
+            create_engine(art, "onnxruntime-cuda")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailableError, match="TensorRT"):
+            create_engine(art, "tensorrt")
+
+
+def test_kv_cache_tracks_tokens_and_truncates():
+    cache = KVCache(2, 1, 4, capacity=8)
+    new = [(np.arange(12, dtype=np.float32).reshape(1, 3, 1, 4),) * 2] * 2
+    cache.keep(new, np.array([0, 2]), [7, 9])
+    assert cache.length == 2 and cache.tokens == [7, 9]
+    assert cache.keys[0][0, 1, 0].tolist() == [8, 9, 10, 11]
+    cache.truncate(1)
+    assert cache.length == 1 and cache.tokens == [7] and cache.past()[0][0].shape == (1, 1, 1, 4)
+    with pytest.raises(ValueError):
+        cache.truncate(2)
+
+
+@pytest.mark.parametrize("accepted", [[0], [0, 1, 2], [0, 2, 5], [0, 3, 4, 9]])
+def test_in_place_moves_equal_write_accepted(accepted):
+    """The device caches' compaction (the step wrote its K/V after the past) equals the copy."""
+    from medusa_runtime.kvcache import in_place_moves, write_accepted
+
+    past, t = 3, 10
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((1, 16, 2, 4)).astype(np.float32)
+    new = cache[:, past:past + t].copy()
+    expected = cache.copy()
+    write_accepted(expected, new, past, np.array(accepted))
+    for src, dst in in_place_moves(np.array(accepted)):
+        cache[:, past + dst] = cache[:, past + src]
+    np.testing.assert_array_equal(cache[:, : past + len(accepted)], expected[:, : past + len(accepted)])
+    with pytest.raises(ValueError, match="must increase"):
+        in_place_moves(np.array([0, 2, 1]))
+
+
+# ---------------------------------------------------------------------------------------
+# Refusing bad artifacts
+# ---------------------------------------------------------------------------------------
+
+
+def _edit_manifest(path, edit):
+    m = json.loads((path / "manifest.json").read_text())
+    edit(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("format_version", "format_version 2 is not supported"),
+    ("num_layers", "num_layers is 3 but the step graph has 4 past_key_values inputs"),
+    ("tree_size", "tree has 16 nodes, the manifest records 17"),
+    ("graph_io", "tensor medusa_topk_ids is tensor\\(int64\\)"),
+    ("missing_file", "artifact file heads.onnx is missing"),
+    ("checksum", "artifact file heads.onnx fails its SHA-256 check"),
+    ("truncated", "artifact file weights.bin has"),
+    ("not_json", "manifest.json is not valid JSON"),
+    ("tokenizer", "cannot read the tokenizer"),
+])
+def test_bad_artifacts_are_refused(counter_artifact, tmp_path, case, match):
+    art = tmp_path / "art"
+    shutil.copytree(counter_artifact, art)
+    if case == "format_version":
+        _edit_manifest(art, lambda m: m.update(format_version=2))
+    elif case == "num_layers":
+        _edit_manifest(art, lambda m: m["model"].update(num_layers=3))
+    elif case == "tree_size":
+        _edit_manifest(art, lambda m: m["tree"].update(size=17))
+    elif case == "graph_io":  # the manifest now describes another heads graph than the file holds
+        _edit_manifest(art, lambda m: m["graphs"]["heads"]["outputs"][0].update(dtype="float32"))
+    elif case == "missing_file":
+        (art / "heads.onnx").unlink()
+    elif case == "checksum":
+        data = bytearray((art / "heads.onnx").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (art / "heads.onnx").write_bytes(bytes(data))
+    elif case == "truncated":
+        with open(art / "weights.bin", "r+b") as fh:
+            fh.truncate(1000)
+    elif case == "not_json":
+        (art / "manifest.json").write_text("{not json")
+    elif case == "tokenizer":  # a bad tokenizer file whose checksum was updated to match
+        (art / "tokenizer" / "tokenizer.json").write_text("{}")
+        from medusa_runtime.artifact import sha256_file
+
+        _edit_manifest(art, lambda m: m["checksums"]["tokenizer/tokenizer.json"].update(
+            sha256=sha256_file(art / "tokenizer" / "tokenizer.json"), bytes=2))
+    with pytest.raises(ArtifactError, match=match):
+        MedusaSession(art)
+
+
+# ---------------------------------------------------------------------------------------
+# The embedded model: parity with the PyTorch reference and plain greedy decoding
+# ---------------------------------------------------------------------------------------
+
+
+def assert_greedy(model, prompt_ids: list[int], tokens: list[int], finish: str, eos: list[int]) -> None:
+    """``tokens`` are what plain greedy decoding gives: one teacher-forced forward over
+    prompt + tokens, argmax of the full logits (no tree, heads or top-k) at every position.
+
+    Greedy decoding is deterministic, so matching the argmax after every prefix is the same
+    as matching a one-token-at-a-time greedy run, at the cost of a single forward.
+    """
+    from medusa_runtime.loop import causal_mask
+
+    seq = list(prompt_ids) + list(tokens)
+    n = len(seq)
+    with torch.no_grad():
+        logits, _, _ = model(torch.tensor([seq]), torch.arange(n)[None], torch.from_numpy(causal_mask(n)),
+                             model.backbone.empty_past())
+    argmax = logits[0, len(prompt_ids) - 1:].argmax(-1).tolist()  # next token after each prefix
+    assert argmax[: len(tokens)] == list(tokens)
+    if finish == "stop":
+        assert argmax[len(tokens)] in eos
+
+
+@pytest.fixture(scope="module")
+def smollm_session(smollm_artifact):
+    return MedusaSession(smollm_artifact, threads=2)
+
+
+@pytest.mark.slow
+def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session):
+    from medusa_export.decode import medusa_generate
+
+    for text in mt_bench_prompts(5):
+        ids = smollm_session.encode(text)
+        run = smollm_session.generate(prompt_ids=ids, max_new_tokens=64)
+        ref = medusa_generate(smollm.model, ids, smollm_session.tree, max_new_tokens=64,
+                              eos_token_ids=smollm.eos_token_ids, max_context=smollm_session.max_context)
+        assert run.token_ids == ref.tokens, text
+        assert run.result.step_tokens == ref.step_tokens, text
+        assert_greedy(smollm.model, ids, run.token_ids, run.finish_reason, smollm.eos_token_ids)
+        assert run.text == smollm.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_embedded_chat_template_matches_transformers(smollm, smollm_session):
+    from medusa_export.chat import apply_chat_template
+
+    questions = [json.loads(line) for line in MT_BENCH.read_text().splitlines()[:20]]
+    assert smollm_session.eos_token_ids == smollm.eos_token_ids == [2]
+    for q in questions:
+        turns = [{"role": "user", "content": q["turns"][0]}]
+        if len(q["turns"]) > 1:
+            turns += [{"role": "assistant", "content": "Sure , here's one: 1 . It's 😀 fine"},
+                      {"role": "user", "content": q["turns"][1]}]
+        for msgs in (turns, [{"role": "system", "content": "Be brief."}] + turns):
+            ids = apply_chat_template(smollm.tokenizer, smollm.chat_template, msgs)
+            assert smollm_session.tokenizer.apply_chat_template(msgs) == ids
+        assert smollm_session.tokenizer.decode(ids) == smollm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_embedded_chat_second_turn_equals_fresh_generation(smollm_session):
+    smollm_session.reset()
+    smollm_session.chat("Name a color.", max_new_tokens=12)
+    second = smollm_session.chat("Name another one.", max_new_tokens=12)
+    assert second.reused_tokens > 30
+    fresh = smollm_session.generate(smollm_session.messages[:-1], max_new_tokens=12)
+    assert fresh.token_ids == second.token_ids
