@@ -94,27 +94,30 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
     if longest:
         out = engine.step(ids[None], np.arange(longest)[None], causal_mask(longest), 1.0, cache.past())
         cache.keep(out.new_kv, np.arange(longest), ids)
-    rows = []
-    for p in past_lengths:
-        if p + tree.size > cap:
-            continue
-        cache.truncate(min(p, cache.length))
-        kinds = {"tree_step": (tree.size, p + b.depth, b.attention_mask),
-                 "vanilla_step": (1, np.array([p]), causal_mask(1))}
-        times = {k: [] for k in kinds}
-        for r in range(repeats + 1):  # interleaved, so that load drifts hit both alike; run 0 warms up
-            for name, (t, pos, mask) in kinds.items():
+    points = [p for p in past_lengths if p + tree.size <= cap]
+    kinds = {"tree_step": (tree.size, b.depth, b.attention_mask),
+             "vanilla_step": (1, np.zeros(1, np.int64), causal_mask(1))}
+    times = {(p, k): [] for p in points for k in kinds}
+    full = cache.length
+    for r in range(repeats + 1):  # round-robin over every point, so load drifts hit all alike; run 0 warms up
+        for p in points:
+            for name, (t, depth, mask) in kinds.items():
                 tokens = rng.integers(0, session.tokenizer.vocab_size, t, dtype=np.int64)[None]
+                cache.length = p  # the first p slots hold a real prefill's K/V; only timing reads them
+                past = cache.past()
+                cache.length = full
                 start = time.perf_counter()
-                engine.step(tokens, pos[None], mask, 1.0, cache.past())
+                engine.step(tokens, (p + depth)[None], mask, 1.0, past)
                 if r:
-                    times[name].append(time.perf_counter() - start)
+                    times[(p, name)].append(time.perf_counter() - start)
+    rows = []
+    for p in points:
         row = {"past_length": p}
-        for name, ts in times.items():
-            row[f"{name}_ms"] = 1e3 * statistics.median(ts)
-            row[f"{name}_min_ms"] = 1e3 * min(ts)
+        for name in kinds:
+            row[f"{name}_ms"] = 1e3 * statistics.median(times[(p, name)])
+            row[f"{name}_min_ms"] = 1e3 * min(times[(p, name)])
         rows.append(row)
-    hidden = engine.step(ids[None, :1], np.zeros((1, 1), np.int64), causal_mask(1), 1.0,
+    hidden = engine.step(np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64), causal_mask(1), 1.0,
                          KVCache.for_engine(engine, 1).past()).hidden
     heads = []
     for _ in range(repeats + 1):
