@@ -168,8 +168,11 @@ def merge_weights(model_paths: list[Path], weights_name: str = WEIGHTS_FILE) -> 
         {"tensors": stored tensor count, "bytes": data file size, "deduplicated": count}.
     """
     folder = model_paths[0].parent
+    old_data = set()  # whatever external data files the models reference now (exporter's, quantizer's)
+    for p in model_paths:
+        for t in onnx.load(str(p), load_external_data=False).graph.initializer:
+            old_data.update(folder / e.value for e in t.external_data if e.key == "location")
     models = [onnx.load(str(p), load_external_data=True) for p in model_paths]
-    old_data = {f for p in model_paths for f in folder.iterdir() if f.name.startswith(p.name + ".data") or f.name == p.stem + ".data"}
     offsets: dict[str, tuple[int, int]] = {}
     stored = dedup = 0
     with open(folder / weights_name, "wb") as fh:
@@ -199,7 +202,7 @@ def merge_weights(model_paths: list[Path], weights_name: str = WEIGHTS_FILE) -> 
                     e.key, e.value = k, v
         size = fh.tell()
     for f in old_data:
-        if f.name != weights_name:
+        if f.name != weights_name and f.exists():
             f.unlink()
     for m, p in zip(models, model_paths):
         onnx.save(m, str(p))
