@@ -48,7 +48,7 @@ class Tolerance:
 
 TOLERANCES = {
     "fp32": Tolerance(atol=1e-3, hidden_atol=1e-3, margin=0.0, exact=True),
-    "fp16": Tolerance(atol=5e-2, hidden_atol=5e-2, margin=0.1, exact=False),
+    "fp16": Tolerance(atol=5e-2, hidden_atol=2e-1, margin=0.1, exact=False),  # hidden values reach ~10: fp16 ulp ~1e-2
     "int8": Tolerance(atol=float("inf"), hidden_atol=float("inf"), margin=float("inf"), exact=False),
 }
 
