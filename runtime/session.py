@@ -197,15 +197,15 @@ class MedusaSession:
                        max_context=self.max_context, typical=typical, seed=seed,
                        on_tokens=on_tokens if (stop or stream) else None, cache=cache)
         seconds = time.perf_counter() - t
-        if not (stop or stream):
-            for tok in res.tokens:
-                decoder.add(tok)
         if stream is not None:
             piece = decoder.finish()
             if piece:
                 stream(piece)
-        return Completion(decoder.text, list(decoder.tokens), res.finish_reason, res, reused + len(ids), reused,
-                          seconds)
+        if stop or stream:
+            text, tokens = decoder.text, list(decoder.tokens)
+        else:
+            text, tokens = self.tokenizer.decode(res.tokens), list(res.tokens)
+        return Completion(text, tokens, res.finish_reason, res, reused + len(ids), reused, seconds)
 
     # -- multi-turn chat ----------------------------------------------------------------
 

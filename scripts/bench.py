@@ -180,7 +180,7 @@ def chart(report: dict, path: Path) -> None:
     ax[0].set_xticks(np.arange(n) + width * (len(modes) - 1) / 2, [str(i + 1) for i in range(n)])
     ax[0].set(title=f"tokens/s per prompt (speedup {report['speedup']:.2f}x)", xlabel="MT-Bench prompt",
               ylabel="tokens/s")
-    ax[0].legend()
+    ax[0].legend(loc="lower left", fontsize="small")
     rates = report["medusa"]["accept_rate_per_depth"]
     ax[1].bar(np.arange(1, len(rates) + 1), rates)
     ax[1].set_xticks(np.arange(1, len(rates) + 1))
@@ -193,7 +193,7 @@ def chart(report: dict, path: Path) -> None:
         ax[2].plot(past, [r[f"{key}_ms"] for r in rows], "o-", color=color, label=f"{label}, median")
         ax[2].plot(past, [r[f"{key}_min_ms"] for r in rows], "o--", color=color, alpha=0.6, label=f"{label}, best")
     ax[2].set(title="step time vs context", xlabel="past length (tokens)", ylabel="ms", ylim=(0, None))
-    ax[2].legend()
+    ax[2].legend(loc="lower right", fontsize="small")
     fig.suptitle(f"{report['model']} · {report['backend']} · {report['threads'] or 'default'} threads · "
                  f"heads: {report['heads_source'].split(' (')[0]}")
     fig.tight_layout()
