@@ -103,7 +103,7 @@ def cmd_build(args) -> int:
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     spec = args.tree or lm.default_tree
-    tree = tree_from_spec(spec, num_heads=lm.model.num_heads, accuracies=getattr(lm, "head_accuracies", None))
+    tree = tree_from_spec(spec, num_heads=lm.model.num_heads, accuracies=lm.head_accuracies)
     out = args.out or f"artifacts/{lm.name}-t{tree.size}-{cfg.precision}"
     prompts = read_prompts(args.prompts) if args.prompts else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts)

@@ -76,29 +76,28 @@ class ValidationReport:
     new_tokens: int
     prompts: list[PromptReport] = field(default_factory=list)
 
-    def _steps_ok(self, p: PromptReport) -> bool:
+    def failure(self, p: PromptReport) -> str | None:
+        """Why prompt ``p`` fails (one line), or None when it passes."""
         tol = TOLERANCES[self.precision]
-        return p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol and p.max_hidden_diff <= tol.hidden_atol
+        if not (p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol
+                and p.max_hidden_diff <= tol.hidden_atol):
+            return (f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
+                    f"entropy {p.max_entropy_diff:.2e}, hidden {p.max_hidden_diff:.2e}; "
+                    f"tolerance {tol.atol:g}/{tol.hidden_atol:g})")
+        if not (p.identical or p.near_tie):
+            return (f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
+                    f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
+                    f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
+        return None
 
     @property
     def passed(self) -> bool:
         """Every prompt's step outputs within tolerance and tokens identical (or a near-tie)."""
-        return all(self._steps_ok(p) and (p.identical or p.near_tie) for p in self.prompts)
+        return all(self.failure(p) is None for p in self.prompts)
 
     def failures(self) -> list[str]:
         """One line per failing prompt."""
-        tol = TOLERANCES[self.precision]
-        lines = []
-        for p in self.prompts:
-            if not self._steps_ok(p):
-                lines.append(f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
-                             f"entropy {p.max_entropy_diff:.2e}, hidden {p.max_hidden_diff:.2e}; "
-                             f"tolerance {tol.atol:g}/{tol.hidden_atol:g})")
-            elif not (p.identical or p.near_tie):
-                lines.append(f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
-                             f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
-                             f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
-        return lines
+        return [f for f in map(self.failure, self.prompts) if f is not None]
 
     def to_json(self) -> dict:
         return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,

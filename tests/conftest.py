@@ -158,7 +158,7 @@ def smollm_artifact(smollm, tmp_path_factory):
     from medusa_runtime.tree import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
-                          accuracies=getattr(smollm, "head_accuracies", None))
+                          accuracies=smollm.head_accuracies)
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-135m"
     return build_artifact(smollm, tree, out, BuildConfig(max_context=1024, validate=False), progress=False)
 

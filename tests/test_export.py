@@ -225,3 +225,22 @@ def test_large_model_external_data_from_another_directory(tmp_path, monkeypatch)
     a = eng.step(ids, np.arange(3)[None], causal_mask(3), 1.0, KVCache.for_engine(eng, 3).past())
     b = ref.step(ids, np.arange(3)[None], causal_mask(3), 1.0, KVCache.for_engine(ref, 3).past())
     assert (a.topk_ids == b.topk_ids).all()
+
+
+def test_verify_junit_names_the_failing_prompt(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from medusa_export.junit import write_junit
+    from medusa_export.validate import PromptReport, ValidationReport
+
+    ok = PromptReport("fine", 8, True, 0.0, 0.0, 0.0)
+    bad = PromptReport("diverges", 8, False, 0.0, 0.0, 0.0, first_divergence=3, divergence_step=1,
+                       reference_token=5, artifact_token=6, reference_margin=0.01)
+    report = ValidationReport("fp32", 8, [ok, bad])
+    assert not report.passed and len(report.failures()) == 1
+    write_junit(tmp_path / "j.xml", report)
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("tests") == "2" and suite.get("failures") == "1"
+    cases = suite.findall("testcase")
+    assert cases[0].find("failure") is None
+    assert "new token 3" in cases[1].find("failure").get("message")
