@@ -90,6 +90,7 @@ def cmd_chat(args) -> int:
 
 def cmd_build(args) -> int:
     """Export + validate an artifact."""
+    from medusa_runtime.autotree import DEFAULT_SIZES
     from medusa_runtime.tree import tree_from_spec
 
     from .build import build_artifact
@@ -102,11 +103,13 @@ def cmd_build(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
-    spec = args.tree or lm.default_tree
-    tree = tree_from_spec(spec, num_heads=lm.model.num_heads, accuracies=lm.head_accuracies)
-    out = args.out or f"artifacts/{lm.name}-t{tree.size}-{cfg.precision}"
+    spec = str(args.tree or lm.default_tree).strip()
+    auto = spec == "auto"  # the largest candidate first; build_artifact times the others after export
+    tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
+                          accuracies=lm.head_accuracies)
+    out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}"
     prompts = read_prompts(args.prompts) if args.prompts else None
-    path = build_artifact(lm, tree, out, cfg, prompts=prompts)
+    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
     _print_summary(path, time.perf_counter() - t0)
     return after_build(args, path)
 
@@ -121,6 +124,12 @@ def _print_summary(path, seconds: float) -> None:
     print(f"  model: {m['model']['name']} ({m['model']['num_layers']} layers, {m['model']['medusa_heads']} Medusa heads), "
           f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
     print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)")
+    sel = m["tree"].get("selection")
+    if sel:
+        best = next(c for c in sel["candidates"] if c["size"] == sel["chosen"])
+        print(f"        chosen by --tree auto: {best['expected_tokens_per_step']:.2f} expected tokens/step, "
+              f"{best['step_ms'] + best['heads_ms']:.1f} ms/step here, {best['expected_tokens_per_second']:.1f} "
+              f"expected tokens/s (all sizes: manifest tree.selection)")
     for key in ("model", "heads", "weights"):
         f = m["files"][key]
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
@@ -191,8 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_runtime_args(p, artifact_required=False)
     p.add_argument("--prompt", required=True, help="the user message")
-    p.add_argument("--tree", help="node budget (e.g. 64), preset (root, chain) or JSON file of medusa_choices "
-                                  "(default: the model's registered tree, or the artifact's)")
     p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the model's or the artifact's)")
     p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
     add_sampling_args(p)
@@ -212,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and validate ONNX Runtime against the PyTorch reference. The artifact is written "
                                    "to a temporary folder and moved into place only when everything passed.")
     _add_model_args(p)
-    p.add_argument("--tree", help="node budget (e.g. 64), preset (root, chain) or JSON file of medusa_choices "
+    p.add_argument("--tree", help="node budget (e.g. 64: the greedy tree from the heads' calibrated accuracies), "
+                                  "preset (root, chain), JSON file of medusa_choices, or 'auto' (after export, time "
+                                  "the tree step at several sizes here and keep the most expected tokens/s) "
                                   "(default: the model's registered tree)")
     p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION)")
     p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,

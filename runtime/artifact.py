@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .errors import ArtifactError, MedusaError
 from .tree import Tree, tree_from_json
 
@@ -38,11 +40,14 @@ class Artifact:
         path: the directory.
         manifest: the parsed manifest.json.
         tree: the tree the artifact was built for.
+        head_accuracies: float64 [K, topk] calibrated a_k^(i) the tree was built from
+            (seeds/001 §2.3.3), or None when the build had no calibration.
     """
 
     path: Path
     manifest: dict
     tree: Tree
+    head_accuracies: np.ndarray | None = None
 
     def file(self, key: str) -> Path:
         """Absolute path of a file named in manifest["files"][key]."""
@@ -104,7 +109,17 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     if tree.size != manifest["tree"]["size"]:
         raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest['tree']['size']}")
     check_model_vs_graphs(manifest, mpath, tree)
-    return Artifact(path, manifest, tree)
+    return Artifact(path, manifest, tree, _accuracies(tree_data, path, manifest["model"]["medusa_heads"]))
+
+
+def _accuracies(tree_data, path: Path, num_heads: int) -> np.ndarray | None:
+    if not isinstance(tree_data, dict) or tree_data.get("head_accuracies") is None:
+        return None
+    acc = np.asarray(tree_data["head_accuracies"], dtype=np.float64)
+    if acc.ndim != 2 or acc.shape[0] < num_heads or not np.all((acc >= 0) & (acc <= 1)):
+        raise ArtifactError(f"{path}: tree.json head_accuracies must be probabilities [num_heads >= {num_heads}, "
+                            f"topk], got shape {acc.shape}")
+    return acc
 
 
 def _dims(spec: dict, name: str) -> list | None:

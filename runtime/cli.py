@@ -40,13 +40,27 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
+    p.add_argument("--tree", help="node budget (e.g. 8: the greedy tree from the heads' calibrated accuracies), "
+                                  "preset (root, chain), JSON file of medusa_choices, or 'auto' (with an artifact: "
+                                  "time the tree step at several sizes and keep the most expected tokens/s) "
+                                  "(default: the artifact's tree, or the model's registered one)")
 
 
 def _session(args):
     from .session import MedusaSession
 
-    return MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
-                         max_context=getattr(args, "max_context", None), tree=getattr(args, "tree", None))
+    tree = getattr(args, "tree", None)
+    auto = isinstance(tree, str) and tree.strip() == "auto"
+    if auto:
+        print("--tree auto: timing the tree step at several sizes on this engine ...", file=sys.stderr, flush=True)
+    session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
+                            max_context=getattr(args, "max_context", None), tree=tree)
+    if auto:
+        from .autotree import format_table
+
+        print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
+        print(f"--tree auto chose {session.tree.size} nodes (* above: most expected tokens/s)", file=sys.stderr)
+    return session
 
 
 def _gen_kwargs(args) -> dict:

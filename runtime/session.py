@@ -22,11 +22,12 @@ from typing import Callable, Sequence
 
 from .acceptance import TypicalConfig
 from .artifact import Artifact, load_artifact
+from .autotree import DEFAULT_PAST_LENGTH, DEFAULT_SIZES, TreeTiming, auto_tree
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import MedusaError
 from .loop import GenerationResult, KVCache, generate
 from .tokenizer import RuntimeTokenizer
-from .tree import Tree, make_tree, tree_from_spec
+from .tree import Tree, default_accuracies, make_tree, tree_from_spec
 
 _TYPICAL = TypicalConfig()
 
@@ -89,7 +90,11 @@ class MedusaSession:
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
         tree: override the artifact's tree (a :class:`Tree` or a ``--tree`` spec such as "8",
             "chain"); backends with a fixed tree shape (TensorRT) may reject it.
+            ``"auto"`` times the tree step at several sizes on this engine and keeps the one
+            with the most expected tokens per second (:mod:`medusa_runtime.autotree`; the
+            table is in :attr:`tree_timings`).
         full_verify: hash every file, even the large weights, when opening.
+        progress: called with a line per measurement of ``tree="auto"`` (default: silent).
         **engine_options: passed to the backend (e.g. ``device_id``).
 
     Raises:
@@ -100,7 +105,7 @@ class MedusaSession:
 
     def __init__(self, artifact_dir: str | Path, backend: str = DEFAULT_BACKEND, threads: int | None = None,
                  max_context: int | None = None, tree: Tree | str | None = None, full_verify: bool = False,
-                 **engine_options):
+                 progress: Callable[[str], None] | None = None, **engine_options):
         self.artifact: Artifact = load_artifact(artifact_dir, full_verify=full_verify)
         limit = int(self.artifact.model["max_context"])
         if max_context is not None and not 1 <= max_context <= limit:
@@ -109,6 +114,8 @@ class MedusaSession:
         self.tokenizer = RuntimeTokenizer.from_artifact(self.artifact)
         self.backend = backend
         self.engine = create_engine(self.artifact, backend, threads=threads, **engine_options)
+        self._progress = progress
+        self.tree_timings: list[TreeTiming] = []
         self.tree = self._resolve_tree(tree)
         self.vanilla_tree = make_tree([], num_heads=self.engine.num_heads, topk=self.tree.topk)
         self._chat = _Chat()
@@ -117,8 +124,16 @@ class MedusaSession:
         base = self.artifact.tree
         if tree is None:
             return base
+        acc = self.artifact.head_accuracies
+        if isinstance(tree, str) and tree.strip() == "auto":
+            sizes = [n for n in DEFAULT_SIZES if n <= self.max_context // 2]
+            tree, self.tree_timings = auto_tree(
+                self.engine, acc if acc is not None else default_accuracies(self.engine.num_heads, base.topk),
+                sizes=sizes, past_length=min(DEFAULT_PAST_LENGTH, self.max_context - max(sizes)), topk=base.topk,
+                progress=self._progress)
+            return tree
         if not isinstance(tree, Tree):
-            tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk)
+            tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk, accuracies=acc)
         if tree.topk > base.topk or tree.max_depth > self.engine.num_heads:
             raise MedusaError(f"tree (topk {tree.topk}, depth {tree.max_depth}) exceeds the artifact's heads graph "
                               f"(topk {base.topk}, {self.engine.num_heads} heads)")

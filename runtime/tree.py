@@ -375,6 +375,10 @@ def tree_from_spec(
         return make_tree([], num_heads=num_heads, topk=topk)
     if text == "chain":
         return chain_tree(num_heads, topk)
+    if text == "auto":
+        raise InvalidTreeError("--tree auto times the tree step on an engine, so it needs an artifact: "
+                               "medusa-export build --tree auto, generate/chat --artifact DIR --tree auto, "
+                               "or MedusaSession(dir, tree='auto')")
     path = Path(text)
     if path.suffix == ".json" or path.exists():
         return load_tree(path, num_heads=num_heads, topk=topk)

@@ -1,0 +1,204 @@
+"""Hardware-aware trees (``--tree auto``): the tree that maximises accepted tokens per second.
+
+Medusa papers and tools pick the tree that maximises accepted tokens *per step* for a node
+budget (seeds/001 §2.3.3). On a GPU a bigger tree step is nearly free, but on a CPU the tree
+step's cost grows with the node count, so the best tree is the one that maximises
+
+    tokens/s(N) = E[accepted tokens per step](N) / (t_step(N) + t_heads)
+
+where E[...] comes from the greedy tree of N nodes under the calibrated head accuracies
+(seeds/001 §2.3.3, :func:`medusa_runtime.tree.expected_accept_length`) and the times are
+measured on the target engine. N = 1 is plain decoding (no heads run).
+
+:func:`choose_tree` is the pure choice from measured times; :func:`time_tree_steps` does the
+measuring; :func:`auto_tree` combines both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InvalidTreeError
+from .tree import DEFAULT_TOPK, Tree, expected_accept_length, greedy_tree, make_tree
+
+#: Node counts tried by ``--tree auto`` (1 = plain decoding).
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: Past length (tokens already in the cache) at which steps are timed: a typical mid-reply context.
+DEFAULT_PAST_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class TreeTiming:
+    """One candidate tree size with its prediction and measured cost.
+
+    Attributes:
+        size: node count N (root included; 1 = plain decoding).
+        expected_tokens: expected tokens per step, root included (seeds/001 §2.3.3).
+        step_ms: measured engine time of one step of N nodes, milliseconds.
+        heads_ms: measured heads-graph time added to each step (0 for N = 1), milliseconds.
+    """
+
+    size: int
+    expected_tokens: float
+    step_ms: float
+    heads_ms: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Expected tokens per second of engine time: expected_tokens / (step_ms + heads_ms)."""
+        return 1e3 * self.expected_tokens / (self.step_ms + self.heads_ms)
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "expected_tokens_per_step": round(self.expected_tokens, 4),
+                "step_ms": round(self.step_ms, 3), "heads_ms": round(self.heads_ms, 3),
+                "expected_tokens_per_second": round(self.tokens_per_second, 2)}
+
+
+def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: int,
+                    topk: int = DEFAULT_TOPK) -> dict[int, Tree]:
+    """The greedy tree of each size (size 1: the root alone).
+
+    Args:
+        accuracies: float [K', topk'] calibrated a_k^(i); rows beyond ``num_heads`` and
+            columns beyond ``topk`` are ignored.
+        sizes: node counts (each >= 1).
+        num_heads, topk: the engine's heads and candidate top-k.
+
+    Raises:
+        InvalidTreeError: a size < 1, or accuracies not 2-D.
+    """
+    acc = np.asarray(accuracies, dtype=np.float64)
+    if acc.ndim != 2:
+        raise InvalidTreeError(f"accuracies must be [num_heads, topk], got shape {acc.shape}")
+    acc = acc[:num_heads, :topk]
+    out = {}
+    for n in sorted(set(int(s) for s in sizes)):
+        if n < 1:
+            raise InvalidTreeError(f"tree sizes must be >= 1 node, got {n}")
+        out[n] = make_tree([], num_heads=num_heads, topk=topk) if n == 1 else greedy_tree(n, acc, topk=topk)
+    return out
+
+
+def choose_tree(trees: Mapping[int, Tree], accuracies: np.ndarray, step_ms: Mapping[int, float],
+                heads_ms: float) -> tuple[Tree, list[TreeTiming]]:
+    """Pick the tree with the most expected tokens per second (pure; no timing).
+
+    Args:
+        trees: size -> tree (:func:`candidate_trees`).
+        accuracies: float [K, topk] a_k^(i) used for the expected accepted length.
+        step_ms: size -> measured step time in ms (every key of ``trees``).
+        heads_ms: measured heads-graph time per step in ms (not charged to size 1).
+
+    Returns:
+        (the best tree, the table of every size in increasing size). Ties go to the smaller tree.
+
+    Raises:
+        InvalidTreeError: no trees, or a size without a time.
+    """
+    if not trees:
+        raise InvalidTreeError("no candidate tree sizes to choose from")
+    missing = sorted(set(trees) - set(step_ms))
+    if missing:
+        raise InvalidTreeError(f"no measured step time for tree sizes {missing}")
+    acc = np.asarray(accuracies, dtype=np.float64)
+    table = [TreeTiming(n, expected_accept_length(t, acc) if t.size > 1 else 1.0, float(step_ms[n]),
+                        float(heads_ms) if t.size > 1 else 0.0) for n, t in sorted(trees.items())]
+    best = max(table, key=lambda r: (r.tokens_per_second, -r.size))
+    return trees[best.size], table
+
+
+def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEFAULT_PAST_LENGTH,
+                    repeats: int = 5, warmup: int = 1,
+                    progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], float]:
+    """Time one tree step of each tree, and the heads graph, on ``engine``.
+
+    Each step runs the tree's real attention mask and positions after ``past_length``
+    cached tokens (zeros; the values do not change the cost of dense kernels).
+
+    Args:
+        engine: a :class:`medusa_runtime.loop.Engine` with numpy KV (``make_cache`` engines
+            are timed through their own cache).
+        trees: size -> tree.
+        past_length: cached tokens before the step (>= 0).
+        repeats, warmup: timed and untimed runs per size; the median is kept.
+        progress: called with a short line per measured size.
+
+    Returns:
+        (size -> median step ms, median heads-graph ms for one row).
+    """
+    from .loop import KVCache
+
+    capacity = past_length + max(trees)
+    cache = KVCache.for_engine(engine, capacity)
+    if past_length:
+        cache.length = past_length
+        cache.tokens = [-1] * past_length
+    step_ms: dict[int, float] = {}
+    out = None
+    for n, tree in sorted(trees.items()):
+        b = tree.buffers()
+        ids = np.zeros((1, n), dtype=np.int64)
+        pos = (past_length + b.depth)[None].astype(np.int64)
+
+        def step(ids=ids, pos=pos, mask=b.attention_mask):
+            nonlocal out
+            out = engine.step(ids, pos, mask, 1.0, cache.past())
+
+        step_ms[n] = _median_ms(step, repeats, warmup)
+        if progress:
+            progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
+    topk = next(iter(trees.values())).topk
+    heads_ms = _median_ms(lambda: engine.heads(out.hidden[:1], topk), repeats, warmup)
+    if progress:
+        progress(f"heads graph: {heads_ms:.2f} ms per step")
+    return step_ms, heads_ms
+
+
+def auto_tree(engine, accuracies: np.ndarray, *, sizes: Sequence[int] = DEFAULT_SIZES,
+              past_length: int = DEFAULT_PAST_LENGTH, repeats: int = 5, topk: int = DEFAULT_TOPK,
+              progress: Callable[[str], None] | None = None) -> tuple[Tree, list[TreeTiming]]:
+    """Measure, then choose: the tree with the most expected tokens per second on ``engine``.
+
+    Args:
+        engine: the target engine (its heads count bounds the depth).
+        accuracies: float [K, topk] calibrated a_k^(i) (the artifact's or ``accuracies.json``).
+        sizes: node counts to try (1 = plain decoding).
+        past_length, repeats: see :func:`time_tree_steps`.
+        topk: candidate top-k (at most the heads graph's).
+        progress: called with a line per measurement.
+
+    Returns:
+        (the chosen tree, the table of every size).
+
+    Raises:
+        InvalidTreeError: bad sizes or accuracies.
+    """
+    trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk)
+    step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)
+    return choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms)
+
+
+def format_table(table: Sequence[TreeTiming], chosen: int) -> str:
+    """The measurement table as aligned text lines (the chosen size marked with '*')."""
+    lines = ["nodes  tokens/step  step ms  heads ms  tokens/s"]
+    for r in table:
+        mark = " *" if r.size == chosen else ""
+        lines.append(f"{r.size:5d}  {r.expected_tokens:11.3f}  {r.step_ms:7.2f}  {r.heads_ms:8.2f}  "
+                     f"{r.tokens_per_second:8.1f}{mark}")
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""``--tree auto``: the pure choice, the timing harness and the build/runtime wiring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from medusa_runtime.autotree import TreeTiming, candidate_trees, choose_tree, time_tree_steps
+from medusa_runtime.errors import InvalidTreeError
+from medusa_runtime.loop import StepResult
+from medusa_runtime.tree import tree_from_spec
+
+from conftest import make_tiny_medusa, tiny_loaded
+
+ACC = np.array([[0.5, 0.2], [0.3, 0.1]])  # a_k^(i), K = 2 heads, top-2
+
+
+def test_choose_tree_by_hand():
+    # Greedy trees: size 2 adds [0] (0.5); size 4 adds [1] (0.2) and [0, 0] (0.5 * 0.3 = 0.15).
+    trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2)
+    assert trees[2].choices == ((0,),) and trees[4].choices == ((0,), (1,), (0, 0))
+    best, table = choose_tree(trees, ACC, {1: 10.0, 2: 11.0, 4: 20.0}, heads_ms=2.0)
+    assert [r.size for r in table] == [1, 2, 4]
+    assert [r.expected_tokens for r in table] == pytest.approx([1.0, 1.5, 1.85])
+    assert [r.tokens_per_second for r in table] == pytest.approx([100.0, 1500 / 13, 1850 / 22])
+    assert table[0].heads_ms == 0.0  # plain decoding runs no heads
+    assert best is trees[2]
+
+
+def test_choose_tree_falls_back_to_plain_decoding_when_heads_cost_too_much():
+    trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2)
+    best, _ = choose_tree(trees, ACC, {1: 10.0, 2: 11.0, 4: 20.0}, heads_ms=6.0)
+    assert best.size == 1
+
+
+def test_choose_tree_prefers_the_bigger_tree_when_steps_cost_the_same():
+    trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2)
+    best, _ = choose_tree(trees, ACC, {1: 10.0, 2: 10.0, 4: 10.0}, heads_ms=0.0)
+    assert best.size == 4
+
+
+def test_bad_inputs_are_refused():
+    trees = candidate_trees(ACC, [1, 2], num_heads=2, topk=2)
+    with pytest.raises(InvalidTreeError, match=r"no measured step time for tree sizes \[2\]"):
+        choose_tree(trees, ACC, {1: 1.0}, heads_ms=0.0)
+    with pytest.raises(InvalidTreeError, match=">= 1 node"):
+        candidate_trees(ACC, [0, 2], num_heads=2, topk=2)
+    with pytest.raises(InvalidTreeError, match="needs an artifact"):
+        tree_from_spec("auto", num_heads=2)
+
+
+def test_tree_timing_json_round_numbers():
+    r = TreeTiming(4, 1.85, 20.0, 2.0)
+    assert r.to_json() == {"size": 4, "expected_tokens_per_step": 1.85, "step_ms": 20.0, "heads_ms": 2.0,
+                           "expected_tokens_per_second": 84.09}
+
+
+class RecordingEngine:
+    """Records what the timing harness feeds; costs nothing."""
+
+    num_layers, num_kv_heads, head_dim, num_heads = 2, 1, 4, 2
+    kv_dtype = np.dtype(np.float32)
+
+    def __init__(self):
+        self.calls, self.heads_calls = [], 0
+
+    def step(self, input_ids, position_ids, mask, temperature, past):
+        s = input_ids.shape[1]
+        self.calls.append((input_ids.copy(), position_ids.copy(), mask.copy(), [k.shape[1] for k, _ in past]))
+        return StepResult(np.zeros((s, 10), np.int64), np.zeros((s, 10), np.float32), np.zeros(s, np.float32),
+                          np.zeros((s, s), np.float32), np.zeros((s, 8), np.float32), [])
+
+    def heads(self, hidden, topk):
+        self.heads_calls += 1
+        return np.zeros((hidden.shape[0], self.num_heads, topk), np.int64)
+
+
+def test_time_tree_steps_feeds_each_tree_after_the_past():
+    eng = RecordingEngine()
+    trees = candidate_trees(ACC, [1, 4], num_heads=2, topk=2)
+    step_ms, heads_ms = time_tree_steps(eng, trees, past_length=7, repeats=3, warmup=1)
+    assert sorted(step_ms) == [1, 4] and all(v >= 0 for v in step_ms.values()) and heads_ms >= 0
+    assert len(eng.calls) == 2 * (1 + 3) and eng.heads_calls == 1 + 3
+    ids, pos, mask, past = eng.calls[-1]
+    b = trees[4].buffers()
+    assert ids.shape == (1, 4) and pos.tolist() == [(7 + b.depth).tolist()]
+    np.testing.assert_array_equal(mask, b.attention_mask)
+    assert past == [7, 7]  # every layer sees the 7 cached tokens
+
+
+@pytest.fixture(scope="module")
+def auto_artifact(tmp_path_factory):
+    from medusa_export.build import BuildConfig, build_artifact
+
+    _, model = make_tiny_medusa(medusa_heads=2)
+    acc = np.zeros((2, 10))
+    acc[:, :2] = ACC
+    lm = dataclasses.replace(tiny_loaded(model, max_context=256), head_accuracies=acc)
+    tree = tree_from_spec("64", num_heads=2, accuracies=acc)
+    out = tmp_path_factory.mktemp("auto") / "art"
+    return build_artifact(lm, tree, out, BuildConfig(validate=False), progress=False, auto_tree=True)
+
+
+def test_build_tree_auto_keeps_the_measured_best(auto_artifact):
+    from medusa_runtime.artifact import load_artifact
+
+    art = load_artifact(auto_artifact)
+    sel = art.manifest["tree"]["selection"]
+    table = sel["candidates"]
+    best = max(table, key=lambda c: (c["expected_tokens_per_second"], -c["size"]))
+    assert sel["chosen"] == best["size"] == art.tree.size == art.manifest["tree"]["size"]
+    assert [c["size"] for c in table] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    np.testing.assert_allclose(art.head_accuracies[:, :2], ACC)
+    data = json.loads((auto_artifact / "tree.json").read_text())
+    assert data["medusa_choices"] == [list(c) for c in art.tree.choices]
+
+
+def test_session_tree_auto_is_lossless(auto_artifact):
+    from medusa_runtime.session import MedusaSession
+
+    s = MedusaSession(auto_artifact, threads=1, tree="auto", max_context=64)
+    assert [r.size for r in s.tree_timings] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # sizes <= max_context // 2
+    assert s.tree.size in {r.size for r in s.tree_timings}
+    big = MedusaSession(auto_artifact, threads=1, tree="8")  # the greedy tree from the artifact's accuracies
+    assert big.tree.choices == tree_from_spec("8", num_heads=2, accuracies=big.artifact.head_accuracies).choices
+    assert big.tree.choices != tree_from_spec("8", num_heads=2).choices  # not the default prior's tree
+    prompt = [5, 17, 33, 2]
+    out = s.generate(prompt_ids=prompt, max_new_tokens=20).token_ids
+    assert len(out) == 20 and out == big.generate(prompt_ids=prompt, max_new_tokens=20, vanilla=True).token_ids
