@@ -396,19 +396,42 @@ def smollm_session(smollm_artifact):
     return MedusaSession(smollm_artifact, threads=2)
 
 
-@pytest.mark.slow
-def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session):
-    from medusa_export.decode import medusa_generate
-
+@pytest.fixture(scope="module")
+def smollm_mt_bench_runs(smollm_session):
+    """(prompt ids, Completion) of the first 5 MT-Bench first turns, 64 greedy tokens, the artifact's tree."""
+    runs = []
     for text in mt_bench_prompts(5):
         ids = smollm_session.encode(text)
-        run = smollm_session.generate(prompt_ids=ids, max_new_tokens=64)
+        runs.append((ids, smollm_session.generate(prompt_ids=ids, max_new_tokens=64)))
+    return runs
+
+
+@pytest.mark.slow
+def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, smollm_mt_bench_runs):
+    from medusa_export.decode import medusa_generate
+
+    for text, (ids, run) in zip(mt_bench_prompts(5), smollm_mt_bench_runs):
         ref = medusa_generate(smollm.model, ids, smollm_session.tree, max_new_tokens=64,
                               eos_token_ids=smollm.eos_token_ids, max_context=smollm_session.max_context)
         assert run.token_ids == ref.tokens, text
         assert run.result.step_tokens == ref.step_tokens, text
         assert_greedy(smollm.model, ids, run.token_ids, run.finish_reason, smollm.eos_token_ids)
         assert run.text == smollm.tokenizer.decode(run.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_session, smollm_mt_bench_runs):
+    """Issue 5: the accepted length predicted from the shipped a_k^(i) (seeds/001 §2.3.3, calibrated on
+    held-out *training* prompts) is within 15% of the one measured on MT-Bench (never trained on)."""
+    from medusa_runtime.tree import expected_accept_length
+
+    acc = smollm_session.artifact.head_accuracies
+    assert acc is not None and smollm_session.tree.size > 1
+    predicted = expected_accept_length(smollm_session.tree, acc[: smollm_session.engine.num_heads])
+    steps = [t for _, run in smollm_mt_bench_runs for t in run.result.step_tokens]
+    measured = float(np.mean(steps))
+    assert len(steps) > 100 and measured > 1.2
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
 
 
 @pytest.mark.slow
