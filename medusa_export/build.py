@@ -1,7 +1,7 @@
 """``medusa-export build``: model + tree -> a validated artifact directory.
 
-Stages (each reads only what the previous wrote): export the two graphs, merge their
-weights, (quantize), write tree / tokenizer / manifest, validate against PyTorch, then
+Stages (each reads only what the previous wrote): export the two graphs, (quantize their
+weights), merge their weights, write tree / tokenizer / manifest, validate, then
 move the finished folder into place. Everything is written to a temporary sibling folder
 first, so a failed or interrupted build leaves nothing half-written and an old artifact
 intact.
@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from medusa_runtime.acceptance import TypicalConfig
@@ -28,26 +29,86 @@ from medusa_runtime.tree import Tree
 from .errors import ArtifactError, MedusaError
 from .export import HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights, step_io
 from .model import STEP_TOPK
+from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig, quantize_graph, uses_contrib_ops
 from .registry import LoadedMedusa
 from .trt_readiness import check_artifact
 
-PRECISIONS = ("fp32", "fp16", "int8")
+#: Backbone precisions: fp32 / fp16 are portable (standard ONNX ops, the TensorRT path);
+#: int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
+PRECISIONS = ("fp32", "fp16", *WEIGHT_ONLY_BITS)
+#: Heads-graph precisions: "auto" (portable backbones: same; weight-only ones:
+#: :data:`QUANTIZED_HEADS_DEFAULT`), "same" as the backbone, or a weight-only precision.
+HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
+#: The heads of a weight-only artifact under "auto": int8 heads cost 3.8 ms per step against fp32's
+#: 11.3 ms with 0.96 top-1 agreement (int4: 3.2 ms, 0.65); measured on SmolLM2-135M, see quantize.py.
+QUANTIZED_HEADS_DEFAULT = "int8"
+FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
+            "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT"}
+
+
+class UnknownPrecisionError(MedusaError, ValueError):
+    """A precision name is not one of the choices; the message lists them."""
 
 
 @dataclass(frozen=True)
 class BuildConfig:
-    """Options of ``build``; the CLI reads its defaults from here."""
+    """Options of ``build``; the CLI reads its defaults from here.
+
+    Attributes:
+        precision: backbone precision, one of :data:`PRECISIONS`.
+        heads_precision: heads-graph precision, one of :data:`HEADS_PRECISIONS`; the heads only
+            propose candidates the backbone verifies, so their precision never changes the output.
+        max_context: KV capacity (None: the model's registered context).
+        new_tokens: greedy tokens compared per validation prompt.
+        validate: run the validation stage.
+        block_size: MatMulNBits block size of the weight-only precisions.
+        quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
+            Gather always reads the float table).
+        accuracy_level: MatMulNBits compute type of the weight-only graphs: 4 (int8 activations,
+            VNNI; fastest) or 1 (fp32 activations). Measured on SmolLM2-135M, level 4 is not batch
+            invariant (a tree step's rows after the first differ from one-token steps by up to
+            0.7 in the hidden state, level 1 by 1e-5), so Medusa can diverge from plain greedy.
+    """
 
     precision: str = "fp32"
-    max_context: int | None = None  # None: the model's registered context
-    new_tokens: int = 64  # greedy tokens compared per validation prompt
+    heads_precision: str = "auto"
+    max_context: int | None = None
+    new_tokens: int = 64
     validate: bool = True
+    block_size: int = 32
+    quantize_lm_head: bool = True
+    accuracy_level: int = 4
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise MedusaError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        for what, value, choices in (("precision", self.precision, PRECISIONS),
+                                     ("heads precision", self.heads_precision, HEADS_PRECISIONS)):
+            if value not in choices:
+                raise UnknownPrecisionError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+        if self.precision == "fp16" and self.resolved_heads_precision != "fp16":
+            raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
+                                        "backbone (the fp16 graph's hidden states are float16); use same or auto")
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
+
+    @property
+    def resolved_heads_precision(self) -> str:
+        """The heads graph's precision name ("fp32", "fp16", "int8" or "int4")."""
+        if self.heads_precision == "same" or (self.heads_precision == "auto" and self.precision not in WEIGHT_ONLY_BITS):
+            return self.precision
+        return QUANTIZED_HEADS_DEFAULT if self.heads_precision == "auto" else self.heads_precision
+
+    def weight_only(self, precision: str, heads: bool = False) -> WeightOnlyConfig | None:
+        """The MatMulNBits settings of ``precision`` (None for fp32 / fp16).
+
+        Args:
+            precision: a precision name.
+            heads: settings for the heads graph, whose vocabulary projection is always
+                quantized (it is their whole cost, and they only propose candidates).
+        """
+        if precision not in WEIGHT_ONLY_BITS:
+            return None
+        return WeightOnlyConfig.for_precision(precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
+                                              vocab_projection=heads or self.quantize_lm_head)
 
 
 class Stages:
@@ -93,21 +154,24 @@ def _replace_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _quantize_int8(folder: Path) -> None:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
+    def weights(precision: str, heads: bool) -> str:
+        wo = cfg.weight_only(precision, heads)
+        return {"fp32": "float32", "fp16": "float16"}[precision] if wo is None else wo.describe()
 
-    src = folder / MODEL_FILE
-    dst = folder / "model.int8.onnx"
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                     per_channel=True, use_external_data_format=True)
-    for f in folder.iterdir():
-        if f.name.startswith(MODEL_FILE) or f.name == WEIGHTS_FILE:
-            f.unlink()
-    dst.rename(src)  # its external data keeps its own name; merge_weights rewrites it
+    heads = cfg.resolved_heads_precision
+    return {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,
+            "heads_weights": weights(heads, True), "quantized_matmuls": quantized,
+            "kv_dtype": dtype, "norm_and_softmax": "float32"}
+
+
+def _flavour(folder: Path, files: list[str]) -> tuple[str, list[str]]:
+    ops = sorted({op for f in files for op in uses_contrib_ops(folder / f)})
+    return ("ort-contrib" if ops else "portable"), ops
 
 
 def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
-              files: dict[str, str], weights_info: dict, dtype: str) -> dict:
+              files: dict[str, str], weights_info: dict, dtype: str, quantized: dict) -> dict:
     c = lm.model.config
     h = lm.model.heads.config
     s_in, s_out = step_io(lm.model, dtype, STEP_TOPK)
@@ -121,6 +185,7 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
 
     from . import __version__
 
+    flavour, contrib = _flavour(folder, [files["model"], files["heads"]])
     return {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -135,9 +200,9 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
             "medusa_heads": h.num_heads, "medusa_layers": h.num_layers,
             "medusa_own_projection": h.own_projection, "max_context": max_context,
         },
-        "precision": {"name": cfg.precision, "weights": {"fp32": "float32", "fp16": "float16", "int8": "int8 (MatMul, per channel, dynamic activations)"}[cfg.precision],
-                      "kv_dtype": dtype, "norm_and_softmax": "float32"},
-        "flavour": "portable (standard ONNX ops only)",
+        "precision": _precision_json(cfg, dtype, quantized),
+        "flavour": flavour,
+        "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
         "kv_layout": {
             "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
@@ -165,17 +230,42 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
     }
 
 
+def _choose_tree_here(folder: Path, lm: LoadedMedusa, *, progress: bool) -> tuple[Tree, list]:
+    """``--tree auto`` on the artifact being built: time tree steps with ONNX Runtime, pick the best."""
+    from medusa_runtime.autotree import auto_tree
+    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.tree import default_accuracies
+
+    artifact = load_artifact(folder)
+    engine = OrtEngine(artifact)
+    acc = artifact.head_accuracies
+    if acc is None:
+        acc = default_accuracies(lm.model.num_heads, artifact.tree.topk)
+    say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
+    return auto_tree(engine, acc, topk=artifact.tree.topk, progress=say)
+
+
+def _selection_json(table: list, chosen: int) -> dict:
+    return {"method": "--tree auto: greedy trees (seeds/001 §2.3.3) timed on ONNX Runtime CPU on the build machine; "
+                      "kept the most expected tokens per second",
+            "chosen": chosen, "candidates": [r.to_json() for r in table]}
+
+
 def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConfig = BuildConfig(), *,
-                   prompts: list[str] | None = None, progress: bool = True) -> Path:
+                   prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False) -> Path:
     """Export, validate and write an artifact to ``out`` (atomically).
 
     Args:
         lm: the loaded fp32 model (reference).
         tree: the validated tree (depth <= the model's heads).
         out: the artifact directory (created or replaced).
-        cfg: precision, context and validation options.
+        cfg: precisions, context and validation options.
         prompts: validation prompts (user messages); default: the project's own.
         progress: print stage progress.
+        auto_tree: ``--tree auto``: ``tree`` is only the largest candidate; after export the tree
+            step is timed at several sizes on ONNX Runtime on this machine and the tree with the
+            most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
+            goes to ``manifest["tree"]["selection"]``).
 
     Returns:
         The artifact path.
@@ -183,7 +273,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     Raises:
         InvalidTreeError: the tree is deeper than the heads.
         ArtifactError: the output folder cannot be written.
-        ValidationError: ONNX Runtime disagrees with PyTorch (first divergence in the message).
+        ValidationError: ONNX Runtime disagrees with PyTorch (portable precisions) or Medusa
+            disagrees with plain greedy decoding of the same graph (weight-only precisions);
+            the first divergence is in the message.
     """
     from medusa_runtime.errors import InvalidTreeError
 
@@ -197,7 +289,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     max_context = cfg.max_context or lm.max_context
     if tree.size > max_context:
         raise MedusaError(f"the tree ({tree.size} nodes) does not fit --max-context {max_context}")
-    stages = Stages(5 + cfg.validate + (cfg.precision == "int8"), out=sys.stderr if progress else open(os.devnull, "w"))
+    wos = {MODEL_FILE: cfg.weight_only(cfg.precision), HEADS_FILE: cfg.weight_only(cfg.resolved_heads_precision, True)}
+    to_quantize = [(f, wo) for f, wo in wos.items() if wo is not None]
+    stages = Stages(5 + cfg.validate + bool(to_quantize) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -215,24 +309,42 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             export_step(export_model, tmp / MODEL_FILE, tdtype)
         with stages("exporting the Medusa heads graph"):
             export_heads(export_model, tmp / HEADS_FILE, tdtype, tree.topk)
-        if cfg.precision == "int8":
-            with stages("quantizing MatMul weights to int8"):
-                _quantize_int8(tmp)
+        quantized = {}
+        if to_quantize:
+            what = ", ".join(f"{f} int{wo.bits}" for f, wo in to_quantize)
+            with stages(f"quantizing weights (MatMulNBits: {what})"):
+                for f, wo in to_quantize:
+                    quantized[f] = quantize_graph(tmp / f, wo, model.config.vocab_size)
         with stages("merging weights into one file"):
             winfo = merge_weights([tmp / MODEL_FILE, tmp / HEADS_FILE])
-        with stages("writing tree, tokenizer and manifest"):
-            (tmp / "tree.json").write_text(json.dumps(tree.to_json_with_buffers()) + "\n")
+        files = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
+                 "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
+
+        def write_files(t: Tree) -> dict:
+            (tmp / MANIFEST).unlink(missing_ok=True)  # the manifest's checksums cover every other file
+            tree_json = t.to_json_with_buffers()
+            if lm.head_accuracies is not None:  # lets runtimes build other trees (--tree N / auto) from the artifact
+                tree_json["head_accuracies"] = np.asarray(lm.head_accuracies, dtype=float).round(6).tolist()
+            (tmp / "tree.json").write_text(json.dumps(tree_json) + "\n")
             lm.tokenizer.save_pretrained(str(tmp / "tokenizer"))
             (tmp / "chat_template.jinja").write_text(lm.chat_template or "")
-            files = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
-                     "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
-            manifest = _manifest(lm, tree, cfg, max_context, tmp, files, winfo, dtype)
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            m = _manifest(lm, t, cfg, max_context, tmp, files, winfo, dtype, quantized)
+            (tmp / MANIFEST).write_text(json.dumps(m, indent=2) + "\n")
+            return m
+
+        with stages("writing tree, tokenizer and manifest"):
+            manifest = write_files(tree)
+        if auto_tree:
+            with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
+                tree, table = _choose_tree_here(tmp, lm, progress=progress)
+                manifest = write_files(tree)
+                manifest["tree"]["selection"] = _selection_json(table, tree.size)
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
             manifest["trt_readiness"] = check_artifact(tmp, manifest).to_json()
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if cfg.validate:
-            with stages("validating ONNX Runtime against PyTorch"):
+            with stages("validating ONNX Runtime (against PyTorch; weight-only: Medusa against plain greedy)"):
                 texts = prompts or default_prompts()
                 ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
                 report = validate(load_artifact(tmp), model, ids, texts, new_tokens=cfg.new_tokens,

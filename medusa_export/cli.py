@@ -14,7 +14,7 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
 from medusa_runtime.errors import MedusaError
 
-from .build import PRECISIONS, BuildConfig
+from .build import HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
 from .cli_heads import add_heads_commands
 from .registry import DEFAULT_MODEL, load_registry
 from .trt.cli import add_build_engine_args, add_trt_commands, after_build, readiness_line
@@ -97,8 +97,8 @@ def cmd_build(args) -> int:
     from .registry import load_model
     from .validate import read_prompts
 
-    cfg = BuildConfig(precision=args.precision, max_context=args.max_context, new_tokens=args.new_tokens,
-                      validate=not args.no_validate)
+    cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
+                      new_tokens=args.new_tokens, validate=not args.no_validate)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
@@ -135,10 +135,9 @@ def _print_summary(path, seconds: float) -> None:
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
     v = m.get("validation")
     if v:
-        same = sum(p["identical"] for p in v["prompts"])
-        worst = max(p["max_logprob_diff"] for p in v["prompts"])
-        print(f"  validation: {'PASSED' if v['passed'] else 'FAILED'}: greedy tokens identical on {same}/{len(v['prompts'])} "
-              f"prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}")
+        from .validate import validation_summary
+
+        print(f"  validation: {validation_summary(v)}")
     else:
         print("  validation: skipped")
     if readiness_line(m):
@@ -225,7 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(default: the model's registered tree)")
     p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION)")
     p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
-                   help=f"fp32 (exact), fp16 or int8 (ONNX Runtime dynamic quantization) (default: {BuildConfig.precision})")
+                   help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "
+                        "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
+                        f"of the same graph (default: {BuildConfig.precision})")
+    p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=BuildConfig.heads_precision,
+                   help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
+                        "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~3x less, ONNX Runtime only), "
+                        f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
+                        f"(default: {BuildConfig.heads_precision})")
     p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
     p.add_argument("--prompts", help="JSONL file of validation prompts ('prompt', 'turns' or 'messages'; "
                                      "default: the project's own 3 prompts)")

@@ -12,7 +12,9 @@ Checks each graph of an artifact against the parser of the targeted TensorRT rel
 * shapes: with the tree step's profile applied (S = T), every output shape is static and
   only the past length P stays dynamic in the inputs;
 * weights: every external-data location is a relative path inside the artifact, exists,
-  and covers the recorded offset and length (nothing depends on the working directory).
+  and covers the recorded offset and length (nothing depends on the working directory);
+* flavour: an ``ort-contrib`` artifact (weight-only MatMulNBits graphs, ONNX Runtime only)
+  fails with that reason first, before the op-by-op findings.
 
 Errors mean the parser (or the runtime's fixed-shape plan) would fail; warnings do not
 block a build.
@@ -348,6 +350,13 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
     manifest = manifest or json.loads((path / "manifest.json").read_text())
     table = load_op_table(version)
     report = ReadinessReport(version, table.opset)
+    if manifest.get("flavour") == "ort-contrib":
+        report.findings.append(Finding("error", "manifest.json", (
+            f"this artifact's flavour is 'ort-contrib' (precision {manifest['precision']['name']}, heads "
+            f"{manifest['precision'].get('heads', manifest['precision']['name'])}): its graphs use ONNX Runtime "
+            "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
+            "on ONNX Runtime only. For TensorRT build the portable flavour: --precision fp32 or fp16 with "
+            "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
     tree_size = manifest["tree"]["size"]
     for key in ("model", "heads"):
         rel = manifest["graphs"][key]["file"]

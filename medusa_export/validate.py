@@ -1,14 +1,20 @@
 """Validation of an artifact against the PyTorch reference (used by ``build`` and ``verify``).
 
-Two checks per prompt:
+Three checks per prompt:
 
 1. Step outputs: the prefill and one tree step run through ONNX Runtime and PyTorch on
    the same inputs; top-1 log-probability, entropy and hidden states must agree within
    the precision's tolerance (:data:`TOLERANCES`).
-2. Greedy tokens: the shared decode loop over ONNX Runtime and over PyTorch must emit
-   identical tokens for ``new_tokens`` tokens. For fp16 / int8 a divergence at a position
-   where the reference's top-2 margin (log-prob gap) is below the precision's
-   ``margin`` is reported as a near-tie instead of a failure.
+2. Greedy tokens against PyTorch: the shared decode loop over ONNX Runtime and over the
+   fp32 PyTorch reference must emit identical tokens for ``new_tokens`` tokens. For fp16 a
+   divergence at a position where the reference's top-2 margin (log-prob gap) is below the
+   precision's ``margin`` is reported as a near-tie instead of a failure.
+3. Medusa against plain greedy on the same graph: the artifact's tree and a root-only tree
+   (one token per step) over the same ONNX Runtime engine must emit identical tokens.
+
+Which checks decide pass/fail is the precision's :attr:`Tolerance.reference`: "pytorch"
+(fp32, fp16: checks 1 and 2) or "vanilla" (the weight-only int8 / int4 graphs: check 3,
+lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from medusa_runtime.artifact import Artifact
 from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.tree import make_tree
 
 from .decode import TorchEngine
 from .errors import MedusaError
@@ -36,21 +43,44 @@ class ValidationError(MedusaError):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Per-precision limits: ``atol`` on log-probs/entropy, ``hidden_atol`` on hidden states,
-    ``margin``: below this top-2 log-prob gap a token divergence counts as a near-tie
-    (0 = every divergence fails), ``exact``: greedy tokens must match exactly."""
+    """Per-precision pass/fail rule.
 
-    atol: float
-    hidden_atol: float
+    Attributes:
+        atol: limit on |log-prob| and |entropy| differences against PyTorch (None: not checked).
+        hidden_atol: limit on |hidden state| differences against PyTorch (None: not checked).
+        margin: below this top-2 log-prob gap a token divergence from PyTorch counts as a
+            near-tie (0 = every divergence fails).
+        exact: greedy tokens must equal PyTorch's exactly.
+        reference: "pytorch": the limits above decide; "vanilla": Medusa must equal plain
+            greedy decoding of the same graph token for token, and the PyTorch figures are
+            information (agreement with fp32), not pass/fail.
+    """
+
+    atol: float | None
+    hidden_atol: float | None
     margin: float
     exact: bool
+    reference: str = "pytorch"
 
 
+_SELF = Tolerance(atol=None, hidden_atol=None, margin=0.0, exact=False, reference="vanilla")
 TOLERANCES = {
     "fp32": Tolerance(atol=1e-3, hidden_atol=1e-3, margin=0.0, exact=True),
     "fp16": Tolerance(atol=5e-2, hidden_atol=2e-1, margin=0.1, exact=False),  # hidden values reach ~10: fp16 ulp ~1e-2
-    "int8": Tolerance(atol=float("inf"), hidden_atol=float("inf"), margin=float("inf"), exact=False),
+    "int8": _SELF,  # weight-only MatMulNBits: lossless relative to its own graph
+    "int4": _SELF,
 }
+
+
+def tolerance(precision: str) -> Tolerance:
+    """The pass/fail rule of ``precision``.
+
+    Raises:
+        ValidationError: an unknown precision name (the message lists the known ones).
+    """
+    if precision not in TOLERANCES:
+        raise ValidationError(f"no validation rule for precision {precision!r}; known: {', '.join(TOLERANCES)}")
+    return TOLERANCES[precision]
 
 
 @dataclass
@@ -68,6 +98,10 @@ class PromptReport:
     reference_margin: float | None = None  # top-1 minus top-2 log-prob at that position
     near_tie: bool = False
     agreement: float = 1.0  # fraction of generated positions before the first divergence
+    vanilla_identical: bool | None = None  # Medusa == plain greedy (root-only tree) on the same engine
+    vanilla_divergence: int | None = None  # first differing new token
+    vanilla_token: int | None = None  # plain greedy's token there (Medusa's: ``medusa_token``)
+    medusa_token: int | None = None
 
 
 @dataclass
@@ -78,7 +112,13 @@ class ValidationReport:
 
     def failure(self, p: PromptReport) -> str | None:
         """Why prompt ``p`` fails (one line), or None when it passes."""
-        tol = TOLERANCES[self.precision]
+        tol = tolerance(self.precision)
+        if tol.reference == "vanilla":
+            if p.vanilla_identical is False:
+                return (f"{p.prompt[:40]!r}: Medusa diverges from plain greedy decoding of the same "
+                        f"{self.precision} graph at new token {p.vanilla_divergence}: Medusa {p.medusa_token}, "
+                        f"plain greedy {p.vanilla_token}")
+            return None
         if not (p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol
                 and p.max_hidden_diff <= tol.hidden_atol):
             return (f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
@@ -100,8 +140,38 @@ class ValidationReport:
         return [f for f in map(self.failure, self.prompts) if f is not None]
 
     def to_json(self) -> dict:
+        tol = tolerance(self.precision)
         return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
-                "tolerance": asdict(TOLERANCES[self.precision]), "prompts": [asdict(p) for p in self.prompts]}
+                "checks": _CHECKS[tol.reference], "tolerance": asdict(tol),
+                "prompts": [asdict(p) for p in self.prompts]}
+
+    def summary(self) -> str:
+        """One line for the build summary (:func:`validation_summary`)."""
+        return validation_summary(self.to_json())
+
+
+def validation_summary(v: dict) -> str:
+    """One line from a report's JSON (the manifest's ``validation``): the pass/fail verdict
+    and the figures it rests on; for weight-only precisions, agreement with fp32 as well."""
+    prompts, n = v["prompts"], len(v["prompts"])
+    same = sum(p["identical"] for p in prompts)
+    head = f"{'PASSED' if v['passed'] else 'FAILED'}: "
+    if v["tolerance"].get("reference") == "vanilla":
+        lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
+        agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
+        return (head + f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x {v['new_tokens']} tokens; "
+                       f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
+    worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
+    return head + f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
+
+
+_CHECKS = {
+    "pytorch": "pass/fail: step outputs within tolerance of the fp32 PyTorch reference and greedy tokens identical "
+               "(near-ties allowed where margin > 0); vanilla_* fields: Medusa vs plain greedy on the same graph (information)",
+    "vanilla": "pass/fail: Medusa greedy tokens == plain greedy decoding (root-only tree) of the same graph on ONNX "
+               "Runtime; the PyTorch fields (identical, first_divergence, agreement, max_*_diff) are agreement with "
+               "the fp32 reference (information)",
+}
 
 
 def default_prompts() -> list[str]:
@@ -140,6 +210,15 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()) if a.size else 0.0
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the shorter length when one is a prefix of the other)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _at(tokens: list[int], i: int) -> int | None:
+    return tokens[i] if i < len(tokens) else None
+
+
 def compare_steps(ref: TorchEngine, eng: OrtEngine, prompt_ids: list[int], artifact: Artifact) -> tuple[float, float, float]:
     """Prefill + one tree step on both engines with the same inputs; max |diff| of
     (top-1 log-prob, entropy, hidden)."""
@@ -173,7 +252,7 @@ def validate(
     engine: OrtEngine | None = None,
     progress: bool = True,
 ) -> ValidationReport:
-    """Validate the artifact's ONNX Runtime graphs against the PyTorch reference.
+    """Validate the artifact's ONNX Runtime graphs (module docstring: the three checks).
 
     Args:
         artifact: the artifact (its tree is used).
@@ -184,32 +263,43 @@ def validate(
         eos_token_ids: generation stops at these (both sides).
         engine: an ONNX Runtime engine over the artifact (created when None).
         progress: show a progress bar.
+
+    Returns:
+        The report; ``passed`` applies the precision's :class:`Tolerance`.
+
+    Raises:
+        ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
     """
     from tqdm.auto import tqdm
 
     precision = artifact.manifest["precision"]["name"]
+    tolerance(precision)  # an unknown precision fails before any work
+    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
     ref = TorchEngine(model, artifact.manifest["step_topk"])
     eng = engine or OrtEngine(artifact)
     report = ValidationReport(precision, new_tokens)
     cap = artifact.model["max_context"]
-    for ids, text in tqdm(list(zip(prompts, texts)), desc="validating (ONNX Runtime vs PyTorch)",
+    for ids, text in tqdm(list(zip(prompts, texts)), desc="validating (ONNX Runtime vs PyTorch and vs plain greedy)",
                           disable=not progress, unit="prompt"):
         lp, ent, hid = compare_steps(ref, eng, ids, artifact)
         kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
         r = generate(ref, ids, artifact.tree, **kw)
         a = generate(eng, ids, artifact.tree, **kw)
-        rep = PromptReport(text, len(r.tokens), r.tokens == a.tokens, lp, ent, hid)
+        v = generate(eng, ids, root, **kw)
+        rep = PromptReport(text, len(r.tokens), r.tokens == a.tokens, lp, ent, hid, vanilla_identical=v.tokens == a.tokens)
+        if not rep.vanilla_identical:
+            j = _first_difference(v.tokens, a.tokens)
+            rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
         if not rep.identical:
-            i = next((j for j, (x, y) in enumerate(zip(r.tokens, a.tokens)) if x != y), min(len(r.tokens), len(a.tokens)))
+            i = _first_difference(r.tokens, a.tokens)
             rep.first_divergence = i
-            rep.reference_token = r.tokens[i] if i < len(r.tokens) else None
-            rep.artifact_token = a.tokens[i] if i < len(a.tokens) else None
+            rep.reference_token, rep.artifact_token = _at(r.tokens, i), _at(a.tokens, i)
             rep.divergence_step = int(np.searchsorted(np.cumsum([1] + r.step_tokens), i, side="right"))
             seq = list(ids) + r.tokens[:i]
             out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
                            causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
             rep.reference_margin = float(out.topk_logprobs[-1, 0] - out.topk_logprobs[-1, 1])
-            tol = TOLERANCES[precision]
+            tol = tolerance(precision)
             rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
             rep.agreement = i / max(1, len(r.tokens))
         report.prompts.append(rep)
