@@ -46,6 +46,10 @@ FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
             "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT"}
 
 
+#: MatMulNBits accuracy level of a weight-only backbone by precision (see BuildConfig.accuracy_level).
+BACKBONE_ACCURACY = {"int4": 1, "int8": 4}
+
+
 class UnknownPrecisionError(MedusaError, ValueError):
     """A precision name is not one of the choices; the message lists them."""
 
@@ -64,10 +68,16 @@ class BuildConfig:
         block_size: MatMulNBits block size of the weight-only precisions.
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
-        accuracy_level: MatMulNBits compute type of the weight-only graphs: 4 (int8 activations,
-            VNNI; fastest) or 1 (fp32 activations). Measured on SmolLM2-135M, level 4 is not batch
-            invariant (a tree step's rows after the first differ from one-token steps by up to
-            0.7 in the hidden state, level 1 by 1e-5), so Medusa can diverge from plain greedy.
+        accuracy_level: MatMulNBits compute type of the weight-only *backbone*: 4 (int8
+            activations, VNNI; fastest), 1 (fp32 activations) or None (:data:`BACKBONE_ACCURACY`:
+            1 for int4, 4 for int8). Level 4 quantizes activations, so fp32 rounding differences
+            of 1e-6 between a tree step and one-token steps (different attention lengths) flip
+            quantization steps that then grow through the layers: measured on SmolLM2-135M, a
+            tree step's rows differ from one-token steps by up to 0.7 in the hidden state (level
+            1: 1e-5), and Medusa diverged from plain greedy of the same graph after ~30 tokens.
+            Level 1 keeps int4 lossless; ONNX Runtime has no fast fp32-compute kernel for 8-bit
+            weights (468 ms a step), so int8 keeps level 4 and is not lossless. The heads graph
+            always uses level 4 (its candidates are verified, so its rounding never changes the output).
     """
 
     precision: str = "fp32"
@@ -77,7 +87,7 @@ class BuildConfig:
     validate: bool = True
     block_size: int = 32
     quantize_lm_head: bool = True
-    accuracy_level: int = 4
+    accuracy_level: int | None = None
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),
@@ -107,7 +117,8 @@ class BuildConfig:
         """
         if precision not in WEIGHT_ONLY_BITS:
             return None
-        return WeightOnlyConfig.for_precision(precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
+        level = 4 if heads else (self.accuracy_level or BACKBONE_ACCURACY[precision])
+        return WeightOnlyConfig.for_precision(precision, block_size=self.block_size, accuracy_level=level,
                                               vocab_projection=heads or self.quantize_lm_head)
 
 

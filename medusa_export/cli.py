@@ -98,7 +98,7 @@ def cmd_build(args) -> int:
     from .validate import read_prompts
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
-                      new_tokens=args.new_tokens, validate=not args.no_validate)
+                      new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
@@ -232,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~3x less, ONNX Runtime only), "
                         f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
                         f"(default: {BuildConfig.heads_precision})")
+    p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=BuildConfig.accuracy_level,
+                   help="MatMulNBits compute of an int8/int4 backbone: 1 = fp32 activations (batch invariant, so "
+                        "Medusa stays identical to plain greedy of the graph), 4 = int8 activations (faster, but a "
+                        "tree step's rounding differs from one-token steps and outputs can diverge) "
+                        "(default: 1 for int4, 4 for int8, which has no fast fp32-compute kernel)")
     p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
     p.add_argument("--prompts", help="JSONL file of validation prompts ('prompt', 'turns' or 'messages'; "
                                      "default: the project's own 3 prompts)")

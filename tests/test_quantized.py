@@ -168,3 +168,12 @@ def test_fold_weight_transposes_keeps_values():
     after = ort.InferenceSession(model.SerializeToString()).run(None, feed)
     for x, y in zip(before, after):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():
+    from medusa_export.build import BuildConfig
+
+    assert BuildConfig(precision="int4").weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
+    assert BuildConfig(precision="int8").weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
+    assert BuildConfig(precision="int4").weight_only("int8", heads=True).accuracy_level == 4  # heads only propose
+    assert BuildConfig(precision="int4", accuracy_level=4).weight_only("int4").accuracy_level == 4
