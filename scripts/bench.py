@@ -127,9 +127,11 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
     return {"tree_size": tree.size, "by_past_length": rows, "heads_ms": 1e3 * statistics.median(heads[1:])}
 
 
-def transformers_reference(model_name: str, prompt_ids: list[list[int]], max_new_tokens: int,
-                           threads: int | None, eos: list[int]) -> dict:
-    """Plain transformers greedy ``generate`` on the same prompt ids (imports torch)."""
+def load_transformers_model(model_name: str, threads: int | None):
+    """The registered backbone as a transformers model, fp32, eval mode (imports torch).
+
+    Loaded as our exporter loads it: from the GGUF file a package ships, or from the HF cache.
+    """
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -147,6 +149,15 @@ def transformers_reference(model_name: str, prompt_ids: list[list[int]], max_new
     else:
         model = AutoModelForCausalLM.from_pretrained(str(hf_cache_snapshot(src["repo"])), torch_dtype=torch.float32)
     align_parameters(model.eval())  # as our loader does: GEMMs on the GGUF loader's unaligned tensors crawl
+    return model
+
+
+def transformers_reference(model_name: str, prompt_ids: list[list[int]], max_new_tokens: int,
+                           threads: int | None, eos: list[int]) -> dict:
+    """Plain transformers greedy ``generate`` on the same prompt ids (imports torch)."""
+    import torch
+
+    model = load_transformers_model(model_name, threads)
     tps, outputs = [], []
     for ids in prompt_ids:
         x = torch.tensor([ids])
