@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from .errors import MedusaError
 from .registry import DEFAULT_MODEL
 
 DEFAULT_CACHE = ".cache/train-heads"
@@ -35,6 +36,13 @@ def _prompts(paths: list[str]):
     return out
 
 
+def _part(text: str) -> tuple[int, int]:
+    i, sep, n = str(text).partition("/")
+    if not (sep and i.strip().isdigit() and n.strip().isdigit() and 0 <= int(i) < int(n)):
+        raise MedusaError(f"--part must be I/N with 0 <= I < N (e.g. 0/2), got {text!r}")
+    return int(i), int(n)
+
+
 def cmd_train_heads(args) -> int:
     """Self-distil replies, cache hidden states, train Medusa-1 heads, save them (+ held-out accuracies)."""
     import torch
@@ -53,7 +61,8 @@ def cmd_train_heads(args) -> int:
     replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held + train, cache / "train",
                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                                eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                               budget_tokens=args.budget_tokens, sort_window=args.sort_window)
+                               budget_tokens=args.budget_tokens, sort_window=args.sort_window,
+                               part=_part(args.part))
     held_ids = {p.id for p in held}
     held_replies = [r for r in replies if r.id in held_ids]
     replies = [r for r in replies if r.id not in held_ids]
@@ -173,6 +182,10 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--budget-tokens", type=int, help="stop generating once the cache holds this many reply tokens")
     p.add_argument("--max-tokens", type=int, help="train on only the first N cached reply tokens")
     p.add_argument("--generate-only", action="store_true", help="fill the caches and stop")
+    p.add_argument("--part", default="0/1", metavar="I/N",
+                   help="answer only every N-th prompt from the I-th: run N processes (--generate-only, "
+                        "OMP_NUM_THREADS=1 each) side by side on the same cache, then train without --part "
+                        "(default: 0/1)")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help=f"K (default: {d.num_heads})")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"residual blocks per head (default: {d.num_layers})")
     p.add_argument("--epochs", type=float, default=d.epochs, help=f"(default: {d.epochs})")

@@ -25,6 +25,7 @@ at ``hidden[i]`` predicts r_{i+k}.
 from __future__ import annotations
 
 import json
+import os
 import math
 import random
 import re
@@ -211,9 +212,11 @@ def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_
         att[b, width - len(p):] = 1
     capture = _NormCapture(hf_model.model.norm)
     try:
+        # A static cache writes each step's K/V in place; the default dynamic cache concatenates the whole
+        # cache every step (measured 28.6 vs 21.6 tokens/s at batch 16 here, same tokens).
         out = hf_model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
                                 eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id,
-                                temperature=None, top_p=None, top_k=None)
+                                temperature=None, top_p=None, top_k=None, cache_implementation="static")
     finally:
         capture.remove()
     hidden = torch.cat(capture.outputs, dim=1)  # [B, steps, d]: hidden[:, i] predicts generated token i
@@ -231,7 +234,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
                      cache_dir: str | Path, *, batch_size: int = 32, max_new_tokens: int = 384,
                      max_prompt_tokens: int = 768, eos_token_ids: Sequence[int], pad_token_id: int,
                      progress: bool = True, budget_tokens: int | None = None,
-                     hidden_dtype: torch.dtype = torch.bfloat16, sort_window: int = 2) -> list[Reply]:
+                     hidden_dtype: torch.dtype = torch.bfloat16, sort_window: int = 2,
+                     part: tuple[int, int] = (0, 1)) -> list[Reply]:
     """Answer every prompt not yet in the cache; append shards and reply lines as batches finish.
 
     Args:
@@ -247,6 +251,9 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
             padding; a small window keeps a partial cache a fair sample of the order).
         hidden_dtype: storage dtype of the hidden states (bf16 for training; fp32 where top-k
             ties matter, as in calibration).
+        part: (i, n): answer only every n-th prompt still to do, starting at the i-th, so that n
+            processes (one thread each) can fill the same cache side by side; their shards are
+            named by part and their reply lines are appended atomically.
 
     Returns:
         All cached replies.
@@ -261,8 +268,11 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
     done = read_replies(cache)
     have = {r.id for r in done}
     total = sum(len(r.tokens) for r in done)
+    i_part, n_part = part
+    if not 0 <= i_part < n_part:
+        raise ValueError(f"part must be i/n with 0 <= i < n, got {i_part}/{n_part}")
     todo = []
-    for p in prompts:
+    for p in list(prompts)[i_part::n_part]:  # split the full list, so parts never depend on what is cached
         if p.id not in have:
             ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
             if len(ids) <= max_prompt_tokens:
@@ -270,7 +280,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
     window = batch_size * max(1, sort_window)
     for w in range(0, len(todo), window):
         todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
-    shard_no = len(list(cache.glob("shard-*.safetensors")))
+    tag = f"p{i_part}of{n_part}-" if n_part > 1 else ""
+    shard_no = len(list(cache.glob(f"shard-{tag}[0-9]*.safetensors")))
     bar = tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distillation", unit="prompt",
                disable=not progress, dynamic_ncols=True)
     t0, new_tokens = time.perf_counter(), 0
@@ -280,16 +291,21 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
         batch = todo[start:start + batch_size]
         results = generate_batch(hf_model, tokenizer, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
                                  eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, hidden_dtype=hidden_dtype)
-        name = f"shard-{shard_no:05d}.safetensors"
+        name = f"shard-{tag}{shard_no:05d}.safetensors"
         shard_no += 1
         save_file({f"r{i}": h for i, (_, h) in enumerate(results)}, str(cache / name))
-        with (cache / REPLIES_FILE).open("a") as f:
-            for i, ((p, ids), (toks, _)) in enumerate(zip(batch, results)):
-                rep = Reply(p.id, toks, name, f"r{i}", len(ids))
-                done.append(rep)
-                f.write(json.dumps(asdict(rep)) + "\n")
-                total += len(toks)
-                new_tokens += len(toks)
+        lines = []
+        for i, ((p, ids), (toks, _)) in enumerate(zip(batch, results)):
+            rep = Reply(p.id, toks, name, f"r{i}", len(ids))
+            done.append(rep)
+            lines.append(json.dumps(asdict(rep)) + "\n")
+            total += len(toks)
+            new_tokens += len(toks)
+        fd = os.open(cache / REPLIES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # one append per batch: parts writing the same file never interleave lines
+            os.write(fd, "".join(lines).encode("utf-8"))
+        finally:
+            os.close(fd)
         bar.update(len(batch))
         bar.set_postfix(tokens=total, tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
     bar.close()

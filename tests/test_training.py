@@ -90,6 +90,21 @@ def test_generate_replies_resumes_from_its_cache(tiny_gen, tmp_path):
     assert [h.shape[0] for h in load_hidden(tmp_path, cached)] == [6, 6, 6, 6]
 
 
+def test_generate_replies_in_parts_fill_one_cache(tiny_gen, tmp_path):
+    g = tiny_gen
+    kw = dict(batch_size=2, max_new_tokens=6, eos_token_ids=[], pad_token_id=g.pad_token_id, progress=False)
+    whole = generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:5], tmp_path / "whole", **kw)
+    for i in (0, 1):  # what two side-by-side processes do
+        generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:5], tmp_path / "parts", part=(i, 2), **kw)
+    parts = read_replies(tmp_path / "parts")
+    assert sorted(r.id for r in parts) == sorted(r.id for r in whole)  # every prompt exactly once
+    assert {r.id: r.tokens for r in parts} == {r.id: r.tokens for r in whole}
+    assert sorted(p.name for p in (tmp_path / "parts").glob("shard-*")) == [
+        "shard-p0of2-00000.safetensors", "shard-p0of2-00001.safetensors", "shard-p1of2-00000.safetensors"]
+    with pytest.raises(ValueError, match="0 <= i < n"):
+        generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:5], tmp_path / "bad", part=(2, 2), **kw)
+
+
 def _tiny_data(gen, tmp_path, soft_topk=0):
     reps = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, PROMPTS, tmp_path, batch_size=3,
                             max_new_tokens=24, eos_token_ids=[], pad_token_id=gen.pad_token_id, progress=False)
