@@ -212,11 +212,11 @@ def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_
         att[b, width - len(p):] = 1
     capture = _NormCapture(hf_model.model.norm)
     try:
-        # A static cache writes each step's K/V in place; the default dynamic cache concatenates the whole
-        # cache every step (measured 28.6 vs 21.6 tokens/s at batch 16 here, same tokens).
+        # The default dynamic cache: a static one made transformers' repeat_kv expand the whole
+        # preallocated cache every step (69% of the time on long chat prompts, batch 32).
         out = hf_model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
                                 eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id,
-                                temperature=None, top_p=None, top_k=None, cache_implementation="static")
+                                temperature=None, top_p=None, top_k=None)
     finally:
         capture.remove()
     hidden = torch.cat(capture.outputs, dim=1)  # [B, steps, d]: hidden[:, i] predicts generated token i
