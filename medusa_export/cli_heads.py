@@ -54,6 +54,10 @@ def cmd_train_heads(args) -> int:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
     train, held = select_prompts(_prompts(args.data), caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
+    if args.exclude:  # e.g. the calibration prompts: never answered for training, never trained on
+        banned = {p.id for p in _prompts(args.exclude)}
+        train = [p for p in train if p.id not in banned]
+        held = [p for p in held if p.id not in banned]
     print(f"{len(train)} training prompts, {len(held)} held out", file=sys.stderr)
     gen = load_generator(args.model, model_path=args.model_path)
     cache = Path(args.cache)
@@ -182,6 +186,9 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--budget-tokens", type=int, help="stop generating once the cache holds this many reply tokens")
     p.add_argument("--max-tokens", type=int, help="train on only the first N cached reply tokens")
     p.add_argument("--generate-only", action="store_true", help="fill the caches and stop")
+    p.add_argument("--exclude", action="append", default=[], metavar="JSONL",
+                   help="prompts never answered or trained on, matched by id (repeatable; e.g. the "
+                        "calibration prompts given to 'calibrate')")
     p.add_argument("--part", default="0/1", metavar="I/N",
                    help="answer only every N-th prompt from the I-th: run N processes (--generate-only, "
                         "OMP_NUM_THREADS=1 each) side by side on the same cache, then train without --part "
