@@ -90,7 +90,7 @@ def cmd_chat(args) -> int:
 
 def cmd_build(args) -> int:
     """Export + validate an artifact."""
-    from medusa_runtime.autotree import DEFAULT_SIZES
+    from medusa_runtime.autotree import DEFAULT_SIZES, is_auto
     from medusa_runtime.tree import tree_from_spec
 
     from .build import build_artifact
@@ -103,8 +103,8 @@ def cmd_build(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
-    spec = str(args.tree or lm.default_tree).strip()
-    auto = spec == "auto"  # the largest candidate first; build_artifact times the others after export
+    spec = args.tree or lm.default_tree
+    auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
     tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
     out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}"
@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"of the same graph (default: {BuildConfig.precision})")
     p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=BuildConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
-                        "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~3x less, ONNX Runtime only), "
+                        "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "
                         f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
                         f"(default: {BuildConfig.heads_precision})")
     p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=BuildConfig.accuracy_level,

@@ -25,16 +25,15 @@ at ``hidden[i]`` predicts r_{i+k}.
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -251,9 +250,10 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
             padding; a small window keeps a partial cache a fair sample of the order).
         hidden_dtype: storage dtype of the hidden states (bf16 for training; fp32 where top-k
             ties matter, as in calibration).
-        part: (i, n): answer only every n-th prompt still to do, starting at the i-th, so that n
-            processes (one thread each) can fill the same cache side by side; their shards are
-            named by part and their reply lines are appended atomically.
+        part: (i, n): answer only the prompts at positions i, i + n, i + 2n, ... of ``prompts``
+            (the full list, so the split never depends on what is cached), so that n processes
+            (one thread each) can fill the same cache side by side; their shards are named by
+            part and each batch's reply lines go to the file in one append.
 
     Returns:
         All cached replies.
@@ -301,9 +301,11 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
             lines.append(json.dumps(asdict(rep)) + "\n")
             total += len(toks)
             new_tokens += len(toks)
+        data = "".join(lines).encode("utf-8")
         fd = os.open(cache / REPLIES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:  # one append per batch: parts writing the same file never interleave lines
-            os.write(fd, "".join(lines).encode("utf-8"))
+        try:  # one O_APPEND write per batch: parts writing the same file never interleave lines
+            while data:
+                data = data[os.write(fd, data):]
         finally:
             os.close(fd)
         bar.update(len(batch))

@@ -24,8 +24,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .errors import InvalidTreeError
-from .tree import DEFAULT_TOPK, Tree, expected_accept_length, greedy_tree, make_tree
+from .tree import DEFAULT_TOPK, Tree, default_accuracies, expected_accept_length, greedy_tree, make_tree
 
+#: The ``--tree`` spec that selects this module.
+AUTO = "auto"
 #: Node counts tried by ``--tree auto`` (1 = plain decoding).
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: Past length (tokens already in the cache) at which steps are timed: a typical mid-reply context.
@@ -112,7 +114,13 @@ def choose_tree(trees: Mapping[int, Tree], accuracies: np.ndarray, step_ms: Mapp
     return trees[best.size], table
 
 
-def _median_ms(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+def is_auto(spec) -> bool:
+    """True for the ``--tree auto`` spec (any surrounding whitespace)."""
+    return isinstance(spec, str) and spec.strip() == AUTO
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``repeats`` runs after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -160,24 +168,27 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
             nonlocal out
             out = engine.step(ids, pos, mask, 1.0, cache.past())
 
-        step_ms[n] = _median_ms(step, repeats, warmup)
+        step_ms[n] = median_ms(step, repeats, warmup)
         if progress:
             progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
     topk = next(iter(trees.values())).topk
-    heads_ms = _median_ms(lambda: engine.heads(out.hidden[:1], topk), repeats, warmup)
+    heads_ms = median_ms(lambda: engine.heads(out.hidden[:1], topk), repeats, warmup)
     if progress:
         progress(f"heads graph: {heads_ms:.2f} ms per step")
     return step_ms, heads_ms
 
 
-def auto_tree(engine, accuracies: np.ndarray, *, sizes: Sequence[int] = DEFAULT_SIZES,
-              past_length: int = DEFAULT_PAST_LENGTH, repeats: int = 5, topk: int = DEFAULT_TOPK,
-              progress: Callable[[str], None] | None = None) -> tuple[Tree, list[TreeTiming]]:
+def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = None,
+              sizes: Sequence[int] = DEFAULT_SIZES, past_length: int = DEFAULT_PAST_LENGTH, repeats: int = 5,
+              topk: int = DEFAULT_TOPK, progress: Callable[[str], None] | None = None) -> tuple[Tree, list[TreeTiming]]:
     """Measure, then choose: the tree with the most expected tokens per second on ``engine``.
 
     Args:
         engine: the target engine (its heads count bounds the depth).
-        accuracies: float [K, topk] calibrated a_k^(i) (the artifact's or ``accuracies.json``).
+        accuracies: float [K, topk] calibrated a_k^(i) (the artifact's or ``accuracies.json``);
+            None: the prior of :func:`medusa_runtime.tree.default_accuracies`.
+        capacity: the KV capacity steps must fit in (None: unbounded); sizes above half of it
+            are dropped and ``past_length`` shrinks so that the largest tree fits after it.
         sizes: node counts to try (1 = plain decoding).
         past_length, repeats: see :func:`time_tree_steps`.
         topk: candidate top-k (at most the heads graph's).
@@ -187,8 +198,15 @@ def auto_tree(engine, accuracies: np.ndarray, *, sizes: Sequence[int] = DEFAULT_
         (the chosen tree, the table of every size).
 
     Raises:
-        InvalidTreeError: bad sizes or accuracies.
+        InvalidTreeError: bad sizes or accuracies, or no size fits ``capacity``.
     """
+    if accuracies is None:
+        accuracies = default_accuracies(engine.num_heads, topk)
+    if capacity is not None:
+        sizes = [n for n in sizes if n <= capacity // 2]
+        if not sizes:
+            raise InvalidTreeError(f"no tree size fits half of a {capacity}-token context")
+        past_length = min(past_length, capacity - max(sizes))
     trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk)
     step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)
     return choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms)

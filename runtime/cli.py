@@ -49,15 +49,15 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
 def _session(args):
     from .session import MedusaSession
 
+    from .autotree import format_table, is_auto
+
     tree = getattr(args, "tree", None)
-    auto = isinstance(tree, str) and tree.strip() == "auto"
+    auto = is_auto(tree)
     if auto:
         print("--tree auto: timing the tree step at several sizes on this engine ...", file=sys.stderr, flush=True)
     session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
                             max_context=getattr(args, "max_context", None), tree=tree)
     if auto:
-        from .autotree import format_table
-
         print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
         print(f"--tree auto chose {session.tree.size} nodes (* above: most expected tokens/s)", file=sys.stderr)
     return session

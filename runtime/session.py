@@ -22,12 +22,12 @@ from typing import Callable, Sequence
 
 from .acceptance import TypicalConfig
 from .artifact import Artifact, load_artifact
-from .autotree import DEFAULT_PAST_LENGTH, DEFAULT_SIZES, TreeTiming, auto_tree
+from .autotree import TreeTiming, auto_tree, is_auto
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import MedusaError
 from .loop import GenerationResult, KVCache, generate
 from .tokenizer import RuntimeTokenizer
-from .tree import Tree, default_accuracies, make_tree, tree_from_spec
+from .tree import Tree, make_tree, tree_from_spec
 
 _TYPICAL = TypicalConfig()
 
@@ -125,12 +125,9 @@ class MedusaSession:
         if tree is None:
             return base
         acc = self.artifact.head_accuracies
-        if isinstance(tree, str) and tree.strip() == "auto":
-            sizes = [n for n in DEFAULT_SIZES if n <= self.max_context // 2]
-            tree, self.tree_timings = auto_tree(
-                self.engine, acc if acc is not None else default_accuracies(self.engine.num_heads, base.topk),
-                sizes=sizes, past_length=min(DEFAULT_PAST_LENGTH, self.max_context - max(sizes)), topk=base.topk,
-                progress=self._progress)
+        if is_auto(tree):
+            tree, self.tree_timings = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk,
+                                                progress=self._progress)
             return tree
         if not isinstance(tree, Tree):
             tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk, accuracies=acc)

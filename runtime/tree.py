@@ -375,7 +375,7 @@ def tree_from_spec(
         return make_tree([], num_heads=num_heads, topk=topk)
     if text == "chain":
         return chain_tree(num_heads, topk)
-    if text == "auto":
+    if text == "auto":  # medusa_runtime.autotree.AUTO (imported there, not here: autotree imports this module)
         raise InvalidTreeError("--tree auto times the tree step on an engine, so it needs an artifact: "
                                "medusa-export build --tree auto, generate/chat --artifact DIR --tree auto, "
                                "or MedusaSession(dir, tree='auto')")

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.autotree import median_ms
 from medusa_runtime.loop import KVCache, causal_mask
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import default_accuracies, greedy_tree, make_tree
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def _tree(size: int, heads: int):
@@ -60,7 +49,7 @@ def main() -> None:
     out = eng.step(prompt[None], np.arange(args.past)[None], causal_mask(args.past), 1.0, cache.past())
     cache.keep(out.new_kv, np.arange(args.past))
     hidden_row = out.hidden[-1:]
-    heads_ms = _median_ms(lambda: eng.heads(hidden_row, art.tree.topk), args.repeats)
+    heads_ms = median_ms(lambda: eng.heads(hidden_row, art.tree.topk), args.repeats)
     kv_bytes_per_token = 2 * eng.num_layers * eng.num_kv_heads * eng.head_dim * np.dtype(eng.kv_dtype).itemsize
 
     rows = []
@@ -68,7 +57,7 @@ def main() -> None:
         tree = _tree(size, eng.num_heads)
         b = tree.buffers()
         tokens = rng.integers(0, vocab, tree.size, dtype=np.int64)
-        step_ms = _median_ms(lambda: eng.step(tokens[None], (args.past + b.depth)[None], b.attention_mask, 1.0,
+        step_ms = median_ms(lambda: eng.step(tokens[None], (args.past + b.depth)[None], b.attention_mask, 1.0,
                                               cache.past()), args.repeats)
         t = tree.size
         out_bytes = t * k * 8 + t * k * 4 + t * 4 + t * t * 4 + t * hidden * np.dtype(eng.kv_dtype).itemsize + t * kv_bytes_per_token
