@@ -351,7 +351,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             manifest["trt_readiness"] = check_artifact(tmp, manifest).to_json()
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if cfg.validate:
-            with stages("validating ONNX Runtime (against PyTorch; weight-only: Medusa against plain greedy)"):
+            what = ("Medusa against plain greedy of the same graph" if cfg.precision in WEIGHT_ONLY_BITS
+                    else "ONNX Runtime against PyTorch")
+            with stages(f"validating: {what}"):
                 texts = prompts or default_prompts()
                 ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
                 report = validate(load_artifact(tmp), model, ids, texts, new_tokens=cfg.new_tokens,
