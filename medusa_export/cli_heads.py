@@ -43,6 +43,22 @@ def _part(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
+def _device(name: str) -> str:
+    """Check a ``--device`` value: ``cpu``, or ``cuda``/``cuda:N`` where PyTorch sees that GPU."""
+    import torch
+
+    if name == "cpu":
+        return name
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(name[5:]) if ":" in name else 0
+        if index >= n:
+            raise MedusaError(f"--device {name}: PyTorch sees {n} CUDA device(s) here; use --device cpu"
+                              + (f" or cuda:0..cuda:{n - 1}" if n else ""))
+        return name
+    raise MedusaError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+
+
 def cmd_train_heads(args) -> int:
     """Self-distil replies, cache hidden states, train Medusa-1 heads, save them (+ held-out accuracies)."""
     import torch
@@ -59,14 +75,18 @@ def cmd_train_heads(args) -> int:
         train = [p for p in train if p.id not in banned]
         held = [p for p in held if p.id not in banned]
     print(f"{len(train)} training prompts, {len(held)} held out", file=sys.stderr)
-    gen = load_generator(args.model, model_path=args.model_path)
+    if args.samples < 1 or not args.temperature > 0:
+        raise MedusaError(f"--samples must be at least 1 and --temperature above 0, got {args.samples} and "
+                          f"{args.temperature}")
+    gen = load_generator(args.model, model_path=args.model_path, device=_device(args.device))
     cache = Path(args.cache)
-    # One cache; the held-out prompts are answered first and never trained on.
-    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held + train, cache / "train",
-                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                               eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                               budget_tokens=args.budget_tokens, sort_window=args.sort_window,
-                               part=_part(args.part))
+    common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, eos_token_ids=gen.eos_token_ids,
+                  pad_token_id=gen.pad_token_id, budget_tokens=args.budget_tokens, sort_window=args.sort_window,
+                  part=_part(args.part), seed=args.seed)
+    # One cache; the held-out prompts are answered first (greedy only) and never trained on.
+    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held, cache / "train", **common)
+    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, train, cache / "train",
+                               samples=args.samples, temperature=args.temperature, **common)
     held_ids = {p.id for p in held}
     held_replies = [r for r in replies if r.id in held_ids]
     replies = [r for r in replies if r.id not in held_ids]
@@ -100,11 +120,14 @@ def cmd_train_heads(args) -> int:
     ckpt = cache / "checkpoints" / (f"h{cfg.num_heads}l{cfg.num_layers}s{cfg.soft_topk}e{cfg.epochs}"
                                     f"lr{cfg.lr}b{cfg.batch_tokens}n{data.num_tokens}.pt")
     res = train_heads(data, gen.lm_head, cfg, checkpoint=ckpt)
+    gen.hf_model.cpu()  # the heads share its lm_head: saving and held-out accuracies run on the CPU
     heads = res.heads
     recipe = {
         "recipe": {**cfg.__dict__, "train_prompts": len(replies), "train_tokens": data.num_tokens,
                    "data": args.data, "caps": _caps(args.cap), "holdout": args.holdout,
-                   "max_new_tokens": args.max_new_tokens, "loss": "sum_k 0.8^k CE(head k, token t+k+1)",
+                   "max_new_tokens": args.max_new_tokens, "samples": args.samples,
+                   "temperature": args.temperature if args.samples > 1 else None, "device": args.device,
+                   "loss": "sum_k 0.8^k CE(head k, token t+k+1)",
                    "init": "seeds/001 §2.1.1: zero residual block, projection = the frozen shared lm_head",
                    "train_seconds": round(res.seconds, 1),
                    "total_seconds": round(time.perf_counter() - t_start, 1),
@@ -193,6 +216,12 @@ def add_heads_commands(sub) -> None:
                    help="answer only every N-th prompt from the I-th: run N processes (--generate-only, "
                         "OMP_NUM_THREADS=1 each) side by side on the same cache, then train without --part "
                         "(default: 0/1)")
+    p.add_argument("--samples", type=int, default=1,
+                   help="replies per training prompt: the greedy one plus N-1 sampled at --temperature, more "
+                        "self-distillation text from few prompts (default: 1)")
+    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled replies (default: 0.7)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where generation, teacher targets and training run (default: cpu)")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help=f"K (default: {d.num_heads})")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"residual blocks per head (default: {d.num_layers})")
     p.add_argument("--epochs", type=float, default=d.epochs, help=f"(default: {d.epochs})")

@@ -30,6 +30,7 @@ import os
 import random
 import re
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -166,6 +167,11 @@ class Reply:
     prompt_tokens: int = 0
 
 
+def reply_id(prompt_id: str, variant: int) -> str:
+    """The cache id of a prompt's reply: the prompt id for the greedy one (variant 0), else ``<id>~s<j>``."""
+    return prompt_id if variant == 0 else f"{prompt_id}~s{variant}"
+
+
 def read_replies(cache_dir: str | Path) -> list[Reply]:
     """The replies cached so far (lines whose shard file exists)."""
     path = Path(cache_dir) / REPLIES_FILE
@@ -196,9 +202,13 @@ class _NormCapture:
 
 @torch.no_grad()
 def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                   eos_token_ids: Sequence[int], pad_token_id: int, hidden_dtype: torch.dtype = torch.bfloat16
-                   ) -> list[tuple[list[int], torch.Tensor]]:
-    """Greedy replies of a batch (left padding) with their aligned hidden states (``hidden_dtype``).
+                   eos_token_ids: Sequence[int], pad_token_id: int, hidden_dtype: torch.dtype = torch.bfloat16,
+                   temperature: float = 0.0, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+    """Replies of a batch (left padding) with their aligned hidden states (``hidden_dtype``, on the CPU).
+
+    Runs on the model's device. ``temperature`` 0 is greedy; above 0 the replies are sampled
+    from the backbone's full distribution at that temperature, seeded with ``seed`` (the
+    hidden states, and so the soft targets, are the backbone's own whatever the tokens).
 
     Returns:
         per prompt: (tokens r_0..r_{n-1}, hidden [n, d] where hidden[i] predicts r_i).
@@ -209,17 +219,24 @@ def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_
     for b, p in enumerate(prompt_ids):
         ids[b, width - len(p):] = torch.tensor(p)
         att[b, width - len(p):] = 1
+    device = next(hf_model.parameters()).device
+    ids, att = ids.to(device), att.to(device)
+    sampling = {"do_sample": False, "temperature": None}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": float(temperature)}
+        torch.manual_seed(seed)  # seeds the CPU and every CUDA device
     capture = _NormCapture(hf_model.model.norm)
     try:
         # The default dynamic cache: a static one made transformers' repeat_kv expand the whole
         # preallocated cache every step (69% of the time on long chat prompts, batch 32).
-        out = hf_model.generate(input_ids=ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
+        out = hf_model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
                                 eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id,
-                                temperature=None, top_p=None, top_k=None)
+                                top_p=None, top_k=None, **sampling)
     finally:
         capture.remove()
     hidden = torch.cat(capture.outputs, dim=1)  # [B, steps, d]: hidden[:, i] predicts generated token i
-    gen = out[:, width:]
+    gen = out[:, width:].cpu()
+    hidden = hidden.cpu()
     eos = set(int(e) for e in eos_token_ids)
     results = []
     for b in range(len(prompt_ids)):
@@ -234,7 +251,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
                      max_prompt_tokens: int = 768, eos_token_ids: Sequence[int], pad_token_id: int,
                      progress: bool = True, budget_tokens: int | None = None,
                      hidden_dtype: torch.dtype = torch.bfloat16, sort_window: int = 2,
-                     part: tuple[int, int] = (0, 1)) -> list[Reply]:
+                     part: tuple[int, int] = (0, 1), samples: int = 1, temperature: float = 0.7,
+                     seed: int = 0) -> list[Reply]:
     """Answer every prompt not yet in the cache; append shards and reply lines as batches finish.
 
     Args:
@@ -254,9 +272,17 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
             (the full list, so the split never depends on what is cached), so that n processes
             (one thread each) can fill the same cache side by side; their shards are named by
             part and each batch's reply lines go to the file in one append.
+        samples: replies per prompt: the greedy one (id = the prompt's id) and ``samples - 1``
+            sampled at ``temperature`` (ids ``<prompt id>~s<j>``), more training text per
+            prompt (self-distillation data, seeds/001 §2.3.2). Each pass over the prompts is
+            one variant; a sampled batch is seeded from ``seed`` and its reply ids, so a
+            restart draws the same replies.
 
     Returns:
         All cached replies.
+
+    Raises:
+        ValueError: a bad ``part`` or ``samples`` < 1.
     """
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -271,32 +297,38 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
     i_part, n_part = part
     if not 0 <= i_part < n_part:
         raise ValueError(f"part must be i/n with 0 <= i < n, got {i_part}/{n_part}")
-    todo = []
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1 (the greedy reply), got {samples}")
+    mine = []
     for p in list(prompts)[i_part::n_part]:  # split the full list, so parts never depend on what is cached
-        if p.id not in have:
-            ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
-            if len(ids) <= max_prompt_tokens:
-                todo.append((p, ids))
+        ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
+        if len(ids) <= max_prompt_tokens:
+            mine.append((p, ids))
     window = batch_size * max(1, sort_window)
-    for w in range(0, len(todo), window):
-        todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
+    batches = []  # (variant j, [(reply id, prompt ids)]); variant 0 is greedy, one pass per variant
+    for j in range(samples):
+        todo = [(reply_id(p.id, j), ids) for p, ids in mine if reply_id(p.id, j) not in have]
+        for w in range(0, len(todo), window):
+            todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
+        batches += [(j, todo[b:b + batch_size]) for b in range(0, len(todo), batch_size)]
     tag = f"p{i_part}of{n_part}-" if n_part > 1 else ""
     shard_no = len(list(cache.glob(f"shard-{tag}[0-9]*.safetensors")))
-    bar = tqdm(total=len(done) + len(todo), initial=len(done), desc="self-distillation", unit="prompt",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(done) + sum(len(b) for _, b in batches), initial=len(done), desc="self-distillation",
+               unit="reply", disable=not progress, dynamic_ncols=True)
     t0, new_tokens = time.perf_counter(), 0
-    for start in range(0, len(todo), batch_size):
+    for j, batch in batches:
         if budget_tokens is not None and total >= budget_tokens:
             break
-        batch = todo[start:start + batch_size]
+        batch_seed = zlib.crc32("|".join(rid for rid, _ in batch).encode("utf-8")) ^ seed
         results = generate_batch(hf_model, tokenizer, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, hidden_dtype=hidden_dtype)
+                                 eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, hidden_dtype=hidden_dtype,
+                                 temperature=temperature if j else 0.0, seed=batch_seed)
         name = f"shard-{tag}{shard_no:05d}.safetensors"
         shard_no += 1
         save_file({f"r{i}": h for i, (_, h) in enumerate(results)}, str(cache / name))
         lines = []
-        for i, ((p, ids), (toks, _)) in enumerate(zip(batch, results)):
-            rep = Reply(p.id, toks, name, f"r{i}", len(ids))
+        for i, ((rid, ids), (toks, _)) in enumerate(zip(batch, results)):
+            rep = Reply(rid, toks, name, f"r{i}", len(ids))
             done.append(rep)
             lines.append(json.dumps(asdict(rep)) + "\n")
             total += len(toks)
@@ -350,8 +382,13 @@ class Generator:
         return self.hf_model.lm_head
 
 
-def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dtype = torch.float32) -> Generator:
+def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> Generator:
     """Load a registered model (or a path) as a transformers LM for batched generation.
+
+    Args:
+        device: where it runs (``cpu``, ``cuda``, ``cuda:1``): generation, teacher targets and
+            head training all follow it.
 
     Raises:
         UnknownModelError, WeightsNotFoundError: as :func:`medusa_export.registry.load_model`.
@@ -374,7 +411,7 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
         path, kwargs = path.parent, {"gguf_file": path.name}
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype, **kwargs).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype, **kwargs).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
     template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
     eos = _eos_ids(hf_model, tokenizer)
@@ -440,21 +477,21 @@ def teacher_topk(hidden: torch.Tensor, lm_weight: torch.Tensor, k: int, *, chunk
 
     Args:
         hidden: [N, d] final-norm hidden states.
-        lm_weight: [V, d] the frozen LM head.
+        lm_weight: [V, d] the frozen LM head; the product runs on its device.
         k: how many tokens to keep; the kept probabilities are renormalised to sum 1.
 
     Returns:
-        (ids int64 [N, k], probs float32 [N, k]).
+        (ids int64 [N, k], probs float32 [N, k]), on the CPU.
     """
     from tqdm import tqdm
 
     w = lm_weight.to(torch.bfloat16)
     ids, probs = [], []
     for s in tqdm(range(0, hidden.shape[0], chunk), desc="teacher top-k", disable=not progress, dynamic_ncols=True):
-        logits = (hidden[s:s + chunk].to(torch.bfloat16) @ w.T).float()
+        logits = (hidden[s:s + chunk].to(w.device, torch.bfloat16) @ w.T).float()
         p, i = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-        ids.append(i)
-        probs.append(p / p.sum(-1, keepdim=True))
+        ids.append(i.cpu())
+        probs.append((p / p.sum(-1, keepdim=True)).cpu())
     return torch.cat(ids), torch.cat(probs)
 
 
@@ -558,15 +595,20 @@ def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, pro
 
     AdamW, linear warmup then cosine decay, shuffled positions (fixed seed). With
     ``checkpoint``, the heads, optimiser and step are saved there every 200 steps and at
-    the end, and a run with the same data and config resumes from it.
+    the end, and a run with the same data and config resumes from it. Training runs on
+    ``lm_head``'s device (the data is moved there once); the heads come back on the CPU.
     """
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
     vocab, hidden = lm_head.weight.shape
+    device = lm_head.weight.device
     cfg = HeadsConfig(config.num_heads, config.num_layers, hidden, vocab, own_projection=False)
-    heads = MedusaHeads(cfg, lm_head).float().train()
+    heads = MedusaHeads(cfg, lm_head).float().train().to(device)
     w_bf16 = lm_head.weight.detach().to(torch.bfloat16)
+    if device.type != "cpu":
+        data = TrainData(data.hidden.to(device), data.target_ids.to(device), data.target_p.to(device),
+                         data.valid.to(device))
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     n = data.num_tokens
     steps_per_epoch = max(1, n // config.batch_tokens)
@@ -581,7 +623,7 @@ def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, pro
     step = 0
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt and ckpt.is_file():
-        state = torch.load(str(ckpt), weights_only=True)
+        state = torch.load(str(ckpt), weights_only=True, map_location=device)
         if state["total"] == total and state["n"] == n:
             heads.load_state_dict(state["heads"])
             opt.load_state_dict(state["opt"])
@@ -602,7 +644,7 @@ def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, pro
     run_ce, run_hits, run_valid = None, None, None
     while step < total:
         epoch, j = divmod(step, steps_per_epoch)
-        idx = perms[epoch][j * config.batch_tokens:(j + 1) * config.batch_tokens]
+        idx = perms[epoch][j * config.batch_tokens:(j + 1) * config.batch_tokens].to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         loss, ce, hits = medusa_loss(heads, w_bf16, data.hidden[idx], data.target_ids[idx], data.target_p[idx],
@@ -629,4 +671,4 @@ def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, pro
             save_ckpt()
     bar.close()
     save_ckpt()
-    return TrainResult(heads.eval(), step, time.perf_counter() - t0, history)
+    return TrainResult(heads.eval().cpu(), step, time.perf_counter() - t0, history)

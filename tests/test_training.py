@@ -105,6 +105,42 @@ def test_generate_replies_in_parts_fill_one_cache(tiny_gen, tmp_path):
         generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:5], tmp_path / "bad", part=(2, 2), **kw)
 
 
+def test_sampled_replies_are_extra_variants_seeded_and_resumable(tiny_gen, tmp_path):
+    g = tiny_gen
+    kw = dict(batch_size=2, max_new_tokens=8, eos_token_ids=[], pad_token_id=g.pad_token_id, progress=False)
+    greedy = {r.id: r.tokens for r in generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:3],
+                                                         tmp_path / "greedy", **kw)}
+    run = lambda d: generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:3], d,  # noqa: E731
+                                     samples=3, temperature=1.5, seed=7, **kw)
+    a, b = run(tmp_path / "a"), run(tmp_path / "b")
+    ids = sorted(r.id for r in a)
+    assert ids == sorted(f"t/{i}{s}" for i in range(3) for s in ("", "~s1", "~s2"))
+    by_id = {r.id: r.tokens for r in a}
+    assert {i: by_id[i] for i in greedy} == greedy  # variant 0 is the greedy reply
+    assert {r.id: r.tokens for r in b} == by_id  # same seed, same samples
+    assert any(by_id[f"t/{i}~s1"] != greedy[f"t/{i}"] for i in range(3))  # sampling at T=1.5 leaves greedy
+    assert len(list((tmp_path / "a").glob("shard-*"))) == 6  # one pass per variant, 2 batches each
+    again = run(tmp_path / "a")  # everything cached: nothing new runs
+    assert len(again) == 9 and len(list((tmp_path / "a").glob("shard-*"))) == 6
+    hid = load_hidden(tmp_path / "a", again)
+    for r, h in zip(again, hid):  # sampled or not, hidden[i] is the state that r_i was drawn from
+        assert h.shape == (8, 32)
+    with pytest.raises(ValueError, match="samples must be at least 1"):
+        generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:3], tmp_path / "bad", samples=0, **kw)
+
+
+def test_train_heads_refuses_a_device_it_cannot_see():
+    from medusa_export.cli_heads import _device
+    from medusa_export.errors import MedusaError
+
+    assert _device("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(MedusaError, match="sees 0 CUDA device"):
+            _device("cuda")
+    with pytest.raises(MedusaError, match="cpu, cuda or cuda:N"):
+        _device("gpu")
+
+
 def _tiny_data(gen, tmp_path, soft_topk=0):
     reps = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, PROMPTS, tmp_path, batch_size=3,
                             max_new_tokens=24, eos_token_ids=[], pad_token_id=gen.pad_token_id, progress=False)
