@@ -28,6 +28,7 @@ from medusa_runtime.tree import Tree
 
 from .errors import ArtifactError, MedusaError
 from .export import HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights, step_io
+from .fused import FUSED_OPS, export_fused_step, fused_step_io
 from .model import STEP_TOPK
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig, quantize_graph, uses_contrib_ops
 from .registry import LoadedMedusa
@@ -43,7 +44,14 @@ HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
 #: against fp32's 4.3 ms on an idle machine, with 0.96 top-1 agreement (int4 0.65; see quantize.py).
 QUANTIZED_HEADS_DEFAULT = "int8"
 FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
-            "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT"}
+            "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT",
+            "ort-fused": "step graph written with ONNX Runtime's fused contrib ops (com.microsoft), head-major KV cache "
+                         "written in place; ONNX Runtime CPU only, not TensorRT"}
+#: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.export`), "fused" ONNX Runtime's
+#: fused operators (:mod:`.fused`, flavour ``ort-fused``).
+GRAPHS = ("portable", "fused")
+#: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
+FUSED_PRECISIONS = ("fp32", *WEIGHT_ONLY_BITS)
 
 
 #: MatMulNBits accuracy level of a weight-only backbone by precision (see BuildConfig.accuracy_level).
@@ -52,6 +60,10 @@ BACKBONE_ACCURACY = {"int4": 1, "int8": 4}
 
 class UnknownPrecisionError(MedusaError, ValueError):
     """A precision name is not one of the choices; the message lists them."""
+
+
+class UnsupportedGraphError(MedusaError, ValueError):
+    """A ``--graph`` name, or its combination with ``--precision``, is not supported; the message lists the choices."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,9 @@ class BuildConfig:
         block_size: MatMulNBits block size of the weight-only precisions.
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
+        graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT
+            too) or "fused" (ONNX Runtime fused operators, flavour ``ort-fused``; precisions
+            :data:`FUSED_PRECISIONS`).
         accuracy_level: MatMulNBits compute type of the weight-only *backbone*: 4 (int8
             activations, VNNI; fastest), 1 (fp32 activations) or None (:data:`BACKBONE_ACCURACY`:
             1 for int4, 4 for int8). Level 4 quantizes activations, so fp32 rounding differences
@@ -88,12 +103,19 @@ class BuildConfig:
     block_size: int = 32
     quantize_lm_head: bool = True
     accuracy_level: int | None = None
+    graph: str = "portable"
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),
                                      ("heads precision", self.heads_precision, HEADS_PRECISIONS)):
             if value not in choices:
                 raise UnknownPrecisionError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+        if self.graph not in GRAPHS:
+            raise UnsupportedGraphError(f"unknown graph {self.graph!r}; choose one of {', '.join(GRAPHS)}")
+        if self.graph == "fused" and self.precision not in FUSED_PRECISIONS:
+            raise UnsupportedGraphError(f"--graph fused does not take --precision {self.precision} (its CPU kernels "
+                                        f"compute in fp32); choose --precision {', '.join(FUSED_PRECISIONS)}, or "
+                                        f"--graph portable for {self.precision}")
         if self.precision == "fp16" and self.resolved_heads_precision != "fp16":
             raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
                                         "backbone (the fp16 graph's hidden states are float16); use same or auto")
@@ -176,16 +198,53 @@ def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
             "kv_dtype": dtype, "norm_and_softmax": "float32"}
 
 
-def _flavour(folder: Path, files: list[str]) -> tuple[str, list[str]]:
+def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]]:
     ops = sorted({op for f in files for op in uses_contrib_ops(folder / f)})
+    if graph == "fused":
+        return "ort-fused", ops
     return ("ort-contrib" if ops else "portable"), ops
+
+
+def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context: int, tree_size: int,
+                     file: str) -> tuple[dict, dict]:
+    """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
+    s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
+    if cfg.graph == "fused":
+        s_in, s_out = fused_step_io(lm.model.config, STEP_TOPK)
+        layout = {
+            "layout": "head-major",
+            "shape": "[1, H_kv, C, D] per layer (C = the runtime's cache capacity), separate key and value buffers",
+            "inputs": "past_key_values.{i}.key / .value: the whole buffers; past_sequence_length = P valid slots",
+            "outputs": "present.{i}.key / .value: bind each to its past_key_values buffer (I/O binding); the step "
+                       "writes node j's K/V into slot P + j in place",
+            "compaction": "after acceptance move node accepted[i] to slot P + i along axis 2 where they differ",
+        }
+        dims = {"S": s_dim, "C": f"KV buffer capacity in slots, S + P <= C <= max_context ({max_context}: the "
+                                 "rotary tables end there)"}
+        graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+                 "dims": dims}
+        return layout, graph
+    s_in, s_out = step_io(lm.model, dtype, STEP_TOPK)
+    layout = {
+        "layout": "sequence-major",
+        "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
+        "inputs": "past_key_values.{i}.key / .value: the P valid past tokens",
+        "outputs": "new_key_values.{i}.key / .value: K/V of this step's S tokens only",
+        "compaction": "after acceptance copy new_key_values[:, accepted] into cache slots [P, P + len(accepted))",
+    }
+    graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+             "dims": {"S": s_dim, "P": "valid past length, 0 .. max_context - S"},
+             "profiles": {"prefill": {"S": [1, max_context], "P": [0, max_context - 1]},
+                          "tree_step": {"S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
+                          "decode": {"S": [1, 1], "P": [0, max_context - 1]}}}
+    return layout, graph
 
 
 def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
               files: dict[str, str], weights_info: dict, dtype: str, quantized: dict) -> dict:
     c = lm.model.config
     h = lm.model.heads.config
-    s_in, s_out = step_io(lm.model, dtype, STEP_TOPK)
+    layout, step_graph = _step_graph_json(lm, cfg, dtype, max_context, tree.size, files["model"])
     h_in, h_out = heads_io(lm.model, dtype, tree.topk)
     checksums = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -196,7 +255,7 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
 
     from . import __version__
 
-    flavour, contrib = _flavour(folder, [files["model"], files["heads"]])
+    flavour, contrib = _flavour(folder, [files["model"], files["heads"]], cfg.graph)
     return {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -215,19 +274,9 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
-        "kv_layout": {
-            "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
-            "inputs": "past_key_values.{i}.key / .value: the P valid past tokens",
-            "outputs": "new_key_values.{i}.key / .value: K/V of this step's S tokens only",
-            "compaction": "after acceptance copy new_key_values[:, accepted] into cache slots [P, P + len(accepted))",
-        },
+        "kv_layout": layout,
         "graphs": {
-            "model": {"file": files["model"], "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
-                      "dims": {"S": "new tokens: prompt length for prefill, tree size T for a tree step",
-                               "P": "valid past length, 0 .. max_context - S"},
-                      "profiles": {"prefill": {"S": [1, max_context], "P": [0, max_context - 1]},
-                                   "tree_step": {"S": [tree.size, tree.size], "P": [0, max_context - tree.size]},
-                                   "decode": {"S": [1, 1], "P": [0, max_context - 1]}}},
+            "model": step_graph,
             "heads": {"file": files["heads"], "inputs": [t.to_json() for t in h_in], "outputs": [t.to_json() for t in h_out],
                       "dims": {"R": "hidden states to evaluate (1 in the decode loop)"}},
         },
@@ -312,8 +361,12 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
 
             export_model = copy.deepcopy(model).to(tdtype)
             export_model.heads._shared = [export_model.backbone.lm_head]
-        with stages("exporting the backbone step graph (prefill + tree step)"):
-            export_step(export_model, tmp / MODEL_FILE, tdtype)
+        if cfg.graph == "fused":
+            with stages(f"writing the fused backbone step graph (ONNX Runtime {', '.join(FUSED_OPS)})"):
+                export_fused_step(export_model, tmp / MODEL_FILE, max_positions=max_context)
+        else:
+            with stages("exporting the backbone step graph (prefill + tree step)"):
+                export_step(export_model, tmp / MODEL_FILE, tdtype)
         with stages("exporting the Medusa heads graph"):
             export_heads(export_model, tmp / HEADS_FILE, tdtype, tree.topk)
         quantized = {}

@@ -14,7 +14,7 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
 from medusa_runtime.errors import MedusaError
 
-from .build import HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
+from .build import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
 from .cli_heads import add_heads_commands
 from .registry import DEFAULT_MODEL, load_registry
 from .trt.cli import add_build_engine_args, add_trt_commands, after_build, readiness_line
@@ -98,7 +98,8 @@ def cmd_build(args) -> int:
     from .validate import read_prompts
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
-                      new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level)
+                      new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
+                      graph=args.graph)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
@@ -107,7 +108,8 @@ def cmd_build(args) -> int:
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
     tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
-    out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}"
+    graph = "-fused" if cfg.graph == "fused" else ""
+    out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
     prompts = read_prompts(args.prompts) if args.prompts else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
     _print_summary(path, time.perf_counter() - t0)
@@ -222,11 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
                                   "preset (root, chain), JSON file of medusa_choices, or 'auto' (after export, time "
                                   "the tree step at several sizes here and keep the most expected tokens/s) "
                                   "(default: the model's registered tree)")
-    p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION)")
+    p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION, + -fused for --graph fused)")
     p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
                    help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "
                         "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
                         f"of the same graph (default: {BuildConfig.precision})")
+    p.add_argument("--graph", choices=GRAPHS, default=BuildConfig.graph,
+                   help="backbone step graph: portable (traced standard ONNX ops: ONNX Runtime and TensorRT) or fused "
+                        "(ONNX Runtime's fused operators GroupQueryAttention, SkipSimplifiedLayerNormalization, "
+                        f"rotary inside attention, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
+                        f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {BuildConfig.graph})")
     p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=BuildConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "

@@ -28,6 +28,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from .llama import LlamaConfig
 from .model import STEP_TOPK, MedusaModel
 
 OPSET = 18  # the lowest opset torch's dynamo exporter writes
@@ -55,6 +56,20 @@ def step_io(model: MedusaModel, float_dtype: str, k: int = STEP_TOPK) -> tuple[l
     c = model.config
     kv = (1, "P", c.num_key_value_heads, c.head_dim)
     new_kv = (1, "S", c.num_key_value_heads, c.head_dim)
+    inputs, outputs = step_token_io(c, float_dtype, k)
+    for i in range(c.num_hidden_layers):
+        for n in ("key", "value"):
+            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv,
+                                     f"layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"))
+    for i in range(c.num_hidden_layers):
+        for n in ("key", "value"):
+            outputs.append(TensorSpec(f"new_key_values.{i}.{n}", float_dtype, new_kv,
+                                      f"layer {i} {n}s of this step's S tokens only (keep the accepted ones)"))
+    return inputs, outputs
+
+
+def step_token_io(c: LlamaConfig, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The step's inputs and outputs other than the KV cache (shared by the portable and fused graphs)."""
     k = min(k, c.vocab_size)
     inputs = [
         TensorSpec("input_ids", "int64", (1, "S"), "tokens of this step: the prompt (prefill) or the tree's candidates in node order"),
@@ -63,10 +78,6 @@ def step_io(model: MedusaModel, float_dtype: str, k: int = STEP_TOPK) -> tuple[l
                    "(causal for prefill, the tree attention mask for a tree step); the past is always visible"),
         TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
     ]
-    for i in range(c.num_hidden_layers):
-        for n in ("key", "value"):
-            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv,
-                                     f"layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"))
     outputs = [
         TensorSpec("topk_ids", "int64", (1, "S", k), "the k most likely next tokens at each position, best first"),
         TensorSpec("topk_logprobs", "float32", (1, "S", k), "their log-probabilities at `temperature`"),
@@ -75,10 +86,6 @@ def step_io(model: MedusaModel, float_dtype: str, k: int = STEP_TOPK) -> tuple[l
                    "[0, i, j] = log P(input_ids[j] | position i) at `temperature`; a node's acceptance reads [parent, node]"),
         TensorSpec("hidden_states", float_dtype, (1, "S", c.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
     ]
-    for i in range(c.num_hidden_layers):
-        for n in ("key", "value"):
-            outputs.append(TensorSpec(f"new_key_values.{i}.{n}", float_dtype, new_kv,
-                                      f"layer {i} {n}s of this step's S tokens only (keep the accepted ones)"))
     return inputs, outputs
 
 

@@ -13,8 +13,9 @@ Checks each graph of an artifact against the parser of the targeted TensorRT rel
   only the past length P stays dynamic in the inputs;
 * weights: every external-data location is a relative path inside the artifact, exists,
   and covers the recorded offset and length (nothing depends on the working directory);
-* flavour: an ``ort-contrib`` artifact (weight-only MatMulNBits graphs, ONNX Runtime only)
-  fails with that reason first, before the op-by-op findings.
+* flavour: an ``ort-contrib`` artifact (weight-only MatMulNBits graphs, ONNX Runtime only) or
+  an ``ort-fused`` one (step graph of ONNX Runtime fused contrib ops, head-major KV written in
+  place) fails with that reason first, before the op-by-op findings.
 
 Errors mean the parser (or the runtime's fixed-shape plan) would fail; warnings do not
 block a build.
@@ -357,6 +358,13 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
             "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
             "on ONNX Runtime only. For TensorRT build the portable flavour: --precision fp32 or fp16 with "
             "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
+    elif manifest.get("flavour") == "ort-fused":
+        report.findings.append(Finding("error", "manifest.json", (
+            f"this artifact's flavour is 'ort-fused' (precision {manifest['precision']['name']}): its step graph is "
+            "built from ONNX Runtime contrib ops (com.microsoft::GroupQueryAttention, SkipSimplifiedLayerNormalization, "
+            "QuickGelu) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
+            "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
+            "fp32 or fp16")))
     tree_size = manifest["tree"]["size"]
     for key in ("model", "heads"):
         rel = manifest["graphs"][key]["file"]

@@ -122,6 +122,23 @@ def _accuracies(tree_data, path: Path, num_heads: int) -> np.ndarray | None:
     return acc
 
 
+#: KV cache layouts an artifact may declare (``manifest["kv_layout"]["layout"]``; absent = sequence-major).
+KV_LAYOUTS = ("sequence-major", "head-major")
+
+
+def kv_layout(manifest: dict) -> str:
+    """The artifact's KV cache layout: "sequence-major" ([1, P, H_kv, D] past views, new K/V
+    returned) or "head-major" ([1, H_kv, C, D] whole buffers written in place, ``ort-fused``).
+
+    Raises:
+        ArtifactError: an unknown layout name.
+    """
+    layout = manifest.get("kv_layout", {}).get("layout", KV_LAYOUTS[0])
+    if layout not in KV_LAYOUTS:
+        raise ArtifactError(f"unknown kv_layout.layout {layout!r}; this runtime reads {', '.join(KV_LAYOUTS)}")
+    return layout
+
+
 def _dims(spec: dict, name: str) -> list | None:
     return next((t["shape"] for t in spec if t["name"] == name), None)
 
@@ -129,7 +146,8 @@ def _dims(spec: dict, name: str) -> list | None:
 def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
     """The manifest's model geometry must agree with its own graph I/O lists.
 
-    Checks: one key and one value input per layer, KV shape [1, P, H_kv, D], the heads
+    Checks: one key and one value input per layer, KV shape [1, P, H_kv, D] (head-major:
+    [1, H_kv, C, D]), the heads
     graph's [R, K, topk] output against the Medusa head count and the tree's topk.
 
     Raises:
@@ -147,7 +165,8 @@ def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
         raise ArtifactError(f"{mpath}: model.num_layers is {layers} but the step graph has {len(past)} "
                             f"past_key_values inputs (expected {2 * layers})")
     kv = _dims(step, "past_key_values.0.key") or []
-    if kv[2:] != [kv_heads, head_dim]:
+    heads_and_dim = [kv[1], kv[3]] if kv_layout(manifest) == "head-major" and len(kv) == 4 else kv[2:]
+    if heads_and_dim != [kv_heads, head_dim]:
         raise ArtifactError(f"{mpath}: the KV inputs are {kv} but the model section says "
                             f"{kv_heads} KV heads of dimension {head_dim}")
     topk_ids = _dims(heads_out, "medusa_topk_ids") or []

@@ -6,7 +6,9 @@ past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated
 The loop is written once and driven by an :class:`Engine`: ONNX Runtime or TensorRT in
 deployment, PyTorch for the reference (``medusa_export.decode.TorchEngine``). It owns the
 KV buffers (numpy, sequence-major ``[1, capacity, H_kv, D]`` per layer and K/V), hands the
-engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V.
+engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V. Engines
+whose step writes into the cache itself bring their own cache (``make_cache``), e.g. the
+head-major :class:`HeadMajorKVCache` of ``ort-fused`` artifacts.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from .acceptance import TypicalConfig, accept_greedy, accept_typical, sample_topk
 from .errors import ContextOverflowError
-from .kvcache import fits, write_accepted
+from .kvcache import compact_in_place, fits, write_accepted
 from .stops import apply_stops
 from .tree import Tree, gather_candidates, make_tree
 
@@ -126,6 +128,52 @@ class KVCache(CacheState):
         for ck, cv, (k, v) in zip(self.keys, self.values, new_kv):
             write_accepted(ck, np.asarray(k), self.length, accepted)
             write_accepted(cv, np.asarray(v), self.length, accepted)
+        self._advance(accepted, token_ids)
+
+
+class InPlacePast(NamedTuple):
+    """What :meth:`HeadMajorKVCache.past` hands to the engine: the cache and its valid length."""
+
+    cache: "HeadMajorKVCache"
+    length: int
+
+
+class HeadMajorKVCache(CacheState):
+    """Head-major K and V numpy buffers that the engine's step writes into (``ort-fused`` artifacts).
+
+    ``keys`` / ``values`` are [L, 1, H_kv, capacity, D]; layer l's buffer ``keys[l]`` is the
+    contiguous [1, H_kv, capacity, D] array GroupQueryAttention reads and writes in place: a
+    step of S tokens after P valid slots writes node j's K/V into slot P + j. :meth:`keep`
+    then only moves the accepted nodes that are not in place (strided copy on the slot axis).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
+        super().__init__(capacity)
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.keys = np.zeros(shape, dtype)
+        self.values = np.zeros(shape, dtype)
+
+    def past(self) -> InPlacePast:
+        """The cache and its current valid length (the engine binds the whole buffers)."""
+        return InPlacePast(self, self.length)
+
+    def new_kv(self, start: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Views of slots [start, start + count) per layer, as [1, count, H_kv, D] (no copy; valid
+        until the next step or :meth:`keep` changes those slots)."""
+        sl = slice(start, start + count)
+        return [(k[:, :, sl].transpose(0, 2, 1, 3), v[:, :, sl].transpose(0, 2, 1, 3))
+                for k, v in zip(self.keys, self.values)]
+
+    def keep(self, new_kv, accepted: np.ndarray, token_ids: Sequence[int] | None = None) -> None:
+        """Compact after a step that wrote node j to slot length + j (``new_kv`` is not read).
+
+        Args:
+            new_kv: the step's ``StepResult.new_kv`` (views of this cache; ignored).
+            accepted: int [n] node indices, root first, increasing.
+            token_ids: the n accepted tokens (recorded in :attr:`tokens`); -1 when unknown.
+        """
+        for buf in (self.keys, self.values):
+            compact_in_place(buf, self.length, accepted, slot_axis=3)
         self._advance(accepted, token_ids)
 
 

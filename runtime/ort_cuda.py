@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .artifact import Artifact
+from .artifact import Artifact, kv_layout
 from .errors import BackendUnavailableError
 from .kvcache import compaction_slots, in_place_moves
 from .loop import CacheState, StepResult
@@ -149,6 +149,11 @@ class OrtCudaEngine:
                 "onnxruntime has no CUDAExecutionProvider here (available: "
                 f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu on a machine with an NVIDIA GPU"
             )
+        if kv_layout(artifact.manifest) != "sequence-major":
+            raise BackendUnavailableError(
+                f"{artifact.path} is an {artifact.manifest.get('flavour')} artifact (head-major KV written in place by "
+                "ONNX Runtime's CPU kernels); this CUDA engine binds the sequence-major step of the portable graph: "
+                "run it with the onnxruntime backend, or build --graph portable")
         m = artifact.model
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
         self.num_heads = m["medusa_heads"]

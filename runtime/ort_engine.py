@@ -1,7 +1,15 @@
 """ONNX Runtime backend (CPU): the artifact's two graphs behind the loop's Engine interface.
 
-The KV cache is the loop's numpy :class:`~medusa_runtime.loop.KVCache`: the past is fed
-as views of its valid prefix (no copy), the step returns only the S new K/V rows.
+Both KV layouts of the manifest (``kv_layout.layout``):
+
+* ``sequence-major`` (portable and ``ort-contrib`` artifacts): the loop's numpy
+  :class:`~medusa_runtime.loop.KVCache`; the past is fed as views of its valid prefix (no
+  copy), the step returns only the S new K/V rows and the cache copies the accepted ones.
+* ``head-major`` (``ort-fused`` artifacts): a :class:`~medusa_runtime.loop.HeadMajorKVCache`
+  (``make_cache``); each layer's whole buffer is bound with I/O binding both as the
+  ``past_key_values.{i}.*`` input and as the ``present.{i}.*`` output, so GroupQueryAttention
+  writes the step's K/V into slots [P, P + S) in place; the KV bindings are made once per
+  cache, a step rebinds only the small inputs and outputs.
 
 Measured and not kept (2 shared CPU cores, embedded model, T = 64 and T = 1 at past 256):
 ``run_with_iobinding`` with the inputs bound from the cache views and the new K/V bound
@@ -15,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import Artifact
-from .errors import ArtifactError
-from .loop import StepResult
+from .artifact import Artifact, kv_layout
+from .errors import ArtifactError, ContextOverflowError
+from .loop import HeadMajorKVCache, InPlacePast, KVCache, StepResult
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -43,7 +51,9 @@ def session_options(threads: int | None, spin: bool = False):
 
 
 _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
-              "bool": "tensor(bool)"}
+              "int32": "tensor(int32)", "bool": "tensor(bool)"}
+#: The step outputs the loop reads (the K/V follow them).
+_STEP_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs", "hidden_states")
 
 
 def check_graph_io(session, graph: dict, path) -> None:
@@ -102,9 +112,28 @@ class OrtEngine:
             check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
         self._outputs = [o.name for o in self.step_session.get_outputs()]
+        self.kv_layout = kv_layout(artifact.manifest)
+        self.max_positions = int(m["max_context"])
+        self._binding = None  # (cache, IOBinding) of the head-major cache bound last
+
+    def make_cache(self, capacity: int):
+        """A KV cache of ``capacity`` slots in this artifact's layout.
+
+        Raises:
+            ContextOverflowError: a head-major cache larger than the artifact's max context
+                (the fused graph's rotary tables end there).
+        """
+        if self.kv_layout == "sequence-major":
+            return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.kv_dtype)
+        if capacity > self.max_positions:
+            raise ContextOverflowError(f"a {capacity}-slot KV cache exceeds this artifact's max context "
+                                       f"{self.max_positions}")
+        return HeadMajorKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.kv_dtype)
 
     def step(self, input_ids, position_ids, mask, temperature, past) -> StepResult:
         """One step; shapes as :class:`medusa_runtime.loop.Engine` (outputs batch-dropped)."""
+        if isinstance(past, InPlacePast):
+            return self._step_in_place(input_ids, position_ids, mask, temperature, past)
         feed = {
             "input_ids": input_ids,
             "position_ids": position_ids,
@@ -117,6 +146,39 @@ class OrtEngine:
         new = outs[5:]
         return StepResult(outs[0][0], outs[1][0], outs[2][0], outs[3][0], outs[4][0],
                           [(new[2 * i], new[2 * i + 1]) for i in range(self.num_layers)])
+
+    def _bind_cache(self, cache: HeadMajorKVCache):
+        """The I/O binding of ``cache``: each layer's buffer as past input and present output."""
+        if self._binding is not None and self._binding[0] is cache:
+            return self._binding[1]
+        io = self.step_session.io_binding()
+        for name in _STEP_OUTPUTS:  # first, so that they lead get_outputs()
+            io.bind_output(name)
+        dtype = self.kv_dtype.type
+        for i, (kn, vn) in enumerate(self._past_names):
+            for name, out, buf in ((kn, f"present.{i}.key", cache.keys[i]), (vn, f"present.{i}.value", cache.values[i])):
+                io.bind_input(name, "cpu", 0, dtype, list(buf.shape), buf.ctypes.data)
+                io.bind_output(out, "cpu", 0, dtype, list(buf.shape), buf.ctypes.data)
+        self._binding = (cache, io)
+        return io
+
+    def _step_in_place(self, input_ids, position_ids, mask, temperature, past: InPlacePast) -> StepResult:
+        cache, p = past
+        s = int(input_ids.shape[1])
+        if p + s > cache.capacity:
+            raise ContextOverflowError(f"a step of {s} tokens does not fit: {p} of {cache.capacity} cache slots are in use")
+        io = self._bind_cache(cache)
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        io.bind_cpu_input("new_token_mask", np.ascontiguousarray(mask, bool))
+        io.bind_cpu_input("temperature", np.array([temperature], dtype=np.float32))
+        io.bind_cpu_input("past_sequence_length", np.array([p], dtype=np.int32))
+        for name in _STEP_OUTPUTS:
+            io.bind_output(name)
+        self.step_session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        topk_ids, topk_lp, entropy, token_lp, hidden = (outs[j].numpy()[0] for j in range(len(_STEP_OUTPUTS)))
+        return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, cache.new_kv(p, s))
 
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, topk] (topk fixed by the artifact's heads graph)."""

@@ -1,0 +1,233 @@
+"""The ``ort-fused`` step graph (``--graph fused``): parity with the portable graph, lossless Medusa
+through the runtime, the head-major in-place KV cache, the manifest and bad combinations.
+
+Artifacts are built once per module from tiny random Llamas (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
+from medusa_export.build import BuildConfig, UnsupportedGraphError, build_artifact
+from medusa_export.trt_readiness import check_artifact
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.errors import ContextOverflowError
+from medusa_runtime.kvcache import compact_in_place, write_accepted
+from medusa_runtime.loop import HeadMajorKVCache, KVCache, causal_mask, generate
+from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.tree import make_tree
+
+# Depth 3 with siblings at every depth: nodes far apart on a path (compaction moves rows).
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
+GQA = dict(vocab=1001, heads=4, kv_heads=2, medusa_heads=3, head_noise=0.3)
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 323, 84, 626]
+
+
+@pytest.fixture(scope="module")
+def gqa(tiny_hf):
+    return tiny_hf(**GQA)
+
+
+@pytest.fixture(scope="module")
+def built(gqa, tmp_path_factory):
+    """``built(graph, precision, validate)``: artifacts of the GQA model and TREE, built once each."""
+    cache = {}
+    lm = tiny_loaded(gqa[1], max_context=256)
+
+    def get(graph: str, precision: str = "fp32", validate: bool = False):
+        key = (graph, precision, validate)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("fused") / f"{graph}-{precision}-{validate}"
+            cfg = BuildConfig(graph=graph, precision=precision, validate=validate, new_tokens=24)
+            cache[key] = build_artifact(lm, make_tree(TREE, num_heads=3), out, cfg, progress=False)
+        return cache[key]
+
+    return get
+
+
+def _kv_rows(cache, start: int, stop: int) -> list[np.ndarray]:
+    """Every layer's K and V of slots [start, stop) as [n, H_kv, D], whatever the cache layout."""
+    if isinstance(cache, HeadMajorKVCache):
+        return [buf[i, 0, :, start:stop].transpose(1, 0, 2) for i in range(len(cache.keys))
+                for buf in (cache.keys, cache.values)]
+    return [buf[0, start:stop] for k, v in zip(cache.keys, cache.values) for buf in (k, v)]
+
+
+def _assert_step_close(a, b):
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    for x, y in ((a.topk_logprobs, b.topk_logprobs), (a.entropy, b.entropy), (a.token_logprobs, b.token_logprobs),
+                 (a.hidden, b.hidden)):
+        np.testing.assert_allclose(x, y, atol=1e-4, rtol=1e-4)
+    for (ka, va), (kb, vb) in zip(a.new_kv, b.new_kv):
+        np.testing.assert_allclose(ka, kb, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(va, vb, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_step_equals_portable_graph(built):
+    """Prefill, then two tree steps at past length > 0 with the depth-3 tree mask; after each tree step
+    a path of non-adjacent nodes is kept, so the second step reads a compacted cache."""
+    engines = [OrtEngine(load_artifact(built(g))) for g in ("portable", "fused")]
+    tree = load_artifact(built("fused")).tree
+    b = tree.buffers()
+    assert tree.max_depth == 3 and b.attention_mask.sum() > tree.size  # a real tree mask
+    caches = [KVCache.for_engine(e, 64) for e in engines]
+    assert isinstance(caches[1], HeadMajorKVCache) and caches[1].keys.shape == (2, 1, 2, 64, 16)
+    n = len(PROMPT)
+    ids = np.asarray(PROMPT, np.int64)[None]
+    outs = [e.step(ids, np.arange(n)[None], causal_mask(n), 1.0, c.past()) for e, c in zip(engines, caches)]
+    _assert_step_close(*outs)
+    for c, o in zip(caches, outs):
+        c.keep(o.new_kv, np.arange(n), PROMPT)
+    rng = np.random.default_rng(0)
+    for path in ([0, 1, 4, 7], [0, 2]):  # node indices of root -> [0] -> [0, 1] -> [0, 1, 0]; root -> [1]
+        p = caches[0].length
+        tokens = rng.integers(0, 1001, tree.size)[None]
+        outs = [e.step(tokens, (p + b.depth)[None], b.attention_mask, 1.0, c.past()) for e, c in zip(engines, caches)]
+        _assert_step_close(*outs)
+        assert not np.allclose(outs[1].hidden[4], outs[1].hidden[5])  # siblings differ: the mask matters
+        for c, o in zip(caches, outs):
+            c.keep(o.new_kv, np.array(path), tokens[0, path])
+        assert caches[1].length == caches[0].length == p + len(path)
+        for x, y in zip(*(_kv_rows(c, 0, c.length) for c in caches)):
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_tree_nodes_equal_a_causal_forward_of_their_path(built, temperature):
+    """Each tree node's outputs equal plain causal decoding of prompt + its root-to-node path
+    (the position ids are past length + depth, not + index)."""
+    art = load_artifact(built("fused"))
+    eng = OrtEngine(art)
+    b = art.tree.buffers()
+    cache = KVCache.for_engine(eng, 64)
+    n = len(PROMPT)
+    out = eng.step(np.asarray(PROMPT)[None], np.arange(n)[None], causal_mask(n), temperature, cache.past())
+    cache.keep(out.new_kv, np.arange(n))
+    tokens = np.arange(500, 500 + art.tree.size)
+    tree_out = eng.step(tokens[None], (n + b.depth)[None], b.attention_mask, temperature, cache.past())
+    for node in (4, 7, 9):
+        seq = np.concatenate([PROMPT, tokens[b.attention_mask[node]]])
+        full = eng.step(seq[None], np.arange(len(seq))[None], causal_mask(len(seq)), temperature,
+                        KVCache.for_engine(eng, len(seq)).past())
+        np.testing.assert_allclose(tree_out.hidden[node], full.hidden[-1], atol=1e-4)
+        np.testing.assert_allclose(tree_out.topk_logprobs[node], full.topk_logprobs[-1], atol=1e-4)
+        assert tree_out.topk_ids[node, 0] == full.topk_ids[-1, 0]
+
+
+def test_manifest_flavour_layout_and_validation(built):
+    path = built("fused", validate=True)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["flavour"] == "ort-fused"
+    for op in ("GroupQueryAttention", "SkipSimplifiedLayerNormalization", "QuickGelu"):
+        assert f"com.microsoft::{op}" in m["flavour_note"]
+    assert m["kv_layout"]["layout"] == "head-major"
+    inputs = {t["name"]: t for t in m["graphs"]["model"]["inputs"]}
+    assert inputs["past_key_values.1.value"]["shape"] == [1, 2, "C", 16]
+    assert inputs["past_sequence_length"]["dtype"] == "int32"
+    assert [t["name"] for t in m["graphs"]["model"]["outputs"]][-1] == "present.1.value"
+    v = m["validation"]
+    assert v["passed"] and v["tolerance"]["reference"] == "pytorch", v
+    assert all(p["identical"] and p["vanilla_identical"] and p["tokens"] == 24 for p in v["prompts"])
+    assert max(p["max_logprob_diff"] for p in v["prompts"]) < 1e-4
+    ops = {(n.domain, n.op_type) for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
+    assert ("com.microsoft", "GroupQueryAttention") in ops and ("", "Transpose") not in ops
+    assert json.loads((built("portable") / "manifest.json").read_text())["kv_layout"]["layout"] == "sequence-major"
+
+
+def test_tensorrt_readiness_refuses_the_fused_flavour(built):
+    r = json.loads((built("fused") / "manifest.json").read_text())["trt_readiness"]
+    assert not r["passed"]
+    assert "flavour is 'ort-fused'" in r["errors"][0] and "--graph portable" in r["errors"][0]
+    assert not check_artifact(built("fused")).passed
+    assert check_artifact(built("portable")).passed
+
+
+def test_greedy_through_the_runtime_equals_plain_greedy(built, gqa):
+    """Medusa on the fused artifact == plain greedy of the same graph == transformers' greedy."""
+    art = load_artifact(built("fused"))
+    eng = OrtEngine(art)
+    root = make_tree([], num_heads=3, topk=art.tree.topk)
+    for prompt in (PROMPT, list(range(40, 90))):
+        medusa = generate(eng, prompt, art.tree, max_new_tokens=32, max_context=256)
+        plain = generate(eng, prompt, root, max_new_tokens=32, max_context=256)
+        assert medusa.tokens == plain.tokens == plain_greedy(gqa[0], prompt, 32)
+        assert len(medusa.tokens) == 32
+
+
+def test_accepting_full_paths_equals_plain_greedy(tiny_hf, tmp_path):
+    """Vocabulary 8 and every depth-2 path of the top 8: each step accepts two candidates at
+    scattered node indices, so the in-place cache moves rows every step."""
+    hf, model = tiny_hf(vocab=8, seed=7)
+    full = make_tree([p for d in (1, 2) for p in itertools.product(range(8), repeat=d)], num_heads=3, topk=8)
+    path = build_artifact(tiny_loaded(model, max_context=256), full, tmp_path / "v8",
+                          BuildConfig(graph="fused", validate=False), progress=False)
+    eng = OrtEngine(load_artifact(path))
+    prompt = [3]
+    res = generate(eng, prompt, full, max_new_tokens=40, max_context=256)
+    assert res.tokens == plain_greedy(hf, prompt, 40)
+    assert res.accept_depths[:5] == [2] * 5  # full paths accepted
+
+
+def test_weight_only_precision_composes_with_fused(built):
+    path = built("fused", "int4", validate=True)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["flavour"] == "ort-fused" and "com.microsoft::MatMulNBits" in m["flavour_note"]
+    assert m["precision"]["name"] == "int4" and m["precision"]["quantized_matmuls"]["model.onnx"]["quantized"] > 0
+    v = m["validation"]
+    assert v["passed"] and v["tolerance"]["reference"] == "vanilla", v
+    assert all(p["vanilla_identical"] for p in v["prompts"])
+    ops = {n.op_type for n in onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node}
+    assert {"MatMulNBits", "GroupQueryAttention"} <= ops and "MatMul" not in ops
+
+
+@pytest.mark.parametrize("accepted", [[0], [0, 1, 2], [0, 2, 5], [0, 3, 4, 9]])
+def test_compact_in_place_equals_write_accepted(accepted):
+    """Head-major in-place compaction (axis 2) leaves the slots that copying the accepted rows into a
+    sequence-major cache gives."""
+    rng = np.random.default_rng(1)
+    past, t = 5, 10
+    new = rng.standard_normal((1, t, 2, 4))  # [1, T, H_kv, D]
+    expected = np.zeros((1, 32, 2, 4))
+    write_accepted(expected, new, past, np.array(accepted))
+    head_major = np.zeros((1, 2, 32, 4))
+    head_major[:, :, past:past + t] = new.transpose(0, 2, 1, 3)  # what the step wrote
+    assert compact_in_place(head_major, past, np.array(accepted)) == past + len(accepted)
+    n = past + len(accepted)
+    np.testing.assert_array_equal(head_major[:, :, :n].transpose(0, 2, 1, 3), expected[:, :n])
+
+
+def test_in_place_cache_refuses_what_does_not_fit(built):
+    eng = OrtEngine(load_artifact(built("fused")))
+    with pytest.raises(ContextOverflowError, match="exceeds this artifact's max context 256"):
+        eng.make_cache(257)
+    cache = eng.make_cache(8)
+    with pytest.raises(ContextOverflowError, match="does not fit"):
+        eng.step(np.zeros((1, 9), np.int64), np.arange(9)[None], causal_mask(9), 1.0, cache.past())
+    cache.length = 7
+    with pytest.raises(ContextOverflowError):
+        cache.keep([], np.array([0, 1]))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(graph="fused", precision="fp16"), "--graph fused does not take --precision fp16.*choose --precision fp32, "
+                                            "int8, int4, or --graph portable"),
+    (dict(graph="fast"), "unknown graph 'fast'; choose one of portable, fused"),
+])
+def test_bad_graph_choices_are_typed_errors(kw, match):
+    with pytest.raises(UnsupportedGraphError, match=match):
+        BuildConfig(**kw)
+
+
+def test_cli_rejects_a_fused_fp16_build(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "medusa_export.cli", "build", "--graph", "fused", "--precision", "fp16",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode != 0 and "--graph fused does not take --precision fp16" in r.stderr
+    assert not (tmp_path / "out").exists()
