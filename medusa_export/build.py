@@ -200,8 +200,8 @@ def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
 
 def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]]:
     ops = sorted({op for f in files for op in uses_contrib_ops(folder / f)})
-    if graph == "fused":
-        return "ort-fused", ops
+    if graph == "fused":  # SimplifiedLayerNormalization is ONNX Runtime's own op in the default domain
+        return "ort-fused", sorted(set(ops) | set(FUSED_OPS))
     return ("ort-contrib" if ops else "portable"), ops
 
 
@@ -362,7 +362,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             export_model = copy.deepcopy(model).to(tdtype)
             export_model.heads._shared = [export_model.backbone.lm_head]
         if cfg.graph == "fused":
-            with stages(f"writing the fused backbone step graph (ONNX Runtime {', '.join(FUSED_OPS)})"):
+            with stages("writing the fused backbone step graph (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)"):
                 export_fused_step(export_model, tmp / MODEL_FILE, max_positions=max_context)
         else:
             with stages("exporting the backbone step graph (prefill + tree step)"):

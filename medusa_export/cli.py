@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"of the same graph (default: {BuildConfig.precision})")
     p.add_argument("--graph", choices=GRAPHS, default=BuildConfig.graph,
                    help="backbone step graph: portable (traced standard ONNX ops: ONNX Runtime and TensorRT) or fused "
-                        "(ONNX Runtime's fused operators GroupQueryAttention, SkipSimplifiedLayerNormalization, "
-                        f"rotary inside attention, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
+                        "(ONNX Runtime's fused operators: GroupQueryAttention with rotary inside, SimplifiedLayerNormalization, "
+                        f"QuickGelu, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
                         f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {BuildConfig.graph})")
     p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=BuildConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "

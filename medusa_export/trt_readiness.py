@@ -361,8 +361,8 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
     elif manifest.get("flavour") == "ort-fused":
         report.findings.append(Finding("error", "manifest.json", (
             f"this artifact's flavour is 'ort-fused' (precision {manifest['precision']['name']}): its step graph is "
-            "built from ONNX Runtime contrib ops (com.microsoft::GroupQueryAttention, SkipSimplifiedLayerNormalization, "
-            "QuickGelu) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
+            "built from ONNX Runtime's own ops (com.microsoft::GroupQueryAttention, QuickGelu, "
+            "SimplifiedLayerNormalization) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
             "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
             "fp32 or fp16")))
     tree_size = manifest["tree"]["size"]

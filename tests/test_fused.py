@@ -126,8 +126,8 @@ def test_manifest_flavour_layout_and_validation(built):
     path = built("fused", validate=True)
     m = json.loads((path / "manifest.json").read_text())
     assert m["flavour"] == "ort-fused"
-    for op in ("GroupQueryAttention", "SkipSimplifiedLayerNormalization", "QuickGelu"):
-        assert f"com.microsoft::{op}" in m["flavour_note"]
+    for op in ("com.microsoft::GroupQueryAttention", "com.microsoft::QuickGelu", "SimplifiedLayerNormalization"):
+        assert op in m["flavour_note"]
     assert m["kv_layout"]["layout"] == "head-major"
     inputs = {t["name"]: t for t in m["graphs"]["model"]["inputs"]}
     assert inputs["past_key_values.1.value"]["shape"] == [1, 2, "C", 16]
