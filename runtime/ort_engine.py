@@ -91,10 +91,12 @@ class OrtEngine:
         providers: ONNX Runtime execution providers (default: CPU).
         threads: intra-op threads (default: ONNX Runtime's choice).
         spin: let idle intra-op threads busy-wait (see :func:`session_options`).
+        profile_prefix: write an ONNX Runtime profile of the step graph (per-node times) to
+            ``<profile_prefix>_<date>.json``; ``step_session.end_profiling()`` closes it and returns the path.
     """
 
     def __init__(self, artifact: Artifact, providers: list[str] | None = None, threads: int | None = None,
-                 spin: bool = False):
+                 spin: bool = False, profile_prefix: str | None = None):
         import onnxruntime as ort
 
         m = artifact.model
@@ -106,8 +108,11 @@ class OrtEngine:
         self.hidden_dtype = self.kv_dtype
         opts = session_options(threads, spin)
         providers = providers or ["CPUExecutionProvider"]
-        self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
         self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
+        if profile_prefix:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = profile_prefix
+        self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
         for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
             check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
