@@ -15,15 +15,17 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
+from conftest import SMOLLM_TREE, mt_bench_prompts, plain_greedy, tiny_loaded
 from medusa_export.build import BuildConfig, UnsupportedGraphError, build_artifact
+from medusa_export.chat import apply_chat_template
 from medusa_export.trt_readiness import check_artifact
+from medusa_export.validate import validate
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.errors import ContextOverflowError
 from medusa_runtime.kvcache import compact_in_place, write_accepted
 from medusa_runtime.loop import HeadMajorKVCache, KVCache, causal_mask, generate
 from medusa_runtime.ort_engine import OrtEngine
-from medusa_runtime.tree import make_tree
+from medusa_runtime.tree import make_tree, tree_from_spec
 
 # Depth 3 with siblings at every depth: nodes far apart on a path (compaction moves rows).
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
@@ -231,3 +233,19 @@ def test_cli_rejects_a_fused_fp16_build(tmp_path):
                         "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode != 0 and "--graph fused does not take --precision fp16" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_embedded_fused_artifact_matches_pytorch_on_mt_bench(smollm, tmp_path):
+    """SmolLM2-135M, fused graph: step outputs within fp32 tolerance of PyTorch, greedy tokens identical to
+    the PyTorch reference, and Medusa (16-node tree steps) identical to plain greedy (one-token steps)."""
+    tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)
+    path = build_artifact(smollm, tree, tmp_path / "fused", BuildConfig(graph="fused", max_context=1024, validate=False),
+                          progress=False)
+    texts = mt_bench_prompts(2)
+    ids = [apply_chat_template(smollm.tokenizer, smollm.chat_template, [{"role": "user", "content": t}]) for t in texts]
+    report = validate(load_artifact(path), smollm.model, ids, texts, new_tokens=32, eos_token_ids=smollm.eos_token_ids,
+                      progress=False)
+    assert report.passed, report.failures()
+    assert all(p.identical and p.vanilla_identical and p.tokens > 0 for p in report.prompts)
+    assert max(p.max_logprob_diff for p in report.prompts) < 1e-3
