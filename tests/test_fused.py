@@ -190,6 +190,17 @@ def test_weight_only_precision_composes_with_fused(built):
     assert {"MatMulNBits", "GroupQueryAttention"} <= ops and "MatMul" not in ops
 
 
+def test_chat_reuses_the_in_place_cache_like_the_portable_artifact(built):
+    """Multi-turn chat: later turns prefill after a reused, truncated prefix of the head-major cache."""
+    from medusa_runtime.session import MedusaSession
+
+    sessions = [MedusaSession(built(g), threads=2) for g in ("portable", "fused")]
+    for i, turn in enumerate(("Write a poem about the sea.", "Now make it shorter.", "Explain it.")):
+        replies = [s.chat(turn, max_new_tokens=12) for s in sessions]
+        assert replies[0].token_ids == replies[1].token_ids and replies[0].token_ids
+        assert replies[0].reused_tokens == replies[1].reused_tokens and (replies[1].reused_tokens > 0) == (i > 0)
+
+
 @pytest.mark.parametrize("accepted", [[0], [0, 1, 2], [0, 2, 5], [0, 3, 4, 9]])
 def test_compact_in_place_equals_write_accepted(accepted):
     """Head-major in-place compaction (axis 2) leaves the slots that copying the accepted rows into a
