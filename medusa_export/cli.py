@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
-                       description="Trace backbone + heads to ONNX (backbone step graph for prefill and tree "
+                       description="Export backbone + heads to ONNX (backbone step graph for prefill and tree "
                                    "steps, heads graph, one weights file), write the manifest, tree and tokenizer, "
                                    "and validate ONNX Runtime against the PyTorch reference. The artifact is written "
                                    "to a temporary folder and moved into place only when everything passed.")

@@ -144,7 +144,8 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
             are timed through their own cache).
         trees: size -> tree.
         past_length: cached tokens before the step (>= 0).
-        repeats, warmup: timed and untimed runs per size; the median is kept.
+        repeats, warmup: timed and untimed runs per size; the median is kept. All sizes are
+            warmed up first, then timed in interleaved rounds (one run of each size per round).
         progress: called with a short line per measured size.
 
     Returns:
@@ -157,8 +158,8 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
     if past_length:
         cache.length = past_length
         cache.tokens = [-1] * past_length
-    step_ms: dict[int, float] = {}
     out = None
+    steps = {}
     for n, tree in sorted(trees.items()):
         b = tree.buffers()
         ids = np.zeros((1, n), dtype=np.int64)
@@ -168,8 +169,21 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
             nonlocal out
             out = engine.step(ids, pos, mask, 1.0, cache.past())
 
-        step_ms[n] = median_ms(step, repeats, warmup)
-        if progress:
+        steps[n] = step
+    # Interleaved rounds: every size is warmed up first, then each round times every size once,
+    # so warm-up and drift of the machine do not favour the sizes timed later.
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    times: dict[int, list[float]] = {n: [] for n in steps}
+    for _ in range(max(1, repeats)):
+        for n, step in steps.items():
+            t = time.perf_counter()
+            step()
+            times[n].append(time.perf_counter() - t)
+    step_ms = {n: 1e3 * statistics.median(ts) for n, ts in times.items()}
+    if progress:
+        for n in steps:
             progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
     topk = next(iter(trees.values())).topk
     heads_ms = median_ms(lambda: engine.heads(out.hidden[:1], topk), repeats, warmup)

@@ -397,3 +397,17 @@ def test_trt_engine_matches_onnxruntime(art):
             assert got.tokens == ref.tokens
     finally:
         trt_engine.close()
+
+
+def test_readiness_line_says_not_applicable_for_ort_only_flavours():
+    from medusa_export.trt.cli import readiness_line
+
+    refused = {"tensorrt": "10.15", "passed": False, "errors": ["flavour is 'ort-fused'"], "warnings": [], "graphs": {}}
+    line = readiness_line({"flavour": "ort-fused", "trt_readiness": refused})
+    assert "not applicable" in line and "ort-fused" in line and "--graph portable" in line
+    # a portable artifact that fails is a real failure
+    assert "FAILED (1 error(s)" in readiness_line({"flavour": "portable", "trt_readiness": refused})
+    ok = {"tensorrt": "10.15", "passed": True, "errors": [], "warnings": [],
+          "graphs": {"model": {"op_types": ["MatMul", "Add"]}}}
+    assert "PASSED (2 op types" in readiness_line({"flavour": "portable", "trt_readiness": ok})
+    assert readiness_line({"flavour": "portable"}) is None
