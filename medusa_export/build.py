@@ -26,6 +26,7 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, load_artifact, sha256_file
 from medusa_runtime.tree import Tree
 
+from .draft_vocab import DRAFT_VOCAB_FILE, HeadsVocabError, subset_ids
 from .errors import ArtifactError, MedusaError
 from .export import HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights, step_io
 from .fused import FUSED_OPS, export_fused_step, fused_step_io
@@ -80,6 +81,10 @@ class BuildConfig:
         block_size: MatMulNBits block size of the weight-only precisions.
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
+        heads_vocab: 0 (the heads project onto the full vocabulary) or N: they project onto the
+            top N ids of the model's draft vocabulary (:mod:`.draft_vocab`; topk <= N <= V). The
+            heads graph then reads an [N, d] matrix instead of [V, d]; the output never changes
+            (the backbone verifies), a correct guess outside the subset is lost.
         graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT
             too) or "fused" (ONNX Runtime fused operators, flavour ``ort-fused``; precisions
             :data:`FUSED_PRECISIONS`).
@@ -104,6 +109,7 @@ class BuildConfig:
     quantize_lm_head: bool = True
     accuracy_level: int | None = None
     graph: str = "portable"
+    heads_vocab: int = 0
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),
@@ -119,6 +125,9 @@ class BuildConfig:
         if self.precision == "fp16" and self.resolved_heads_precision != "fp16":
             raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
                                         "backbone (the fp16 graph's hidden states are float16); use same or auto")
+        if self.heads_vocab < 0:
+            raise HeadsVocabError(f"--heads-vocab must be 0 (the full vocabulary) or a subset size N > 0, "
+                                  f"got {self.heads_vocab}")
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
 
@@ -240,8 +249,24 @@ def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context
     return layout, graph
 
 
+def _heads_vocab_json(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> dict:
+    """The manifest's ``heads_vocab``: how many tokens the heads graph projects onto, and where they came from."""
+    v = lm.model.config.vocab_size
+    if vocab_ids is None:
+        return {"size": v, "vocab_size": v, "subset": False, "source": "the full vocabulary"}
+    draft = lm.draft_vocab
+    seen = len(draft.ids)
+    return {"size": int(len(vocab_ids)), "vocab_size": v, "subset": True,
+            "source": f"--heads-vocab {len(vocab_ids)}: the top {len(vocab_ids)} ids of the draft vocabulary "
+                      f"({DRAFT_VOCAB_FILE} beside the heads {lm.heads_source}; {seen} ids by frequency in: "
+                      f"{draft.source})" + (f"; the {len(vocab_ids) - seen} ids it never saw follow in id order"
+                                            if len(vocab_ids) > seen else ""),
+            "draft_vocab_ids": seen}
+
+
 def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
-              files: dict[str, str], weights_info: dict, dtype: str, quantized: dict) -> dict:
+              files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
+              vocab_ids: np.ndarray | None = None) -> dict:
     c = lm.model.config
     h = lm.model.heads.config
     layout, step_graph = _step_graph_json(lm, cfg, dtype, max_context, tree.size, files["model"])
@@ -271,6 +296,7 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
             "medusa_own_projection": h.own_projection, "max_context": max_context,
         },
         "precision": _precision_json(cfg, dtype, quantized),
+        "heads_vocab": _heads_vocab_json(lm, vocab_ids),
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
@@ -328,6 +354,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
 
     Raises:
         InvalidTreeError: the tree is deeper than the heads.
+        HeadsVocabError: ``cfg.heads_vocab`` is outside [tree.topk, V] or the model has no draft vocabulary.
         ArtifactError: the output folder cannot be written.
         ValidationError: ONNX Runtime disagrees with PyTorch (portable precisions) or Medusa
             disagrees with plain greedy decoding of the same graph (weight-only precisions);
@@ -341,6 +368,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     out = Path(out).absolute()
     if tree.max_depth > lm.model.num_heads:
         raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the model's {lm.model.num_heads} Medusa heads")
+    vocab_ids = None
+    if cfg.heads_vocab:
+        vocab_ids = subset_ids(lm.draft_vocab, cfg.heads_vocab, lm.model.config.vocab_size, tree.topk, model=lm.name)
     check_output_dir(out)
     max_context = cfg.max_context or lm.max_context
     if tree.size > max_context:
@@ -368,7 +398,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             with stages("exporting the backbone step graph (prefill + tree step)"):
                 export_step(export_model, tmp / MODEL_FILE, tdtype)
         with stages("exporting the Medusa heads graph"):
-            export_heads(export_model, tmp / HEADS_FILE, tdtype, tree.topk)
+            export_heads(export_model, tmp / HEADS_FILE, tdtype, tree.topk, vocab_ids)
         quantized = {}
         if to_quantize:
             what = ", ".join(f"{f} int{wo.bits}" for f, wo in to_quantize)
@@ -388,7 +418,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             (tmp / "tree.json").write_text(json.dumps(tree_json) + "\n")
             lm.tokenizer.save_pretrained(str(tmp / "tokenizer"))
             (tmp / "chat_template.jinja").write_text(lm.chat_template or "")
-            m = _manifest(lm, t, cfg, max_context, tmp, files, winfo, dtype, quantized)
+            m = _manifest(lm, t, cfg, max_context, tmp, files, winfo, dtype, quantized, vocab_ids)
             (tmp / MANIFEST).write_text(json.dumps(m, indent=2) + "\n")
             return m
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from medusa_runtime.tree import Tree
 
-from .heads import MedusaHeads
+from .heads import MedusaHeads, file_beside_heads
 
 ACCURACIES_FILE = "accuracies.json"
 ACCURACIES_FORMAT = "medusa-export-accuracies"
@@ -105,11 +105,8 @@ def load_accuracies(heads_dir: str | Path) -> np.ndarray | None:
 
     ``heads_dir`` may also be a heads file; its folder is searched.
     """
-    path = Path(heads_dir)
-    if path.is_file():
-        path = path.parent
-    path = path / ACCURACIES_FILE
-    if not path.is_file():
+    path = file_beside_heads(heads_dir, ACCURACIES_FILE)
+    if path is None:
         return None
     data = json.loads(path.read_text())
     if data.get("format") != ACCURACIES_FORMAT:

@@ -99,7 +99,7 @@ def cmd_build(args) -> int:
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
-                      graph=args.graph)
+                      graph=args.graph, heads_vocab=args.heads_vocab)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
@@ -239,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "
                         f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
                         f"(default: {BuildConfig.heads_precision})")
+    p.add_argument("--heads-vocab", type=int, default=BuildConfig.heads_vocab, metavar="N",
+                   help="project the Medusa heads onto the N most frequent tokens of the model's draft vocabulary "
+                        "(draft_vocab.json beside the heads) instead of the whole vocabulary: the heads graph costs "
+                        "~V/N times less, the output never changes, a correct guess outside the subset is lost; "
+                        f"0 = the full vocabulary (default: {BuildConfig.heads_vocab})")
     p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=BuildConfig.accuracy_level,
                    help="MatMulNBits compute of an int8/int4 backbone: 1 = fp32 activations (batch invariant, so "
                         "Medusa stays identical to plain greedy of the graph), 4 = int8 activations (faster, but a "

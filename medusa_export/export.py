@@ -111,13 +111,36 @@ class _StepGraph(nn.Module):
 
 
 class _HeadsGraph(nn.Module):
-    def __init__(self, model: MedusaModel, topk: int):
+    """hidden_states [R, d] -> medusa_topk_ids int64 [R, K, topk] (token ids, best first).
+
+    With ``vocab_ids`` (int64 [N], N >= topk) the heads project onto those N tokens only: each
+    projection is an [N, d] weight of gathered rows (an initializer of its own, so a
+    quantizer quantizes the smaller matrix), top-k runs over N, and a Gather on the int64 [N]
+    table maps the indices back to token ids. The contract is unchanged.
+    """
+
+    def __init__(self, model: MedusaModel, topk: int, vocab_ids: np.ndarray | None = None):
         super().__init__()
         self.model, self.topk = model, topk
+        self.subset = vocab_ids is not None
+        if self.subset:
+            ids = torch.as_tensor(np.asarray(vocab_ids, dtype=np.int64))
+            self.register_buffer("vocab_ids", ids)
+            self.sub_weights = nn.ParameterList(
+                nn.Parameter(w.detach()[ids].clone(), requires_grad=False) for w in model.heads.projection_weights())
 
     def forward(self, hidden_states):
-        logits = self.model.heads(hidden_states)  # [K, R, V]
-        return torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk]
+        if not self.subset:
+            logits = self.model.heads(hidden_states)  # [K, R, V]
+            return torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk]
+        states = self.model.heads.head_states(hidden_states)  # [K, R, d]
+        if len(self.sub_weights) == 1:  # shared lm_head: one 2-D Gemm for all K heads, weight read once
+            logits = nn.functional.linear(states.reshape(-1, states.shape[-1]), self.sub_weights[0])
+            logits = logits.reshape(*states.shape[:-1], logits.shape[-1])  # [K, R, N]
+        else:
+            logits = torch.stack([nn.functional.linear(s, w) for s, w in zip(states, self.sub_weights)])
+        idx = torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk] in [0, N)
+        return self.vocab_ids.index_select(0, idx.reshape(-1)).reshape(idx.shape)  # Gather -> token ids
 
 
 def _export(module: nn.Module, args: tuple, dynamic_shapes, names_in, names_out, path: Path) -> None:
@@ -150,13 +173,23 @@ def export_step(model: MedusaModel, path: Path, dtype: torch.dtype, k: int = STE
     _export(_StepGraph(model, k), args, ds, [t.name for t in ins], [t.name for t in outs], path)
 
 
-def export_heads(model: MedusaModel, path: Path, dtype: torch.dtype, topk: int) -> None:
-    """Export the heads graph to ``path``."""
+def export_heads(model: MedusaModel, path: Path, dtype: torch.dtype, topk: int,
+                 vocab_ids: np.ndarray | None = None) -> None:
+    """Export the heads graph to ``path``.
+
+    Args:
+        model: the model (its heads and, when shared, its lm_head).
+        path: the ONNX file to write (external data beside it).
+        dtype: the example input's float dtype (the graph's float dtype).
+        topk: candidates per head.
+        vocab_ids: None for the full vocabulary, or int64 [N]: the token subset the heads
+            project onto (:func:`medusa_export.draft_vocab.subset_ids`).
+    """
     from torch.export import Dim
 
     args = (torch.zeros(2, model.config.hidden_size, dtype=dtype),)
     ins, outs = heads_io(model, "float32", topk)
-    _export(_HeadsGraph(model, topk), args, {"hidden_states": {0: Dim("R", min=1, max=1 << 16)}},
+    _export(_HeadsGraph(model, topk, vocab_ids), args, {"hidden_states": {0: Dim("R", min=1, max=1 << 16)}},
             [t.name for t in ins], [t.name for t in outs], path)
 
 

@@ -104,6 +104,17 @@ class MedusaHeads(nn.Module):
         logits = self._shared[0](states.reshape(-1, states.shape[-1]))
         return logits.reshape(*states.shape[:-1], logits.shape[-1])
 
+    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection."""
+        n = self.config.num_layers
+        return torch.stack([head[:n](hidden) for head in self.heads])
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """The vocabulary projections' weights, each [V, d]: the K heads' own, or the shared lm_head's once."""
+        if self.config.own_projection:
+            return [head[-1].weight for head in self.heads]
+        return [self._shared[0].weight]
+
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors in the FasterDecoding key layout (``heads.`` prefix removed)."""
         return {k.removeprefix("heads."): v for k, v in self.state_dict().items()}
@@ -125,6 +136,13 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, extra: dict | None = Non
     save_file(tensors, str(out / HEADS_FILE))
     meta = {"format": HEADS_FORMAT, "version": 1, **asdict(heads.config), **(extra or {})}
     (out / HEADS_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def file_beside_heads(heads: str | Path, name: str) -> Path | None:
+    """``name`` in the heads' folder (``heads`` is that folder or a heads file in it), or None when absent."""
+    folder = Path(heads)
+    path = (folder.parent if folder.is_file() else folder) / name
+    return path if path.is_file() else None
 
 
 def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .calibrate import load_accuracies
+from .draft_vocab import DraftVocab, load_draft_vocab
 from .errors import UnknownModelError, WeightsNotFoundError
 from .heads import load_heads
 from .loading import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
@@ -93,6 +94,9 @@ class LoadedMedusa:
     max_context: int
     #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
     head_accuracies: np.ndarray | None = None
+    #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
+    #: projects the heads onto its top N (:mod:`medusa_export.draft_vocab`).
+    draft_vocab: DraftVocab | None = None
 
     @property
     def heads_are_initial(self) -> bool:
@@ -178,4 +182,5 @@ def load_model(
         default_tree=entry.default_tree,
         max_context=entry.max_context,
         head_accuracies=load_accuracies(hp) if hp is not None else None,
+        draft_vocab=load_draft_vocab(hp),
     )
