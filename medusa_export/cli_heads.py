@@ -64,7 +64,7 @@ def cmd_train_heads(args) -> int:
     import torch
 
     from .heads import save_heads
-    from .training import (TrainConfig, build_train_data, generate_replies, load_generator, load_hidden,
+    from .training import (TrainConfig, build_train_data, generate_replies, is_sampled, load_generator, load_hidden,
                            select_prompts, teacher_topk, train_heads)
 
     torch.manual_seed(args.seed)
@@ -127,8 +127,8 @@ def cmd_train_heads(args) -> int:
                    "data": args.data, "caps": _caps(args.cap), "holdout": args.holdout,
                    "max_new_tokens": args.max_new_tokens, "samples": args.samples,
                    "temperature": args.temperature if args.samples > 1 else None, "device": args.device,
-                   "replies": {"greedy": sum("~s" not in r.id for r in replies),
-                               "sampled": sum("~s" in r.id for r in replies)},
+                   "replies": {"greedy": sum(not is_sampled(r.id) for r in replies),
+                               "sampled": sum(is_sampled(r.id) for r in replies)},
                    "loss": "sum_k 0.8^k CE(head k, token t+k+1)",
                    "init": "seeds/001 §2.1.1: zero residual block, projection = the frozen shared lm_head",
                    "train_seconds": round(res.seconds, 1),

@@ -28,6 +28,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from .heads import project_stacked
 from .llama import LlamaConfig
 from .model import STEP_TOPK, MedusaModel
 
@@ -135,8 +136,7 @@ class _HeadsGraph(nn.Module):
             return torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk]
         states = self.model.heads.head_states(hidden_states)  # [K, R, d]
         if len(self.sub_weights) == 1:  # shared lm_head: one 2-D Gemm for all K heads, weight read once
-            logits = nn.functional.linear(states.reshape(-1, states.shape[-1]), self.sub_weights[0])
-            logits = logits.reshape(*states.shape[:-1], logits.shape[-1])  # [K, R, N]
+            logits = project_stacked(states, self.sub_weights[0])  # [K, R, N]
         else:
             logits = torch.stack([nn.functional.linear(s, w) for s, w in zip(states, self.sub_weights)])
         idx = torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk] in [0, N)

@@ -95,14 +95,9 @@ class MedusaHeads(nn.Module):
         K times (on a CPU the heads graph of the embedded model took ~half a T=1 step
         with K separate projections).
         """
-        states = torch.stack([head(hidden) for head in self.heads])  # [K, ..., d] (or [K, ..., V])
         if self.config.own_projection:
-            return states
-        # A 2-D input keeps the projection a Gemm on the lm_head weight itself, so the
-        # exported graph shares that tensor with the backbone (a 3-D MatMul would store a
-        # transposed copy).
-        logits = self._shared[0](states.reshape(-1, states.shape[-1]))
-        return logits.reshape(*states.shape[:-1], logits.shape[-1])
+            return torch.stack([head(hidden) for head in self.heads])  # [K, ..., V]
+        return project_stacked(self.head_states(hidden), self._shared[0].weight)
 
     def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection."""
@@ -136,6 +131,18 @@ def save_heads(heads: MedusaHeads, out_dir: str | Path, extra: dict | None = Non
     save_file(tensors, str(out / HEADS_FILE))
     meta = {"format": HEADS_FORMAT, "version": 1, **asdict(heads.config), **(extra or {})}
     (out / HEADS_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def project_stacked(states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[K, ..., d] states through one shared projection ``weight`` [N, d] -> logits [K, ..., N].
+
+    The states are flattened to 2-D, so the projection is one Gemm on ``weight`` itself: the
+    weight is read once for all K heads, and the exported graph shares that tensor (with the
+    backbone's lm_head, when it is that) instead of storing a transposed copy, as a 3-D
+    MatMul would.
+    """
+    logits = nn.functional.linear(states.reshape(-1, states.shape[-1]), weight)
+    return logits.reshape(*states.shape[:-1], logits.shape[-1])
 
 
 def file_beside_heads(heads: str | Path, name: str) -> Path | None:

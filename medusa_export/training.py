@@ -172,6 +172,11 @@ def reply_id(prompt_id: str, variant: int) -> str:
     return prompt_id if variant == 0 else f"{prompt_id}~s{variant}"
 
 
+def is_sampled(rid: str) -> bool:
+    """Whether a cache id (:func:`reply_id`) names a sampled reply rather than the greedy one."""
+    return "~s" in rid
+
+
 def read_replies(cache_dir: str | Path) -> list[Reply]:
     """The replies cached so far (lines whose shard file exists)."""
     path = Path(cache_dir) / REPLIES_FILE
@@ -301,6 +306,8 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
         raise ValueError(f"samples must be at least 1 (the greedy reply), got {samples}")
     mine = []
     for p in list(prompts)[i_part::n_part]:  # split the full list, so parts never depend on what is cached
+        if all(reply_id(p.id, j) in have for j in range(samples)):
+            continue  # every variant cached: no need to render it
         ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
         if len(ids) <= max_prompt_tokens:
             mine.append((p, ids))

@@ -178,7 +178,7 @@ class OrtEngine:
         io.bind_cpu_input("new_token_mask", np.ascontiguousarray(mask, bool))
         io.bind_cpu_input("temperature", np.array([temperature], dtype=np.float32))
         io.bind_cpu_input("past_sequence_length", np.array([p], dtype=np.int32))
-        for name in _STEP_OUTPUTS:
+        for name in _STEP_OUTPUTS:  # unallocated again: a run keeps its outputs bound, and S changes
             io.bind_output(name)
         self.step_session.run_with_iobinding(io)
         outs = io.get_outputs()

@@ -123,8 +123,10 @@ def test_sampled_replies_are_extra_variants_seeded_and_resumable(tiny_gen, tmp_p
     again = run(tmp_path / "a")  # everything cached: nothing new runs
     assert len(again) == 9 and len(list((tmp_path / "a").glob("shard-*"))) == 6
     hid = load_hidden(tmp_path / "a", again)
-    for r, h in zip(again, hid):  # sampled or not, hidden[i] is the state that r_i was drawn from
+    for r, h in zip(again, hid):
         assert h.shape == (8, 32)
+        if "~s" not in r.id:  # greedy: hidden[i] is the state whose argmax is r_i
+            assert g.hf_model.lm_head(h.float()).argmax(-1).tolist() == r.tokens
     with pytest.raises(ValueError, match="samples must be at least 1"):
         generate_replies(g.hf_model, g.tokenizer, g.chat_template, PROMPTS[:3], tmp_path / "bad", samples=0, **kw)
 
