@@ -13,5 +13,5 @@ if ! python -m pip show nvidia-pytriton >/dev/null 2>&1; then
   python -m pip install --quiet --disable-pip-version-check --no-deps "nvidia-pytriton==0.7.0"
 fi
 
-# The backend stub needs numpy<2 in a folder of its own (see medusa_export/triton_local.py); filled once.
-python -c "from medusa_export.triton_local import stub_site; print('triton stub numpy site:', stub_site() or 'not needed')"
+# The backend stub needs numpy<2 in a folder of its own (see medusa_export/triton/local.py); filled once.
+python -c "from medusa_export.triton.local import stub_site; print('triton stub numpy site:', stub_site() or 'not needed')"

@@ -4,7 +4,7 @@ prefill -> candidates from the heads -> one step over the tree (tree mask, posit
 past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated.
 
 The loop is written once and driven by an :class:`Engine`: ONNX Runtime or TensorRT in
-deployment, PyTorch for the reference (``medusa_export.decode.TorchEngine``). It owns the
+deployment, PyTorch for the reference (``medusa_export.model.decode.TorchEngine``). It owns the
 KV buffers (numpy, sequence-major ``[1, capacity, H_kv, D]`` per layer and K/V), hands the
 engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V. Engines
 whose step writes into the cache itself bring their own cache (``make_cache``), e.g. the
@@ -27,7 +27,7 @@ from .tree import Tree, gather_candidates, make_tree
 
 
 class StepResult(NamedTuple):
-    """One engine step's outputs, batch dimension dropped (see medusa_export.model)."""
+    """One engine step's outputs, batch dimension dropped (see medusa_export.model.medusa)."""
 
     topk_ids: np.ndarray  # int64 [S, k]
     topk_logprobs: np.ndarray  # float32 [S, k]

@@ -136,8 +136,8 @@ def load_transformers_model(model_name: str, threads: int | None):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from medusa_export.loading import align_parameters, find_package_file, hf_cache_snapshot
-    from medusa_export.registry import get_entry
+    from medusa_export.loading.backbone import align_parameters, find_package_file, hf_cache_snapshot
+    from medusa_export.loading.registry import get_entry
 
     hf_logging.set_verbosity_error()
     if threads:

@@ -204,8 +204,8 @@ class Context:
         """An HF-format folder of the backbone (config, fp32 safetensors, tokenizer), made once."""
         out = self.cache_dir / f"hf-{self.model}"
         if not (out / "DONE").exists():
-            from medusa_export.loading import find_package_file
-            from medusa_export.registry import get_entry
+            from medusa_export.loading.backbone import find_package_file
+            from medusa_export.loading.registry import get_entry
             from transformers import AutoTokenizer
 
             print(f"  writing the HF-format folder {out} ...", file=sys.stderr)
@@ -222,8 +222,8 @@ class Context:
 
     def gguf(self) -> Path:
         """The GGUF file the registry's backbone ships as."""
-        from medusa_export.loading import find_package_file
-        from medusa_export.registry import get_entry
+        from medusa_export.loading.backbone import find_package_file
+        from medusa_export.loading.registry import get_entry
 
         src = get_entry(self.model).backbone
         if src["source"] != "package" or not src["file"].endswith(".gguf"):
@@ -435,7 +435,7 @@ def _versions() -> dict:
 
 def hf_encoder(ctx: Context) -> tuple[Callable[[str], list[int]], list[int]]:
     """Without an artifact: the HF tokenizer's chat template and the loader's EOS ids."""
-    from medusa_export.loading import _eos_ids  # the loader's EOS rule (GGUF tokenizers report a wrong one)
+    from medusa_export.loading.backbone import _eos_ids  # the loader's EOS rule (GGUF tokenizers report a wrong one)
 
     tok = _require("transformers", "transformers").AutoTokenizer.from_pretrained(str(ctx.hf_dir()))
     encode = lambda text: tok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731

@@ -1,7 +1,7 @@
 """Request latency and tokens/s through Triton vs the runtime directly, on the same prompts.
 
 Writes a Triton repository for ARTIFACT (``medusa-export triton``), starts the tritonserver
-bundled in nvidia-pytriton on 127.0.0.1 (medusa_export.triton_local) and, prompt by prompt,
+bundled in nvidia-pytriton on 127.0.0.1 (medusa_export.triton.local) and, prompt by prompt,
 interleaves one direct ``MedusaSession.generate`` and one request through Triton (gRPC,
 streaming: first-response latency too), both greedy with the same thread count, so machine
 noise hits both alike. Checks that the tokens are identical and prints a table and a JSON line.
@@ -81,8 +81,8 @@ def main() -> int:
 
     import tritonclient.grpc as grpc
 
-    from medusa_export.triton import TritonConfig, write_repository
-    from medusa_export.triton_local import LocalTritonServer
+    from medusa_export.triton.local import LocalTritonServer
+    from medusa_export.triton.repository import TritonConfig, write_repository
     from medusa_runtime import MedusaSession
 
     prompts = read_prompts(args.prompts_file, args.prompts)

@@ -4,7 +4,7 @@
 
 REPLIES holds one JSON object per line with a ``tokens`` list (the ``replies.jsonl`` of
 ``medusa-export train-heads``). Use the heads' training replies, never evaluation data.
-See :mod:`medusa_export.draft_vocab`.
+See :mod:`medusa_export.training.draft_vocab`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_export.draft_vocab import draft_vocab_json, frequency_order, write_draft_vocab
+from medusa_export.training.draft_vocab import draft_vocab_json, frequency_order, write_draft_vocab
 
 
 def read_replies(path: Path):

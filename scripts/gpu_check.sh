@@ -49,10 +49,10 @@ else
 import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from medusa_export.build import BuildConfig, build_artifact
-from medusa_export.loading import backbone_from_hf_model
-from medusa_export.model import MedusaModel
-from medusa_export.registry import LoadedMedusa
+from medusa_export.export.build import BuildConfig, build_artifact
+from medusa_export.loading.backbone import backbone_from_hf_model
+from medusa_export.loading.registry import LoadedMedusa
+from medusa_export.model.medusa import MedusaModel
 from medusa_runtime.tree import tree_from_spec
 
 class Tok:  # the loop is driven with token ids; no tokenizer is needed

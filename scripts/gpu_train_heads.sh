@@ -6,7 +6,7 @@
 #   3. heads with 1 and with 2 residual blocks on everything cached.
 #
 # Each generation stage stops at its deadline (seconds from the start); whatever is cached by then is
-# trained on (the cache is consistent after any stop, see medusa_export/training.py). The calibration
+# trained on (the cache is consistent after any stop, see medusa_export/training/distill.py). The calibration
 # prompts are excluded everywhere: run `medusa-export calibrate` on them afterwards.
 #
 #   DEVICE=cuda OUT=/tmp/gpu-heads bash scripts/gpu_train_heads.sh

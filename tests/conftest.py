@@ -55,8 +55,8 @@ def make_tiny_medusa(*, vocab=1001, hidden=64, layers=2, heads=4, kv_heads=2, me
     """(hf_model, MedusaModel) with random weights; the MedusaModel shares the HF weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from medusa_export.loading import backbone_from_hf_model
-    from medusa_export.model import MedusaModel
+    from medusa_export.loading.backbone import backbone_from_hf_model
+    from medusa_export.model.medusa import MedusaModel
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
@@ -73,7 +73,7 @@ def make_tiny_medusa(*, vocab=1001, hidden=64, layers=2, heads=4, kv_heads=2, me
 
 def tiny_loaded(model, *, name="tiny", tree="16", max_context=512):
     """Wrap a tiny MedusaModel as a registry LoadedMedusa with the tiny tokenizer."""
-    from medusa_export.registry import LoadedMedusa
+    from medusa_export.loading.registry import LoadedMedusa
 
     tok = make_tiny_tokenizer()
     return LoadedMedusa(model=model, tokenizer=tok, eos_token_ids=[tok.eos_token_id], chat_template=tok.chat_template,
@@ -143,7 +143,7 @@ def hf_from_backbone(backbone):
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2-135M model with its registered heads (loaded once)."""
-    from medusa_export.registry import load_model
+    from medusa_export.loading.registry import load_model
 
     return load_model("smollm2-135m")
 
@@ -154,7 +154,7 @@ def smollm_artifact(smollm, tmp_path_factory):
 
     Built without build's own validation: the parity tests validate it explicitly.
     """
-    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_export.export.build import BuildConfig, build_artifact
     from medusa_runtime.tree import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
@@ -168,7 +168,7 @@ def tiny_trt_artifact(tmp_path_factory):
     """A tiny exported artifact (2 layers, 16-node tree, max context 256, fp32, real tokenizer),
     built once per session without validation, for the TensorRT stage's tests (tests/test_trt.py).
     Tests that change it copy it first."""
-    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_export.export.build import BuildConfig, build_artifact
     from medusa_runtime.tree import tree_from_spec
 
     _, model = make_tiny_medusa()

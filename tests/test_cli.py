@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-import medusa_export.registry
+import medusa_export.loading.registry
 from conftest import save_tiny_hf_dir
-from medusa_export.cli import main
-from medusa_export.registry import load_registry
+from medusa_export.cli.main import main
+from medusa_export.loading.registry import load_registry
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_generate_embedded_model(smollm, monkeypatch, capsys):
         calls.append(name)
         return smollm
 
-    monkeypatch.setattr(medusa_export.registry, "load_model", load_model)
+    monkeypatch.setattr(medusa_export.loading.registry, "load_model", load_model)
     rc = main(["generate", "--model", "smollm2-135m", "--prompt", "Explain speculative decoding in two sentences.",
                "--max-new-tokens", "8"])
     assert rc == 0 and calls == ["smollm2-135m"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import plain_greedy
-from medusa_export.decode import TorchEngine, medusa_generate
+from medusa_export.model.decode import TorchEngine, medusa_generate
 from medusa_runtime.acceptance import TypicalConfig, accept_greedy
 from medusa_runtime.errors import ContextOverflowError
 from medusa_runtime.loop import KVCache, causal_mask, generate

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import hf_from_backbone, mt_bench_prompts, plain_greedy
 from medusa_export.chat import apply_chat_template
-from medusa_export.decode import medusa_generate
+from medusa_export.model.decode import medusa_generate
 from medusa_runtime.tree import tree_from_spec
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import make_tiny_medusa, mt_bench_prompts, tiny_loaded
-from medusa_export.build import BuildConfig, build_artifact
 from medusa_export.chat import apply_chat_template
-from medusa_export.decode import TorchEngine
 from medusa_export.errors import ArtifactError, InvalidTreeError, UnknownModelError
-from medusa_export.validate import validate
+from medusa_export.export.build import BuildConfig, build_artifact
+from medusa_export.model.decode import TorchEngine
+from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.loop import KVCache, causal_mask
 from medusa_runtime.ort_engine import OrtEngine
@@ -160,7 +160,7 @@ def test_unknown_model_is_refused_without_output(tmp_path):
     assert "unknown model 'no-such-model'" in r.stderr and "smollm2-135m" in r.stderr and "vicuna-7b" in r.stderr
     assert not (tmp_path / "out").exists()
     with pytest.raises(UnknownModelError):
-        from medusa_export.registry import get_entry
+        from medusa_export.loading.registry import get_entry
 
         get_entry("no-such-model")
 
@@ -196,7 +196,7 @@ def test_interrupted_build_leaves_old_artifact_intact(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("medusa_export.build.export_heads", boom)
+    monkeypatch.setattr("medusa_export.export.build.export_heads", boom)
     with pytest.raises(KeyboardInterrupt):
         _build(lm, make_tree([[0], [1]], num_heads=2), out, validate=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no partial folder left
@@ -230,8 +230,8 @@ def test_large_model_external_data_from_another_directory(tmp_path, monkeypatch)
 def test_verify_junit_names_the_failing_prompt(tmp_path):
     import xml.etree.ElementTree as ET
 
-    from medusa_export.junit import write_junit
-    from medusa_export.validate import PromptReport, ValidationReport
+    from medusa_export.validation.junit import write_junit
+    from medusa_export.validation.validate import PromptReport, ValidationReport
 
     ok = PromptReport("fine", 8, True, 0.0, 0.0, 0.0)
     bad = PromptReport("diverges", 8, False, 0.0, 0.0, 0.0, first_divergence=3, divergence_step=1,

@@ -16,10 +16,10 @@ import onnx
 import pytest
 
 from conftest import SMOLLM_TREE, mt_bench_prompts, plain_greedy, tiny_loaded
-from medusa_export.build import BuildConfig, UnsupportedGraphError, build_artifact
 from medusa_export.chat import apply_chat_template
-from medusa_export.trt_readiness import check_artifact
-from medusa_export.validate import validate
+from medusa_export.export.build import BuildConfig, UnsupportedGraphError, build_artifact
+from medusa_export.trt.readiness import check_artifact
+from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.errors import ContextOverflowError
 from medusa_runtime.kvcache import compact_in_place, write_accepted

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
-from medusa_export.build import BuildConfig, build_artifact
-from medusa_export.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, coverage, draft_vocab_json,
-                                       frequency_order, load_draft_vocab, subset_ids, write_draft_vocab)
-from medusa_export.export import export_heads
+from medusa_export.export.build import BuildConfig, build_artifact
+from medusa_export.export.portable import export_heads
+from medusa_export.training.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, coverage,
+                                                draft_vocab_json, frequency_order, load_draft_vocab, subset_ids,
+                                                write_draft_vocab)
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.loop import generate
 from medusa_runtime.ort_engine import OrtEngine
@@ -77,7 +78,7 @@ def test_draft_vocab_file_round_trip(tmp_path):
 
 def test_shipped_draft_vocab_is_loaded_with_the_embedded_heads():
     """The embedded model's frequency list ships beside its heads (not the model itself: no weights loaded)."""
-    from medusa_export.registry import models_dir
+    from medusa_export.loading.registry import models_dir
 
     draft = load_draft_vocab(models_dir() / "smollm2-135m")
     data = json.loads((models_dir() / "smollm2-135m" / DRAFT_VOCAB_FILE).read_text())
@@ -198,7 +199,7 @@ def test_missing_draft_vocab_is_refused(tmp_path):
 
 
 def test_cli_passes_heads_vocab():
-    from medusa_export.cli import build_parser
+    from medusa_export.cli.main import build_parser
 
     args = build_parser().parse_args(["build", "--heads-vocab", "8192"])
     assert args.heads_vocab == 8192

@@ -9,8 +9,8 @@ import torch
 
 from conftest import save_tiny_hf_dir
 from medusa_export.errors import UnknownModelError, WeightsNotFoundError
-from medusa_export.loading import find_package_file
-from medusa_export.registry import get_entry, load_model, load_registry
+from medusa_export.loading.backbone import find_package_file
+from medusa_export.loading.registry import get_entry, load_model, load_registry
 
 # Every registered model must appear here, with the test that covers its loading path.
 TESTED_MODELS = {

@@ -54,7 +54,7 @@ def make_counter_medusa(scale: float = 6.0):
 
 @pytest.fixture(scope="module")
 def counter_artifact(tmp_path_factory):
-    from medusa_export.build import BuildConfig, build_artifact
+    from medusa_export.export.build import BuildConfig, build_artifact
     from medusa_runtime.tree import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=CONTEXT)
@@ -247,7 +247,7 @@ def test_runtime_runs_without_torch_or_transformers(counter_artifact):
 
 
 def test_cli_generate_and_chat(counter_artifact, capsys):
-    from medusa_export.cli import main
+    from medusa_export.cli.main import main
     from medusa_runtime.cli import build_parser, run_chat
 
     assert main(["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "5",
@@ -408,7 +408,7 @@ def smollm_mt_bench_runs(smollm_session):
 
 @pytest.mark.slow
 def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, smollm_mt_bench_runs):
-    from medusa_export.decode import medusa_generate
+    from medusa_export.model.decode import medusa_generate
 
     for text, (ids, run) in zip(mt_bench_prompts(5), smollm_mt_bench_runs):
         ref = medusa_generate(smollm.model, ids, smollm_session.tree, max_new_tokens=64,

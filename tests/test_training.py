@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_export.calibrate import (accuracy_counts, calibrate, heads_topk, load_accuracies, pooled_accuracies,
-                                     save_accuracies, simulate_steps)
-from medusa_export.heads import load_heads, save_heads
-from medusa_export.training import (Generator, Prompt, TrainConfig, build_train_data, future_index, generate_batch,
-                                    generate_replies, load_hidden, load_prompts, medusa_loss, read_replies,
-                                    select_prompts, train_heads)
+from medusa_export.model.heads import load_heads, save_heads
+from medusa_export.training.calibrate import (accuracy_counts, calibrate, heads_topk, load_accuracies,
+                                              pooled_accuracies, save_accuracies, simulate_steps)
+from medusa_export.training.distill import (Generator, Prompt, TrainConfig, build_train_data, future_index,
+                                            generate_batch, generate_replies, load_hidden, load_prompts, medusa_loss,
+                                            read_replies, select_prompts, train_heads)
 from medusa_runtime.tree import expected_accept_length, greedy_tree, make_tree
 
 from conftest import make_tiny_tokenizer
@@ -132,7 +132,7 @@ def test_sampled_replies_are_extra_variants_seeded_and_resumable(tiny_gen, tmp_p
 
 
 def test_train_heads_refuses_a_device_it_cannot_see():
-    from medusa_export.cli_heads import _device
+    from medusa_export.cli.heads import _device
     from medusa_export.errors import MedusaError
 
     assert _device("cpu") == "cpu"
@@ -158,7 +158,7 @@ def test_a_few_training_steps_lower_the_loss(tiny_gen, tmp_path, soft_topk):
                       soft_topk=soft_topk)
     res = train_heads(data, tiny_gen.lm_head, cfg, progress=False)
     with torch.no_grad():
-        from medusa_export.heads import HeadsConfig, MedusaHeads
+        from medusa_export.model.heads import HeadsConfig, MedusaHeads
 
         fresh = MedusaHeads(HeadsConfig(3, 1, 32, 300, False), tiny_gen.lm_head)
         before, _, _ = medusa_loss(fresh, w, data.hidden, data.target_ids, data.target_p, data.valid)
@@ -244,7 +244,7 @@ def test_accuracy_counts_by_hand():
 
 def test_simulated_acceptance_matches_the_decode_loop(tiny, tiny_gen):
     """Greedy Medusa output = the greedy reply, so acceptance can be simulated from it."""
-    from medusa_export.decode import medusa_generate
+    from medusa_export.model.decode import medusa_generate
 
     hf, model, tok = tiny
     with torch.no_grad():  # heads that often guess right: copy the backbone's future argmax a bit

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from medusa_export.errors import ArtifactError
-from medusa_export.triton import GENERATION_INPUTS, GENERATION_OUTPUTS, MARKER, TritonConfig, write_repository
+from medusa_export.triton.repository import (GENERATION_INPUTS, GENERATION_OUTPUTS, MARKER, TritonConfig,
+                                             write_repository)
 from medusa_runtime import MedusaSession
 from medusa_runtime.artifact import sha256_file
 from medusa_runtime.serving import RequestError, merge_fields, parse_request, serve
@@ -193,7 +194,7 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
 
 
 def test_cli_writes_the_repository(tiny_trt_artifact, tmp_path, capsys):
-    from medusa_export.cli import main
+    from medusa_export.cli.main import main
 
     assert main(["triton", str(tiny_trt_artifact), "--out", str(tmp_path / "r"), "--name", "gen", "--threads", "1",
                  "--no-engine-models", "--max-new-tokens-limit", "64"]) == 0
@@ -240,7 +241,7 @@ def server(tiny_trt_artifact, tmp_path_factory):
     """The bundled tritonserver on a repository of the tiny artifact (2 instances, 1 thread each),
     loading only the generation model (the binary has the Python backend alone)."""
     grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is in the dev extra")
-    from medusa_export.triton_local import LocalTritonServer, TritonUnavailableError, find_bundled
+    from medusa_export.triton.local import LocalTritonServer, TritonUnavailableError, find_bundled
 
     try:
         find_bundled()
@@ -414,7 +415,7 @@ def test_clean_shutdown(server, tmp_path):
     """SIGINT and SIGTERM: the server unloads the model and exits 0, and no process of it is left
     (stop() also checks /proc for its process group). Its own server, so that test order does not matter."""
     _, grpc = server
-    from medusa_export.triton_local import LocalTritonServer, group_processes
+    from medusa_export.triton.local import LocalTritonServer, group_processes
 
     repo = server[0].repository
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -440,7 +441,7 @@ def test_embedded_model_through_triton(smollm_artifact, tmp_path):
     """The embedded SmolLM2 artifact (real BPE tokenizer and chat template, 30 layers) through a
     real server: token-exact with the runtime, then a clean stop."""
     grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is in the dev extra")
-    from medusa_export.triton_local import LocalTritonServer, TritonUnavailableError, find_bundled
+    from medusa_export.triton.local import LocalTritonServer, TritonUnavailableError, find_bundled
 
     try:
         find_bundled()

@@ -20,13 +20,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from medusa_export.cli import main
-from medusa_export.manifest_update import update_manifest
+from medusa_export.cli.main import main
+from medusa_export.cli.trt import after_build
 from medusa_export.trt.calibration import calibration_feeds, calibration_windows, step_feeds
-from medusa_export.trt.cli import after_build
 from medusa_export.trt.commands import strongly_typed, trtexec_args
 from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
-from medusa_export.trt_readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
+from medusa_export.trt.readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
+from medusa_export.validation.manifest_update import update_manifest
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.errors import BackendUnavailableError, ContextOverflowError
 from medusa_runtime.kvcache import write_accepted
@@ -400,7 +400,7 @@ def test_trt_engine_matches_onnxruntime(art):
 
 
 def test_readiness_line_says_not_applicable_for_ort_only_flavours():
-    from medusa_export.trt.cli import readiness_line
+    from medusa_export.cli.trt import readiness_line
 
     refused = {"tensorrt": "10.15", "passed": False, "errors": ["flavour is 'ort-fused'"], "warnings": [], "graphs": {}}
     line = readiness_line({"flavour": "ort-fused", "trt_readiness": refused})

@@ -16,11 +16,11 @@ from pathlib import Path
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files
 
-from ..manifest_update import update_manifest
-from ..trt_readiness import TARGET, check_artifact
+from ..validation.manifest_update import update_manifest
 from .builder import build_engines, tensorrt_version
 from .commands import write_commands
 from .config import BUILD_SCRIPT, EXIT_NO_TENSORRT, EngineConfig
+from .readiness import TARGET, check_artifact
 
 
 @dataclass
@@ -76,7 +76,7 @@ def run_engine_step(path: str | Path, cfg: EngineConfig = EngineConfig()) -> Eng
             files)
     feeds = None
     if cfg.precision == "int8":
-        from ..validate import default_prompts, read_prompts
+        from ..validation.validate import default_prompts, read_prompts
         from .calibration import calibration_feeds
 
         prompts = read_prompts(cfg.calibration) if cfg.calibration else default_prompts()

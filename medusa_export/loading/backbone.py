@@ -2,7 +2,7 @@
 
 Weights are loaded by transformers (safetensors, or ``torch.load(weights_only=True)``
 for ``.bin`` shards; never ``trust_remote_code`` unless asked) and handed, tensor for
-tensor and without copies, to :class:`~medusa_export.llama.LlamaBackbone`.
+tensor and without copies, to :class:`~medusa_export.model.backbone.LlamaBackbone`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import UnsupportedModelError, WeightsNotFoundError
-from .llama import LlamaBackbone, LlamaConfig
+from ..errors import UnsupportedModelError, WeightsNotFoundError
+from ..model.backbone import LlamaBackbone, LlamaConfig
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 

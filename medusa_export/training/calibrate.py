@@ -1,7 +1,7 @@
 """Head calibration: per-head top-i accuracies a_k^(i) on held-out prompts (seeds/001 §2.3.3).
 
 The backbone answers the prompts greedily (batched, hidden states captured: see
-:mod:`medusa_export.training`); at every reply position the heads' top-k are compared
+:mod:`medusa_export.training.distill`); at every reply position the heads' top-k are compared
 with the tokens the backbone actually wrote next. Under greedy acceptance the Medusa
 output equals this greedy reply, so the same data also gives the exact acceptance of any
 tree by simulation (:func:`simulate_acceptance`), without running the decode loop.
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from medusa_runtime.tree import Tree
 
-from .heads import MedusaHeads, file_beside_heads
+from ..model.heads import MedusaHeads, file_beside_heads
 
 ACCURACIES_FILE = "accuracies.json"
 ACCURACIES_FORMAT = "medusa-export-accuracies"
@@ -188,13 +188,13 @@ def calibrate(gen, heads: MedusaHeads, prompts, cache_root: str | Path, *, max_n
     """Greedy replies (cached under ``cache_root``), then the heads' a_k^(i) on them.
 
     Args:
-        gen: a :class:`medusa_export.training.Generator`.
+        gen: a :class:`medusa_export.training.distill.Generator`.
         heads: the heads to measure.
-        prompts: held-out :class:`~medusa_export.training.Prompt` list (never trained on).
+        prompts: held-out :class:`~medusa_export.training.distill.Prompt` list (never trained on).
         cache_root: replies and hidden states are cached in a sub-folder named after the
             prompts' source, their count and ``max_new_tokens``.
     """
-    from .training import generate_replies, load_hidden
+    from .distill import generate_replies, load_hidden
 
     key = f"{prompts[0].source if prompts else 'none'}-{len(prompts)}p-{max_new_tokens}t"
     cache = Path(cache_root) / key

@@ -14,10 +14,10 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
 from medusa_runtime.errors import MedusaError
 
-from .build import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
-from .cli_heads import add_heads_commands
-from .registry import DEFAULT_MODEL, load_registry
-from .trt.cli import add_build_engine_args, add_trt_commands, after_build, readiness_line
+from ..export.build import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
+from ..loading.registry import DEFAULT_MODEL, load_registry
+from .heads import add_heads_commands
+from .trt import add_build_engine_args, add_trt_commands, after_build, readiness_line
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -48,9 +48,9 @@ def cmd_generate(args) -> int:
         raise MedusaError("--stop needs --artifact (the runtime); the PyTorch reference stops at EOS and length only")
     from medusa_runtime.tree import tree_from_spec
 
-    from .chat import apply_chat_template, TextStreamer
-    from .decode import medusa_generate
-    from .registry import load_model
+    from ..chat import apply_chat_template, TextStreamer
+    from ..loading.registry import load_model
+    from ..model.decode import medusa_generate
 
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -93,9 +93,9 @@ def cmd_build(args) -> int:
     from medusa_runtime.autotree import DEFAULT_SIZES, is_auto
     from medusa_runtime.tree import tree_from_spec
 
-    from .build import build_artifact
-    from .registry import load_model
-    from .validate import read_prompts
+    from ..export.build import build_artifact
+    from ..loading.registry import load_model
+    from ..validation.validate import read_prompts
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
@@ -137,7 +137,7 @@ def _print_summary(path, seconds: float) -> None:
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
     v = m.get("validation")
     if v:
-        from .validate import validation_summary
+        from ..validation.validate import validation_summary
 
         print(f"  validation: {validation_summary(v)}")
     else:
@@ -150,9 +150,9 @@ def cmd_verify(args) -> int:
     """Validate an existing artifact; exit 1 on mismatch."""
     from medusa_runtime.artifact import load_artifact
 
-    from .chat import apply_chat_template
-    from .registry import load_model
-    from .validate import default_prompts, read_prompts, validate
+    from ..chat import apply_chat_template
+    from ..loading.registry import load_model
+    from ..validation.validate import default_prompts, read_prompts, validate
 
     art = load_artifact(args.artifact, full_verify=True)
     lm = load_model(art.model["name"], model_path=args.model_path, heads_path=args.heads)
@@ -163,7 +163,7 @@ def cmd_verify(args) -> int:
         status = "identical" if p.identical else ("near-tie" if p.near_tie else "MISMATCH")
         print(f"{status:9s} {p.tokens:4d} tokens  log-prob diff {p.max_logprob_diff:.1e}  {p.prompt[:60]!r}")
     if args.junit:
-        from .junit import write_junit
+        from ..validation.junit import write_junit
 
         write_junit(args.junit, report)
     if not report.passed:
@@ -175,7 +175,7 @@ def cmd_verify(args) -> int:
 
 def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for an artifact."""
-    from .triton import TritonConfig, write_repository
+    from ..triton.repository import TritonConfig, write_repository
 
     cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_triton_parser(sub) -> None:
     from medusa_runtime.engines import BACKENDS
 
-    from .triton import ARTIFACT_MODES, TritonConfig
+    from ..triton.repository import ARTIFACT_MODES, TritonConfig
 
     p = sub.add_parser("triton", help="write a Triton Inference Server model repository for an artifact",
                        description="A model repository with a Python-backend model that runs the Medusa loop "

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import MedusaError
-from .registry import DEFAULT_MODEL
+from ..errors import MedusaError
+from ..loading.registry import DEFAULT_MODEL
 
 DEFAULT_CACHE = ".cache/train-heads"
 
@@ -26,7 +26,7 @@ def _caps(values: list[str] | None) -> dict[str, int]:
 
 
 def _prompts(paths: list[str]):
-    from .training import load_prompts
+    from ..training.distill import load_prompts
 
     out = []
     for p in paths:
@@ -63,9 +63,9 @@ def cmd_train_heads(args) -> int:
     """Self-distil replies, cache hidden states, train Medusa-1 heads, save them (+ held-out accuracies)."""
     import torch
 
-    from .heads import save_heads
-    from .training import (TrainConfig, build_train_data, generate_replies, is_sampled, load_generator, load_hidden,
-                           select_prompts, teacher_topk, train_heads)
+    from ..model.heads import save_heads
+    from ..training.distill import (TrainConfig, build_train_data, generate_replies, is_sampled, load_generator,
+                                    load_hidden, select_prompts, teacher_topk, train_heads)
 
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -139,7 +139,7 @@ def cmd_train_heads(args) -> int:
     }
     save_heads(heads, args.out, extra=recipe)
     if held_replies:
-        from .calibrate import head_accuracies, save_accuracies
+        from ..training.calibrate import head_accuracies, save_accuracies
 
         acc = head_accuracies(heads, [h.float() for h in load_hidden(cache / "train", held_replies)],
                               [r.tokens for r in held_replies])
@@ -155,10 +155,10 @@ def cmd_calibrate(args) -> int:
     """Measure a_k^(i) on held-out prompts, save accuracies.json beside the heads, print trees."""
     from medusa_runtime.tree import expected_accept_length, greedy_tree
 
-    from .calibrate import calibrate, save_accuracies, simulate_acceptance
-    from .heads import load_heads
-    from .registry import get_entry, models_dir
-    from .training import load_generator
+    from ..loading.registry import get_entry, models_dir
+    from ..model.heads import load_heads
+    from ..training.calibrate import calibrate, save_accuracies, simulate_acceptance
+    from ..training.distill import load_generator
 
     gen = load_generator(args.model, model_path=args.model_path)
     heads_dir = args.heads
@@ -185,7 +185,7 @@ def cmd_calibrate(args) -> int:
 
 def add_heads_commands(sub) -> None:
     """Register ``train-heads`` and ``calibrate``."""
-    from .training import TrainConfig
+    from ..training.distill import TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser("train-heads", help="train Medusa heads on a frozen backbone (self-distillation)",

@@ -31,9 +31,9 @@ from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
 
-from .decode import TorchEngine
-from .errors import MedusaError
-from .model import MedusaModel
+from ..errors import MedusaError
+from ..model.decode import TorchEngine
+from ..model.medusa import MedusaModel
 
 
 class ValidationError(MedusaError):

@@ -49,7 +49,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import MedusaError
+from ..errors import MedusaError
 
 #: weight-only precision name -> bits per weight (MatMulNBits).
 WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import HeadsFormatError
+from ..errors import HeadsFormatError
 
 HEADS_FORMAT = "medusa-export-heads"
 HEADS_FILE = "heads.safetensors"

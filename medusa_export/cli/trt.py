@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
+from ..trt.config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
 
 
 def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -29,7 +29,7 @@ def _engine_config(args) -> EngineConfig:
 
 def run_engine(path, args) -> int:
     """The engine step on ``path``; prints its message, returns its exit code."""
-    from .engine_step import run_engine_step
+    from ..trt.engine_step import run_engine_step
 
     outcome = run_engine_step(path, _engine_config(args))
     print(("" if outcome.code == 0 else "medusa-export engine: ") + outcome.message,
@@ -44,7 +44,7 @@ def cmd_engine(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Report backends, precisions and devices."""
-    from ..doctor import run_doctor
+    from .doctor import run_doctor
 
     report = run_doctor()
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())

@@ -6,7 +6,7 @@ Reads only the artifact (manifest, files) and writes::
       medusa_repository.json      what was generated from what (also marks the folder as ours)
       README.md                   how to start the server and call the models
       medusa/config.pbtxt         Python backend, decoupled: the Medusa loop (text or ids in, ids + text out)
-      medusa/1/model.py           medusa_export/triton_model.py
+      medusa/1/model.py           medusa_export/triton/model.py
       medusa/1/medusa_runtime/    the torch-free runtime package, copied (the backend's Python needs
                                   only numpy, onnxruntime, tokenizers, jinja2)
       medusa/1/artifact/          the artifact (hard links where the file system allows, else copies)
@@ -39,14 +39,14 @@ from pathlib import Path
 
 from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
 
-from . import __version__
-from .build import _replace_dir
-from .errors import ArtifactError, MedusaError
+from .. import __version__
+from ..errors import ArtifactError, MedusaError
+from ..export.build import _replace_dir
 
 MARKER = "medusa_repository.json"
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
                  "int32": "TYPE_INT32", "int8": "TYPE_INT8", "bool": "TYPE_BOOL"}
-_TEMPLATE = Path(__file__).with_name("triton_model.py")
+_TEMPLATE = Path(__file__).with_name("model.py")
 
 #: The ``medusa`` model's inputs: (name, Triton type, dims); every one is optional (see medusa_runtime.serving).
 GENERATION_INPUTS = (

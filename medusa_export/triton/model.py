@@ -1,6 +1,6 @@
 """Triton Inference Server Python-backend model: Medusa generation with medusa_runtime.
 
-This file is a template: ``medusa-export triton`` (medusa_export/triton.py) copies it to
+This file is a template: ``medusa-export triton`` (medusa_export/triton/repository.py) copies it to
 ``<repository>/<model>/1/model.py`` next to a copy of the ``medusa_runtime`` package, so
 the Python environment of the backend needs only the runtime's own dependencies (numpy,
 onnxruntime, tokenizers, jinja2), not torch. It is never imported by medusa_export.

@@ -17,7 +17,7 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.loop import GenerationResult, KVCache, StepResult, causal_mask, generate
 from medusa_runtime.tree import Tree
 
-from .model import STEP_TOPK, MedusaModel
+from .medusa import STEP_TOPK, MedusaModel
 
 __all__ = ["GenerationResult", "KVCache", "TorchEngine", "causal_mask", "medusa_generate"]
 

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .heads import HeadsConfig, MedusaHeads
+from ..model.heads import HeadsConfig, MedusaHeads
 
 #: Loss weight decay per head (app. B.2): lambda_k = LOSS_DECAY ** k.
 LOSS_DECAY = 0.8
@@ -292,7 +292,7 @@ def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Se
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from .chat import apply_chat_template
+    from ..chat import apply_chat_template
 
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
@@ -398,15 +398,15 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
             head training all follow it.
 
     Raises:
-        UnknownModelError, WeightsNotFoundError: as :func:`medusa_export.registry.load_model`.
+        UnknownModelError, WeightsNotFoundError: as :func:`medusa_export.loading.registry.load_model`.
     """
     import logging
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from .loading import _eos_ids
-    from .registry import ModelEntry, _resolve_backbone, get_entry, load_registry, models_dir
+    from ..loading.backbone import _eos_ids
+    from ..loading.registry import ModelEntry, _resolve_backbone, get_entry, load_registry, models_dir
 
     if Path(model).exists() and model not in load_registry():
         entry, model_path = ModelEntry(Path(model).name, "local", {"source": "path"}, {"source": "init"}), model

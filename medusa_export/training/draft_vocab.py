@@ -25,8 +25,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import MedusaError
-from .heads import file_beside_heads
+from ..errors import MedusaError
+from ..model.heads import file_beside_heads
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 DRAFT_VOCAB_FORMAT = "medusa-export-draft-vocab"

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .backbone import LlamaBackbone, LlamaConfig
 from .heads import HeadsConfig, MedusaHeads
-from .llama import LlamaBackbone, LlamaConfig
 
 
 #: k of the step's top-k outputs (and the candidate top-k of the heads by default).

@@ -1,6 +1,6 @@
 """The ``ort-fused`` backbone step: the maths of ``model.onnx`` written with ONNX Runtime's fused operators.
 
-``--graph fused`` replaces the traced, standard-op step graph (:mod:`.export`) by one written
+``--graph fused`` replaces the traced, standard-op step graph (:mod:`.portable`) by one written
 directly with ``onnx.helper`` from the backbone's weights. Same model (seeds/001 §2.1.2: tree
 attention, position = past length + depth), same acceptance outputs, built from
 ONNX Runtime contrib operators (CPU kernels checked on onnxruntime 1.32):
@@ -18,7 +18,7 @@ ONNX Runtime contrib operators (CPU kernels checked on onnxruntime 1.32):
 * one gate-up ``MatMul`` ``[d, 2 I]``, ``Split``, ``com.microsoft::QuickGelu`` (alpha 1: SiLU) and
   ``Mul``, then the down projection;
 * the tied or own lm_head as ``Gemm(transB=1)`` over the embedding-shaped ``[V, d]`` table (no
-  transposed copy on disk), then the acceptance reductions of :func:`.model.acceptance_outputs`.
+  transposed copy on disk), then the acceptance reductions of :func:`..model.medusa.acceptance_outputs`.
 
 KV cache: head-major ``[1, H_kv, C, D]`` per layer, the layout GQA reads (no Transpose of the
 past). ``past_key_values.{i}.*`` is the runtime's whole buffer of C slots, of which the first
@@ -37,9 +37,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from .export import TensorSpec, step_token_io
-from .llama import LlamaConfig, rope_cos_sin
-from .model import STEP_TOPK, MedusaModel
+from ..model.backbone import LlamaConfig, rope_cos_sin
+from ..model.medusa import STEP_TOPK, MedusaModel
+from .portable import TensorSpec, step_token_io
 
 OPSET = 18
 MS_DOMAIN = "com.microsoft"
@@ -95,7 +95,7 @@ def backbone_arrays(model: MedusaModel) -> dict[str, np.ndarray]:
 
 def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """GQA's cos/sin caches, float32 [max_positions, D / 2]: the reference's own values
-    (:func:`.llama.rope_cos_sin`, whose two halves are equal)."""
+    (:func:`..model.backbone.rope_cos_sin`, whose two halves are equal)."""
     cos, sin = rope_cos_sin(torch.arange(max_positions)[None], cfg.head_dim, cfg.rope_theta, torch.float32)
     half = cfg.head_dim // 2
     return cos[0, 0, :, :half].numpy().copy(), sin[0, 0, :, :half].numpy().copy()

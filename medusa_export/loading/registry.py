@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .calibrate import load_accuracies
-from .draft_vocab import DraftVocab, load_draft_vocab
-from .errors import UnknownModelError, WeightsNotFoundError
-from .heads import load_heads
-from .loading import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
-from .model import MedusaModel
+from ..errors import UnknownModelError, WeightsNotFoundError
+from ..model.heads import load_heads
+from ..model.medusa import MedusaModel
+from ..training.calibrate import load_accuracies
+from ..training.draft_vocab import DraftVocab, load_draft_vocab
+from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -95,7 +95,7 @@ class LoadedMedusa:
     #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
     head_accuracies: np.ndarray | None = None
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
-    #: projects the heads onto its top N (:mod:`medusa_export.draft_vocab`).
+    #: projects the heads onto its top N (:mod:`medusa_export.training.draft_vocab`).
     draft_vocab: DraftVocab | None = None
 
     @property

@@ -26,14 +26,15 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, load_artifact, sha256_file
 from medusa_runtime.tree import Tree
 
-from .draft_vocab import DRAFT_VOCAB_FILE, HeadsVocabError, subset_ids
-from .errors import ArtifactError, MedusaError
-from .export import HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights, step_io
+from ..errors import ArtifactError, MedusaError
+from ..loading.registry import LoadedMedusa
+from ..model.medusa import STEP_TOPK
+from ..training.draft_vocab import DRAFT_VOCAB_FILE, HeadsVocabError, subset_ids
+from ..trt.readiness import check_artifact
 from .fused import FUSED_OPS, export_fused_step, fused_step_io
-from .model import STEP_TOPK
+from .portable import (HEADS_FILE, MODEL_FILE, OPSET, WEIGHTS_FILE, export_heads, export_step, heads_io, merge_weights,
+                       step_io)
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig, quantize_graph, uses_contrib_ops
-from .registry import LoadedMedusa
-from .trt_readiness import check_artifact
 
 #: Backbone precisions: fp32 / fp16 are portable (standard ONNX ops, the TensorRT path);
 #: int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
@@ -48,7 +49,7 @@ FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
             "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT",
             "ort-fused": "step graph written with ONNX Runtime's fused contrib ops (com.microsoft), head-major KV cache "
                          "written in place; ONNX Runtime CPU only, not TensorRT"}
-#: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.export`), "fused" ONNX Runtime's
+#: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.portable`), "fused" ONNX Runtime's
 #: fused operators (:mod:`.fused`, flavour ``ort-fused``).
 GRAPHS = ("portable", "fused")
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
@@ -82,7 +83,7 @@ class BuildConfig:
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
         heads_vocab: 0 (the heads project onto the full vocabulary) or N: they project onto the
-            top N ids of the model's draft vocabulary (:mod:`.draft_vocab`; topk <= N <= V). The
+            top N ids of the model's draft vocabulary (:mod:`..training.draft_vocab`; topk <= N <= V). The
             heads graph then reads an [N, d] matrix instead of [V, d]; the output never changes
             (the backbone verifies), a correct guess outside the subset is lost.
         graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT
@@ -278,7 +279,7 @@ def _manifest(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, 
     import onnx
     import onnxruntime
 
-    from . import __version__
+    from .. import __version__
 
     flavour, contrib = _flavour(folder, [files["model"], files["heads"]], cfg.graph)
     return {
@@ -362,8 +363,8 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     """
     from medusa_runtime.errors import InvalidTreeError
 
-    from .chat import apply_chat_template
-    from .validate import ValidationError, default_prompts, validate
+    from ..chat import apply_chat_template
+    from ..validation.validate import ValidationError, default_prompts, validate
 
     out = Path(out).absolute()
     if tree.max_depth > lm.model.num_heads:

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import MedusaError
+from ..errors import MedusaError
 
 #: Where :func:`stub_site` keeps numpy < 2 for the stub (overridden by $MEDUSA_TRITON_STUB_SITE).
 STUB_SITE_ENV = "MEDUSA_TRITON_STUB_SITE"

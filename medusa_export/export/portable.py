@@ -28,9 +28,9 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from .heads import project_stacked
-from .llama import LlamaConfig
-from .model import STEP_TOPK, MedusaModel
+from ..model.backbone import LlamaConfig
+from ..model.heads import project_stacked
+from ..model.medusa import STEP_TOPK, MedusaModel
 
 OPSET = 18  # the lowest opset torch's dynamo exporter writes
 WEIGHTS_FILE = "weights.bin"
@@ -183,7 +183,7 @@ def export_heads(model: MedusaModel, path: Path, dtype: torch.dtype, topk: int,
         dtype: the example input's float dtype (the graph's float dtype).
         topk: candidates per head.
         vocab_ids: None for the full vocabulary, or int64 [N]: the token subset the heads
-            project onto (:func:`medusa_export.draft_vocab.subset_ids`).
+            project onto (:func:`medusa_export.training.draft_vocab.subset_ids`).
     """
     from torch.export import Dim
 

@@ -1,0 +1,5 @@
+"""Validation: an artifact against the PyTorch reference, its JUnit report, manifest updates.
+
+Modules: ``validate`` (ONNX Runtime vs PyTorch, token by token), ``junit`` (the CI report),
+``manifest_update`` (later stages record their results in an artifact's manifest).
+"""
