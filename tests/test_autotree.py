@@ -93,7 +93,8 @@ def test_time_tree_steps_feeds_each_tree_after_the_past():
 
 @pytest.fixture(scope="module")
 def auto_artifact(tmp_path_factory):
-    from medusa_export.export.build import BuildConfig, build_artifact
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
 
     _, model = make_tiny_medusa(medusa_heads=2)
     acc = np.zeros((2, 10))

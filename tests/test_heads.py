@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from medusa_export.errors import HeadsFormatError
-from medusa_export.model.heads import HeadsConfig, MedusaHeads, load_heads, read_head_tensors, save_heads
+from medusa_export.loading.heads_formats import load_heads, read_head_tensors
+from medusa_export.model.heads import HeadsConfig, MedusaHeads, save_heads
 
 HIDDEN, VOCAB = 16, 37
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
-from medusa_export.export.build import BuildConfig, build_artifact
+from medusa_export.export.build import build_artifact
+from medusa_export.export.config import BuildConfig
 from medusa_export.export.portable import export_heads
 from medusa_export.training.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, coverage,
                                                 draft_vocab_json, frequency_order, load_draft_vocab, subset_ids,

@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from conftest import make_tiny_medusa, tiny_loaded
-from medusa_export.export.build import BuildConfig, UnknownPrecisionError, build_artifact
+from medusa_export.export.build import build_artifact
+from medusa_export.export.config import BuildConfig, UnknownPrecisionError
 from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, fold_weight_transposes
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import PromptReport, ValidationError, ValidationReport, tolerance
@@ -171,7 +172,7 @@ def test_fold_weight_transposes_keeps_values():
 
 
 def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():
-    from medusa_export.export.build import BuildConfig
+    from medusa_export.export.config import BuildConfig
 
     assert BuildConfig(precision="int4").weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
     assert BuildConfig(precision="int8").weight_only("int8").accuracy_level == 4  # the only fast int8 kernel

@@ -54,7 +54,8 @@ def make_counter_medusa(scale: float = 6.0):
 
 @pytest.fixture(scope="module")
 def counter_artifact(tmp_path_factory):
-    from medusa_export.export.build import BuildConfig, build_artifact
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
     from medusa_runtime.tree import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=CONTEXT)

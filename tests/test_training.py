@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_export.model.heads import load_heads, save_heads
+from medusa_export.loading.heads_formats import load_heads
+from medusa_export.model.heads import save_heads
 from medusa_export.training.calibrate import (accuracy_counts, calibrate, heads_topk, load_accuracies,
                                               pooled_accuracies, save_accuracies, simulate_steps)
 from medusa_export.training.distill import (Generator, Prompt, TrainConfig, build_train_data, future_index,

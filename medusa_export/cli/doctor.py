@@ -7,6 +7,7 @@ package, Polygraphy, cuda-python (CUDA devices), ``trtexec`` and ``nvidia-smi`` 
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -109,3 +110,19 @@ def run_doctor() -> DoctorReport:
     r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
     return r
+
+
+def cmd_doctor(args) -> int:
+    """Report backends, precisions and devices."""
+    report = run_doctor()
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
+    return 0
+
+
+def add_doctor_command(sub) -> None:
+    """Add ``doctor`` to the CLI's sub-commands."""
+    p = sub.add_parser("doctor", help="report available backends, precisions and devices",
+                       description="Which backends (onnxruntime and its providers, TensorRT, Polygraphy), precisions "
+                                   "and devices (CUDA via cuda-python or onnxruntime, nvidia-smi) this machine has.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)

@@ -155,8 +155,8 @@ def cmd_calibrate(args) -> int:
     """Measure a_k^(i) on held-out prompts, save accuracies.json beside the heads, print trees."""
     from medusa_runtime.tree import expected_accept_length, greedy_tree
 
+    from ..loading.heads_formats import load_heads
     from ..loading.registry import get_entry, models_dir
-    from ..model.heads import load_heads
     from ..training.calibrate import calibrate, save_accuracies, simulate_acceptance
     from ..training.distill import load_generator
 

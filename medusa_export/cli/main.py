@@ -14,8 +14,9 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
 from medusa_runtime.errors import MedusaError
 
-from ..export.build import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
+from ..export.config import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
 from ..loading.registry import DEFAULT_MODEL, load_registry
+from .doctor import add_doctor_command
 from .heads import add_heads_commands
 from .trt import add_build_engine_args, add_trt_commands, after_build, readiness_line
 
@@ -273,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_triton_parser(sub)
     add_trt_commands(sub)
+    add_doctor_command(sub)
     add_heads_commands(sub)
 
     p = sub.add_parser("models", help="list the registered models")

@@ -1,9 +1,8 @@
-"""Command-line parts of the TensorRT stage: ``engine``, ``doctor`` and ``build --engine trt``."""
+"""Command-line parts of the TensorRT stage: ``engine`` and ``build --engine trt``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..trt.config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
@@ -42,15 +41,6 @@ def cmd_engine(args) -> int:
     return run_engine(args.artifact, args)
 
 
-def cmd_doctor(args) -> int:
-    """Report backends, precisions and devices."""
-    from .doctor import run_doctor
-
-    report = run_doctor()
-    print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
-    return 0
-
-
 def add_build_engine_args(p: argparse.ArgumentParser) -> None:
     """``build --engine trt`` (+ the engine options, ``--engine-precision``)."""
     p.add_argument("--engine", choices=("none", "trt"), default="none",
@@ -85,7 +75,7 @@ def readiness_line(manifest: dict) -> str | None:
 
 
 def add_trt_commands(sub) -> None:
-    """Add ``engine`` and ``doctor`` to the CLI's sub-commands."""
+    """Add ``engine`` to the CLI's sub-commands."""
     p = sub.add_parser(
         "engine", help="build TensorRT engines from an artifact (writes trtexec commands where TensorRT is absent)",
         description="Check the artifact's ONNX for TensorRT (ops, opset, shapes, weight paths), write the equivalent "
@@ -97,9 +87,3 @@ def add_trt_commands(sub) -> None:
     p.add_argument("artifact", help="artifact directory")
     _add_engine_options(p)
     p.set_defaults(func=cmd_engine)
-
-    p = sub.add_parser("doctor", help="report available backends, precisions and devices",
-                       description="Which backends (onnxruntime and its providers, TensorRT, Polygraphy), precisions "
-                                   "and devices (CUDA via cuda-python or onnxruntime, nvidia-smi) this machine has.")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_doctor)

@@ -1,6 +1,7 @@
-"""Export: the ONNX graphs, their weight-only quantization, and the artifact ``build``.
+"""Export: the ONNX graphs, their weight-only quantization, the manifest and the artifact ``build``.
 
 Modules: ``portable`` (traced standard-op step and heads graphs), ``fused`` (ONNX Runtime's
-fused-operator step graph), ``quantize`` (MatMulNBits weight-only precisions), ``build``
-(model + tree -> a validated artifact directory, manifest included).
+fused-operator step graph), ``quantize`` (MatMulNBits weight-only precisions), ``config``
+(``build``'s options and choices), ``manifest`` (the artifact's ``manifest.json``), ``build``
+(model + tree -> a validated artifact directory).
 """

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from ..errors import UnknownModelError, WeightsNotFoundError
-from ..model.heads import load_heads
 from ..model.medusa import MedusaModel
 from ..training.calibrate import load_accuracies
 from ..training.draft_vocab import DraftVocab, load_draft_vocab
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
+from .heads_formats import load_heads
 
 DEFAULT_MODEL = "smollm2-135m"
 

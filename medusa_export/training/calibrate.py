@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from medusa_runtime.tree import Tree
 
-from ..model.heads import MedusaHeads, file_beside_heads
+from ..loading.heads_formats import file_beside_heads
+from ..model.heads import MedusaHeads
 
 ACCURACIES_FILE = "accuracies.json"
 ACCURACIES_FORMAT = "medusa-export-accuracies"

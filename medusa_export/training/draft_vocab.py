@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..errors import MedusaError
-from ..model.heads import file_beside_heads
+from ..loading.heads_formats import file_beside_heads
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 DRAFT_VOCAB_FORMAT = "medusa-export-draft-vocab"

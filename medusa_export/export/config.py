@@ -1,0 +1,126 @@
+"""Options of ``medusa-export build``: precisions, step graphs and :class:`BuildConfig`.
+
+The CLI reads its choices and defaults from here; :mod:`.build` and :mod:`.manifest` read a
+:class:`BuildConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import MedusaError
+from ..training.draft_vocab import HeadsVocabError
+from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig
+
+#: Backbone precisions: fp32 / fp16 are portable (standard ONNX ops, the TensorRT path);
+#: int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
+PRECISIONS = ("fp32", "fp16", *WEIGHT_ONLY_BITS)
+#: Heads-graph precisions: "auto" (portable backbones: same; weight-only ones:
+#: :data:`QUANTIZED_HEADS_DEFAULT`), "same" as the backbone, or a weight-only precision.
+HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
+#: The heads of a weight-only artifact under "auto": on SmolLM2-135M int8 heads cost 1.6 ms per step
+#: against fp32's 4.3 ms on an idle machine, with 0.96 top-1 agreement (int4 0.65; see quantize.py).
+QUANTIZED_HEADS_DEFAULT = "int8"
+#: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.portable`), "fused" ONNX Runtime's
+#: fused operators (:mod:`.fused`, flavour ``ort-fused``).
+GRAPHS = ("portable", "fused")
+#: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
+FUSED_PRECISIONS = ("fp32", *WEIGHT_ONLY_BITS)
+
+
+#: MatMulNBits accuracy level of a weight-only backbone by precision (see BuildConfig.accuracy_level).
+BACKBONE_ACCURACY = {"int4": 1, "int8": 4}
+
+
+class UnknownPrecisionError(MedusaError, ValueError):
+    """A precision name is not one of the choices; the message lists them."""
+
+
+class UnsupportedGraphError(MedusaError, ValueError):
+    """A ``--graph`` name, or its combination with ``--precision``, is not supported; the message lists the choices."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Options of ``build``; the CLI reads its defaults from here.
+
+    Attributes:
+        precision: backbone precision, one of :data:`PRECISIONS`.
+        heads_precision: heads-graph precision, one of :data:`HEADS_PRECISIONS`; the heads only
+            propose candidates the backbone verifies, so their precision never changes the output.
+        max_context: KV capacity (None: the model's registered context).
+        new_tokens: greedy tokens compared per validation prompt.
+        validate: run the validation stage.
+        block_size: MatMulNBits block size of the weight-only precisions.
+        quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
+            Gather always reads the float table).
+        heads_vocab: 0 (the heads project onto the full vocabulary) or N: they project onto the
+            top N ids of the model's draft vocabulary (:mod:`medusa_export.training.draft_vocab`; topk <= N <= V). The
+            heads graph then reads an [N, d] matrix instead of [V, d]; the output never changes
+            (the backbone verifies), a correct guess outside the subset is lost.
+        graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT
+            too) or "fused" (ONNX Runtime fused operators, flavour ``ort-fused``; precisions
+            :data:`FUSED_PRECISIONS`).
+        accuracy_level: MatMulNBits compute type of the weight-only *backbone*: 4 (int8
+            activations, VNNI; fastest), 1 (fp32 activations) or None (:data:`BACKBONE_ACCURACY`:
+            1 for int4, 4 for int8). Level 4 quantizes activations, so fp32 rounding differences
+            of 1e-6 between a tree step and one-token steps (different attention lengths) flip
+            quantization steps that then grow through the layers: measured on SmolLM2-135M, a
+            tree step's rows differ from one-token steps by up to 0.7 in the hidden state (level
+            1: 1e-5), and Medusa diverged from plain greedy of the same graph after ~30 tokens.
+            Level 1 keeps int4 lossless; ONNX Runtime has no fast fp32-compute kernel for 8-bit
+            weights (468 ms a step), so int8 keeps level 4 and is not lossless. The heads graph
+            always uses level 4 (its candidates are verified, so its rounding never changes the output).
+    """
+
+    precision: str = "fp32"
+    heads_precision: str = "auto"
+    max_context: int | None = None
+    new_tokens: int = 64
+    validate: bool = True
+    block_size: int = 32
+    quantize_lm_head: bool = True
+    accuracy_level: int | None = None
+    graph: str = "portable"
+    heads_vocab: int = 0
+
+    def __post_init__(self) -> None:
+        for what, value, choices in (("precision", self.precision, PRECISIONS),
+                                     ("heads precision", self.heads_precision, HEADS_PRECISIONS)):
+            if value not in choices:
+                raise UnknownPrecisionError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
+        if self.graph not in GRAPHS:
+            raise UnsupportedGraphError(f"unknown graph {self.graph!r}; choose one of {', '.join(GRAPHS)}")
+        if self.graph == "fused" and self.precision not in FUSED_PRECISIONS:
+            raise UnsupportedGraphError(f"--graph fused does not take --precision {self.precision} (its CPU kernels "
+                                        f"compute in fp32); choose --precision {', '.join(FUSED_PRECISIONS)}, or "
+                                        f"--graph portable for {self.precision}")
+        if self.precision == "fp16" and self.resolved_heads_precision != "fp16":
+            raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
+                                        "backbone (the fp16 graph's hidden states are float16); use same or auto")
+        if self.heads_vocab < 0:
+            raise HeadsVocabError(f"--heads-vocab must be 0 (the full vocabulary) or a subset size N > 0, "
+                                  f"got {self.heads_vocab}")
+        if self.max_context is not None and self.max_context < 2:
+            raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
+
+    @property
+    def resolved_heads_precision(self) -> str:
+        """The heads graph's precision name ("fp32", "fp16", "int8" or "int4")."""
+        if self.heads_precision == "same" or (self.heads_precision == "auto" and self.precision not in WEIGHT_ONLY_BITS):
+            return self.precision
+        return QUANTIZED_HEADS_DEFAULT if self.heads_precision == "auto" else self.heads_precision
+
+    def weight_only(self, precision: str, heads: bool = False) -> WeightOnlyConfig | None:
+        """The MatMulNBits settings of ``precision`` (None for fp32 / fp16).
+
+        Args:
+            precision: a precision name.
+            heads: settings for the heads graph, whose vocabulary projection is always
+                quantized (it is their whole cost, and they only propose candidates).
+        """
+        if precision not in WEIGHT_ONLY_BITS:
+            return None
+        level = 4 if heads else (self.accuracy_level or BACKBONE_ACCURACY[precision])
+        return WeightOnlyConfig.for_precision(precision, block_size=self.block_size, accuracy_level=level,
+                                              vocab_projection=heads or self.quantize_lm_head)

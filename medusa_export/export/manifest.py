@@ -1,0 +1,178 @@
+"""The artifact's ``manifest.json``, as ``build`` writes it: model, precision, graphs, KV layout, files.
+
+Functions of the loaded model, the build options and the files already written into the
+artifact folder (their checksums); :func:`manifest_json` returns the whole document.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_runtime.acceptance import TypicalConfig
+from medusa_runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, sha256_file
+from medusa_runtime.tree import Tree
+
+from ..loading.registry import LoadedMedusa
+from ..model.medusa import STEP_TOPK
+from ..training.draft_vocab import DRAFT_VOCAB_FILE
+from .config import BuildConfig
+from .fused import FUSED_OPS, fused_step_io
+from .portable import OPSET, heads_io, step_io
+from .quantize import uses_contrib_ops
+
+#: The artifact's ``flavour``: which runtimes can run its graphs.
+FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
+            "ort-contrib": "uses ONNX Runtime contrib ops (com.microsoft); ONNX Runtime only, not TensorRT",
+            "ort-fused": "step graph written with ONNX Runtime's fused contrib ops (com.microsoft), head-major KV cache "
+                         "written in place; ONNX Runtime CPU only, not TensorRT"}
+
+
+def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
+    def weights(precision: str, heads: bool) -> str:
+        wo = cfg.weight_only(precision, heads)
+        return {"fp32": "float32", "fp16": "float16"}[precision] if wo is None else wo.describe()
+
+    heads = cfg.resolved_heads_precision
+    return {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,
+            "heads_weights": weights(heads, True), "quantized_matmuls": quantized,
+            "kv_dtype": dtype, "norm_and_softmax": "float32"}
+
+
+def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]]:
+    ops = sorted({op for f in files for op in uses_contrib_ops(folder / f)})
+    if graph == "fused":  # SimplifiedLayerNormalization is ONNX Runtime's own op in the default domain
+        return "ort-fused", sorted(set(ops) | set(FUSED_OPS))
+    return ("ort-contrib" if ops else "portable"), ops
+
+
+def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context: int, tree_size: int,
+                     file: str) -> tuple[dict, dict]:
+    """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
+    s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
+    if cfg.graph == "fused":
+        s_in, s_out = fused_step_io(lm.model.config, STEP_TOPK)
+        layout = {
+            "layout": "head-major",
+            "shape": "[1, H_kv, C, D] per layer (C = the runtime's cache capacity), separate key and value buffers",
+            "inputs": "past_key_values.{i}.key / .value: the whole buffers; past_sequence_length = P valid slots",
+            "outputs": "present.{i}.key / .value: bind each to its past_key_values buffer (I/O binding); the step "
+                       "writes node j's K/V into slot P + j in place",
+            "compaction": "after acceptance move node accepted[i] to slot P + i along axis 2 where they differ",
+        }
+        dims = {"S": s_dim, "C": f"KV buffer capacity in slots, S + P <= C <= max_context ({max_context}: the "
+                                 "rotary tables end there)"}
+        graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+                 "dims": dims}
+        return layout, graph
+    s_in, s_out = step_io(lm.model, dtype, STEP_TOPK)
+    layout = {
+        "layout": "sequence-major",
+        "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
+        "inputs": "past_key_values.{i}.key / .value: the P valid past tokens",
+        "outputs": "new_key_values.{i}.key / .value: K/V of this step's S tokens only",
+        "compaction": "after acceptance copy new_key_values[:, accepted] into cache slots [P, P + len(accepted))",
+    }
+    graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+             "dims": {"S": s_dim, "P": "valid past length, 0 .. max_context - S"},
+             "profiles": {"prefill": {"S": [1, max_context], "P": [0, max_context - 1]},
+                          "tree_step": {"S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
+                          "decode": {"S": [1, 1], "P": [0, max_context - 1]}}}
+    return layout, graph
+
+
+def _heads_vocab_json(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> dict:
+    """The manifest's ``heads_vocab``: how many tokens the heads graph projects onto, and where they came from."""
+    v = lm.model.config.vocab_size
+    if vocab_ids is None:
+        return {"size": v, "vocab_size": v, "subset": False, "source": "the full vocabulary"}
+    draft = lm.draft_vocab
+    seen = len(draft.ids)
+    return {"size": int(len(vocab_ids)), "vocab_size": v, "subset": True,
+            "source": f"--heads-vocab {len(vocab_ids)}: the top {len(vocab_ids)} ids of the draft vocabulary "
+                      f"({DRAFT_VOCAB_FILE} beside the heads {lm.heads_source}; {seen} ids by frequency in: "
+                      f"{draft.source})" + (f"; the {len(vocab_ids) - seen} ids it never saw follow in id order"
+                                            if len(vocab_ids) > seen else ""),
+            "draft_vocab_ids": seen}
+
+
+def manifest_json(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
+                  files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
+                  vocab_ids: np.ndarray | None = None) -> dict:
+    """The manifest of the artifact being written in ``folder``.
+
+    Args:
+        lm: the loaded model the graphs were exported from.
+        tree: the artifact's tree.
+        cfg: the build options (precisions, graph).
+        max_context: KV capacity in tokens the graphs were built for.
+        folder: the artifact folder; every file in it is checksummed (sha256, bytes), so the
+            manifest is written last.
+        files: the artifact's file names by role (``model``, ``heads``, ``weights``, ``tree``,
+            ``tokenizer``, ``chat_template``).
+        weights_info: what :func:`~medusa_export.export.portable.merge_weights` returned.
+        dtype: the graphs' float dtype name (``float32`` / ``float16``).
+        quantized: MatMulNBits counts by graph file (empty for fp32 / fp16).
+        vocab_ids: int64 [N], the heads' token subset (None: the full vocabulary).
+
+    Returns:
+        The JSON document (a dict), without ``trt_readiness``, ``validation`` or ``tree.selection``,
+        which later build stages add.
+    """
+    c = lm.model.config
+    h = lm.model.heads.config
+    layout, step_graph = _step_graph_json(lm, cfg, dtype, max_context, tree.size, files["model"])
+    h_in, h_out = heads_io(lm.model, dtype, tree.topk)
+    checksums = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = f.relative_to(folder).as_posix()
+        checksums[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    import onnx
+    import onnxruntime
+
+    from .. import __version__
+
+    flavour, contrib = _flavour(folder, [files["model"], files["heads"]], cfg.graph)
+    return {
+        "format": ARTIFACT_FORMAT,
+        "format_version": ARTIFACT_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "exporter": {"medusa_export": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+                     "onnxruntime": onnxruntime.__version__, "opset": OPSET},
+        "model": {
+            "name": lm.name, "backbone_source": lm.backbone_source, "heads_source": lm.heads_source,
+            "architecture": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "num_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rope_theta": c.rope_theta,
+            "medusa_heads": h.num_heads, "medusa_layers": h.num_layers,
+            "medusa_own_projection": h.own_projection, "max_context": max_context,
+        },
+        "precision": _precision_json(cfg, dtype, quantized),
+        "heads_vocab": _heads_vocab_json(lm, vocab_ids),
+        "flavour": flavour,
+        "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
+        "step_topk": min(STEP_TOPK, c.vocab_size),
+        "kv_layout": layout,
+        "graphs": {
+            "model": step_graph,
+            "heads": {"file": files["heads"], "inputs": [t.to_json() for t in h_in], "outputs": [t.to_json() for t in h_out],
+                      "dims": {"R": "hidden states to evaluate (1 in the decode loop)"}},
+        },
+        "weights": {"file": files["weights"], **weights_info},
+        "tree": {"file": files["tree"], "size": tree.size, "depth": tree.max_depth, "topk": tree.topk},
+        "tokenizer": {"dir": "tokenizer", "eos_token_ids": lm.eos_token_ids, "chat_template": files["chat_template"]},
+        "typical_defaults": {"temperature": TypicalConfig.temperature, "posterior_threshold": TypicalConfig.posterior_threshold,
+                             "posterior_alpha": TypicalConfig.posterior_alpha},
+        "files": files,
+        "checksums": checksums,
+    }
+
+
+def selection_json(table: list, chosen: int) -> dict:
+    """The manifest's ``tree.selection`` for ``--tree auto``: the timed candidates and the chosen size."""
+    return {"method": "--tree auto: greedy trees (seeds/001 §2.3.3) timed on ONNX Runtime CPU on the build machine; "
+                      "kept the most expected tokens per second",
+            "chosen": chosen, "candidates": [r.to_json() for r in table]}
