@@ -435,12 +435,12 @@ def _versions() -> dict:
 
 def hf_encoder(ctx: Context) -> tuple[Callable[[str], list[int]], list[int]]:
     """Without an artifact: the HF tokenizer's chat template and the loader's EOS ids."""
-    from medusa_export.loading.backbone import _eos_ids  # the loader's EOS rule (GGUF tokenizers report a wrong one)
+    from medusa_export.loading.backbone import eos_ids  # the loader's EOS rule (GGUF tokenizers report a wrong one)
 
     tok = _require("transformers", "transformers").AutoTokenizer.from_pretrained(str(ctx.hf_dir()))
     encode = lambda text: tok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                   add_generation_prompt=True)
-    return encode, _eos_ids(ctx.hf_model(), tok)
+    return encode, eos_ids(ctx.hf_model(), tok)
 
 
 def run(args) -> dict:

@@ -15,9 +15,9 @@ from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
 from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig
 from medusa_export.export.portable import export_heads
-from medusa_export.training.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, coverage,
-                                                draft_vocab_json, frequency_order, load_draft_vocab, subset_ids,
-                                                write_draft_vocab)
+from medusa_export.loading.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, load_draft_vocab,
+                                               subset_ids)
+from medusa_export.training.draft_vocab import coverage, draft_vocab_json, frequency_order, write_draft_vocab
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.loop import generate
 from medusa_runtime.ort_engine import OrtEngine

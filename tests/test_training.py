@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_export.loading.accuracies import load_accuracies
 from medusa_export.loading.heads_formats import load_heads
 from medusa_export.model.heads import save_heads
-from medusa_export.training.calibrate import (accuracy_counts, calibrate, heads_topk, load_accuracies,
-                                              pooled_accuracies, save_accuracies, simulate_steps)
+from medusa_export.training.calibrate import (accuracy_counts, calibrate, heads_topk, pooled_accuracies,
+                                              save_accuracies, simulate_steps)
 from medusa_export.training.distill import (Generator, Prompt, TrainConfig, build_train_data, future_index,
                                             generate_batch, generate_replies, load_hidden, load_prompts, medusa_loss,
                                             read_replies, select_prompts, train_heads)
@@ -133,15 +134,15 @@ def test_sampled_replies_are_extra_variants_seeded_and_resumable(tiny_gen, tmp_p
 
 
 def test_train_heads_refuses_a_device_it_cannot_see():
-    from medusa_export.cli.heads import _device
+    from medusa_export.cli.heads import check_device
     from medusa_export.errors import MedusaError
 
-    assert _device("cpu") == "cpu"
+    assert check_device("cpu") == "cpu"
     if not torch.cuda.is_available():
         with pytest.raises(MedusaError, match="sees 0 CUDA device"):
-            _device("cuda")
+            check_device("cuda")
     with pytest.raises(MedusaError, match="cpu, cuda or cuda:N"):
-        _device("gpu")
+        check_device("gpu")
 
 
 def _tiny_data(gen, tmp_path, soft_topk=0):

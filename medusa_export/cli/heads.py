@@ -43,8 +43,16 @@ def _part(text: str) -> tuple[int, int]:
     return int(i), int(n)
 
 
-def _device(name: str) -> str:
-    """Check a ``--device`` value: ``cpu``, or ``cuda``/``cuda:N`` where PyTorch sees that GPU."""
+def check_device(name: str) -> str:
+    """Check a ``--device`` value: ``cpu``, or ``cuda``/``cuda:N`` where PyTorch sees that GPU.
+
+    Returns:
+        ``name`` unchanged.
+
+    Raises:
+        MedusaError: another name, or a CUDA device PyTorch does not see here (the message
+            lists the usable ones).
+    """
     import torch
 
     if name == "cpu":
@@ -78,7 +86,7 @@ def cmd_train_heads(args) -> int:
     if args.samples < 1 or not args.temperature > 0:
         raise MedusaError(f"--samples must be at least 1 and --temperature above 0, got {args.samples} and "
                           f"{args.temperature}")
-    gen = load_generator(args.model, model_path=args.model_path, device=_device(args.device))
+    gen = load_generator(args.model, model_path=args.model_path, device=check_device(args.device))
     cache = Path(args.cache)
     common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, eos_token_ids=gen.eos_token_ids,
                   pad_token_id=gen.pad_token_id, budget_tokens=args.budget_tokens, sort_window=args.sort_window,

@@ -24,8 +24,9 @@ from medusa_runtime.artifact import MANIFEST, load_artifact
 from medusa_runtime.tree import Tree
 
 from ..errors import ArtifactError, MedusaError
+from ..files import replace_dir
+from ..loading.draft_vocab import subset_ids
 from ..loading.registry import LoadedMedusa
-from ..training.draft_vocab import subset_ids
 from ..trt.readiness import check_artifact
 from .config import BuildConfig
 from .fused import export_fused_step
@@ -67,14 +68,6 @@ def check_output_dir(out: Path) -> None:
         raise ArtifactError(f"cannot create the output folder's parent {parent}: {exc.strerror}") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ArtifactError(f"output folder {out} cannot be written: {parent} is not writable")
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 
@@ -202,7 +195,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
                 (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
                 if not report.passed:
                     raise ValidationError("validation failed:\n  " + "\n  ".join(report.failures()))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

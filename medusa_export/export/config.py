@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import MedusaError
-from ..training.draft_vocab import HeadsVocabError
+from ..loading.draft_vocab import HeadsVocabError
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig
 
 #: Backbone precisions: fp32 / fp16 are portable (standard ONNX ops, the TensorRT path);
@@ -55,7 +55,7 @@ class BuildConfig:
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
         heads_vocab: 0 (the heads project onto the full vocabulary) or N: they project onto the
-            top N ids of the model's draft vocabulary (:mod:`medusa_export.training.draft_vocab`; topk <= N <= V). The
+            top N ids of the model's draft vocabulary (:mod:`medusa_export.loading.draft_vocab`; topk <= N <= V). The
             heads graph then reads an [N, d] matrix instead of [V, d]; the output never changes
             (the backbone verifies), a correct guess outside the subset is lost.
         graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT

@@ -16,9 +16,9 @@ from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, sha256_file
 from medusa_runtime.tree import Tree
 
+from ..loading.draft_vocab import DRAFT_VOCAB_FILE
 from ..loading.registry import LoadedMedusa
 from ..model.medusa import STEP_TOPK
-from ..training.draft_vocab import DRAFT_VOCAB_FILE
 from .config import BuildConfig
 from .fused import FUSED_OPS, fused_step_io
 from .portable import OPSET, heads_io, step_io

@@ -183,7 +183,7 @@ def export_heads(model: MedusaModel, path: Path, dtype: torch.dtype, topk: int,
         dtype: the example input's float dtype (the graph's float dtype).
         topk: candidates per head.
         vocab_ids: None for the full vocabulary, or int64 [N]: the token subset the heads
-            project onto (:func:`medusa_export.training.draft_vocab.subset_ids`).
+            project onto (:func:`medusa_export.loading.draft_vocab.subset_ids`).
     """
     from torch.export import Dim
 

@@ -159,9 +159,19 @@ def backbone_from_state_dict(cfg: LlamaConfig, state: dict[str, torch.Tensor]) -
     return backbone.eval()
 
 
-def _eos_ids(hf_model, tokenizer) -> list[int]:
-    # With transformers 4.57 a GGUF tokenizer reports the wrong EOS (SmolLM2: <|im_start|>);
-    # the generation config is right, so it comes first.
+def eos_ids(hf_model, tokenizer) -> list[int]:
+    """The model's end-of-sequence token ids: its generation config's, else the tokenizer's.
+
+    With transformers 4.57 a GGUF tokenizer reports the wrong EOS (SmolLM2: <|im_start|>);
+    the generation config is right, so it comes first.
+
+    Args:
+        hf_model: a transformers model (its ``generation_config.eos_token_id``, int or list).
+        tokenizer: its tokenizer (``eos_token_id``).
+
+    Returns:
+        The ids (empty when neither names one).
+    """
     eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
@@ -213,7 +223,7 @@ def load_backbone(
     finally:
         hf_logging.set_verbosity(verbosity)
     backbone = backbone_from_hf_model(hf_model)
-    eos = _eos_ids(hf_model, tokenizer)
+    eos = eos_ids(hf_model, tokenizer)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if chat_template:
         tokenizer.chat_template = chat_template

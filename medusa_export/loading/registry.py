@@ -16,9 +16,9 @@ import torch
 
 from ..errors import UnknownModelError, WeightsNotFoundError
 from ..model.medusa import MedusaModel
-from ..training.calibrate import load_accuracies
-from ..training.draft_vocab import DraftVocab, load_draft_vocab
+from .accuracies import load_accuracies
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
+from .draft_vocab import DraftVocab, load_draft_vocab
 from .heads_formats import load_heads
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -95,7 +95,7 @@ class LoadedMedusa:
     #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
     head_accuracies: np.ndarray | None = None
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
-    #: projects the heads onto its top N (:mod:`medusa_export.training.draft_vocab`).
+    #: projects the heads onto its top N (:mod:`medusa_export.loading.draft_vocab`).
     draft_vocab: DraftVocab | None = None
 
     @property
@@ -104,7 +104,21 @@ class LoadedMedusa:
         return self.heads_source.startswith("init")
 
 
-def _resolve_backbone(entry: ModelEntry, model_path: str | None) -> tuple[Path, str | None]:
+def resolve_backbone(entry: ModelEntry, model_path: str | None) -> tuple[Path, str | None]:
+    """Where a registered model's backbone weights are on disk (offline).
+
+    Args:
+        entry: the registry entry (its ``backbone`` source: ``package``, ``hf``).
+        model_path: local weights overriding the entry's source (returned as given).
+
+    Returns:
+        (the backbone path: an HF model folder or a ``.gguf`` file, None).
+
+    Raises:
+        WeightsNotFoundError: the package or the HF cache snapshot is not installed; the message
+            says how to get it.
+        ValueError: the entry names an unknown backbone source.
+    """
     src = entry.backbone
     if model_path:
         return Path(model_path), None
@@ -146,7 +160,7 @@ def load_model(
         model_path = model
     else:
         entry = get_entry(model)
-    path, _ = _resolve_backbone(entry, model_path)
+    path, _ = resolve_backbone(entry, model_path)
     template = None
     if entry.chat_template:
         template = (models_dir() / entry.chat_template).read_text()

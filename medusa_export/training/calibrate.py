@@ -8,7 +8,8 @@ tree by simulation (:func:`simulate_acceptance`), without running the decode loo
 
 ``accuracies.json`` (beside ``heads.safetensors``) holds ``accuracies[k-1][i]`` = a_k^(i),
 the probability that head k's i-th choice (0-based) is the right token; each row sums to
-the head's top-k accuracy (<= 1). :func:`medusa_runtime.tree.greedy_tree` builds trees from it.
+the head's top-k accuracy (<= 1). :func:`medusa_runtime.tree.greedy_tree` builds trees from it;
+:func:`medusa_export.loading.accuracies.load_accuracies` reads it.
 """
 
 from __future__ import annotations
@@ -22,12 +23,8 @@ import numpy as np
 import torch
 from medusa_runtime.tree import Tree
 
-from ..loading.heads_formats import file_beside_heads
+from ..loading.accuracies import ACCURACIES_FILE, ACCURACIES_FORMAT
 from ..model.heads import MedusaHeads
-
-ACCURACIES_FILE = "accuracies.json"
-ACCURACIES_FORMAT = "medusa-export-accuracies"
-
 
 @torch.no_grad()
 def heads_topk(heads: MedusaHeads, hidden: torch.Tensor, topk: int, *, chunk: int = 256) -> torch.Tensor:
@@ -99,20 +96,6 @@ def save_accuracies(acc: np.ndarray, out_dir: str | Path, *, source: str, positi
     path = out / ACCURACIES_FILE
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
-
-
-def load_accuracies(heads_dir: str | Path) -> np.ndarray | None:
-    """The a_k^(i) saved beside a set of heads, or None when there are none.
-
-    ``heads_dir`` may also be a heads file; its folder is searched.
-    """
-    path = file_beside_heads(heads_dir, ACCURACIES_FILE)
-    if path is None:
-        return None
-    data = json.loads(path.read_text())
-    if data.get("format") != ACCURACIES_FORMAT:
-        return None
-    return np.asarray(data["accuracies"], dtype=np.float64)
 
 
 def accepted_length(root_index: int, tokens: Sequence[int], topk_ids: np.ndarray, tree: Tree) -> int:

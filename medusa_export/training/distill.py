@@ -405,14 +405,14 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ..loading.backbone import _eos_ids
-    from ..loading.registry import ModelEntry, _resolve_backbone, get_entry, load_registry, models_dir
+    from ..loading.backbone import eos_ids
+    from ..loading.registry import ModelEntry, get_entry, load_registry, models_dir, resolve_backbone
 
     if Path(model).exists() and model not in load_registry():
         entry, model_path = ModelEntry(Path(model).name, "local", {"source": "path"}, {"source": "init"}), model
     else:
         entry = get_entry(model)
-    path, _ = _resolve_backbone(entry, model_path)
+    path, _ = resolve_backbone(entry, model_path)
     kwargs = {}
     if path.is_file() and path.suffix == ".gguf":
         path, kwargs = path.parent, {"gguf_file": path.name}
@@ -421,7 +421,7 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
     hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype, **kwargs).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
     template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
-    eos = _eos_ids(hf_model, tokenizer)
+    eos = eos_ids(hf_model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     hf_model.requires_grad_(False)
     return Generator(hf_model, tokenizer, template, eos, int(pad), str(path / kwargs.get("gguf_file", "")))

@@ -41,7 +41,7 @@ from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
 
 from .. import __version__
 from ..errors import ArtifactError, MedusaError
-from ..export.build import _replace_dir
+from ..files import replace_dir
 
 MARKER = "medusa_repository.json"
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
@@ -322,7 +322,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
                   "generation_model": cfg.model_name, "backend": backend, "engine_models": engines,
                   "engine_format": ("tensorrt_plan " + plans[0]) if plans else "onnxruntime"}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
