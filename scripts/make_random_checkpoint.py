@@ -64,8 +64,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from medusa_export.errors import MedusaError
 
 STD = 0.02
@@ -74,8 +72,8 @@ CHUNK_ELEMENTS = 16 * 2**20
 HF_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default max_shard_size="5GB" (decimal)
 HEADS_FILE = "medusa_lm_head.safetensors"
 INFO_FILE = "random_checkpoint.json"
-DTYPES = {"fp16": (torch.float16, "F16", "float16"), "bf16": (torch.bfloat16, "BF16", "bfloat16"),
-          "fp32": (torch.float32, "F32", "float32")}
+#: --dtype -> (safetensors dtype, torch / config.json name, bytes per value)
+DTYPES = {"fp16": ("F16", "float16", 2), "bf16": ("BF16", "bfloat16", 2), "fp32": ("F32", "float32", 4)}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAYOUTS = ("fasterdecoding", "medusa-1.0", "none")
 #: ``transformers_version`` written into the json files: fixed, so that the files do not depend on what is
@@ -233,7 +231,7 @@ def _config_json(family: str, spec: dict, dtype: str) -> dict:
     if family == "mistral":
         cfg.update(sliding_window=4096)
     cfg.update(spec)
-    cfg.update(torch_dtype=DTYPES[dtype][2], transformers_version=WRITER_VERSION, use_cache=True)
+    cfg.update(torch_dtype=DTYPES[dtype][1], transformers_version=WRITER_VERSION, use_cache=True)
     return dict(sorted(cfg.items()))
 
 
@@ -319,12 +317,16 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def tensor_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype):
-    """Yield the tensor's values, flat, in chunks of at most ``CHUNK_ELEMENTS`` (in ``dtype``).
+def tensor_chunks(spec: TensorSpec, seed: int, dtype: str):
+    """Yield the tensor's values, flat, in chunks of at most ``CHUNK_ELEMENTS`` (torch tensors of ``dtype``:
+    fp16 | bf16 | fp32).
 
     ``normal``: N(0, STD²); ``norm``: 1 + N(0, STD²); ``bias``: N(0, STD²). Drawn in float32 by a generator
     seeded with :func:`tensor_seed`, then cast: the same values for a given seed and name every time.
     """
+    import torch
+
+    tdtype = getattr(torch, DTYPES[dtype][1])
     gen = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
     left = spec.numel
     while left:
@@ -332,12 +334,14 @@ def tensor_chunks(spec: TensorSpec, seed: int, dtype: torch.dtype):
         chunk = torch.randn(n, generator=gen, dtype=torch.float32).mul_(STD)
         if spec.kind == "norm":
             chunk.add_(1.0)
-        yield chunk.to(dtype)
+        yield chunk.to(tdtype)
         left -= n
 
 
-def tensor_values(spec: TensorSpec, seed: int, dtype: torch.dtype) -> torch.Tensor:
+def tensor_values(spec: TensorSpec, seed: int, dtype: str):
     """The whole tensor (for tests and small tensors): the chunks of :func:`tensor_chunks`, reshaped."""
+    import torch
+
     return torch.cat(list(tensor_chunks(spec, seed, dtype))).reshape(spec.shape)
 
 
@@ -377,14 +381,15 @@ def write_safetensors(path: Path, specs: list[TensorSpec], dtype: str, seed: int
     Returns:
         The file size in bytes.
     """
-    tdtype, name, _ = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=tdtype).element_size()
+    import torch
+
+    name, _, itemsize = DTYPES[dtype]
     view = {2: torch.int16, 4: torch.int32}[itemsize]  # numpy has no bfloat16: write the raw bits
     with open(path, "wb") as f, ThreadPoolExecutor(1) as writer:
         f.write(safetensors_header(specs, name, itemsize))
         pending = None
         for s in specs:
-            for chunk in tensor_chunks(s, seed, tdtype):
+            for chunk in tensor_chunks(s, seed, dtype):
                 if pending is not None:
                     pending.result()
                 # the next chunk is drawn while this one is written (both release the GIL): one chunk in flight.
@@ -639,8 +644,7 @@ def make_checkpoint(shape: str, out: str | Path, *, dtype: str | None = None, fa
     if heads_layout == "medusa-1.0":
         cfg.update(medusa_num_heads=k, medusa_num_layers=head_layers)
         specs = specs + hspecs
-    itemsize = torch.empty((), dtype=DTYPES[dtype][0]).element_size()
-    hitemsize = torch.empty((), dtype=DTYPES[heads_dtype][0]).element_size()
+    itemsize, hitemsize = DTYPES[dtype][2], DTYPES[heads_dtype][2]
     total = sum(s.numel for s in specs) * itemsize
     shards = plan_shards(specs, itemsize, shard_size or default_shard_bytes(total))
     heads_bytes = sum(s.numel for s in hspecs) * hitemsize if heads_layout == "fasterdecoding" else 0

@@ -17,9 +17,6 @@ mrc = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("make_random_checkpoint", mrc)
 _spec.loader.exec_module(mrc)
 
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
 def _read_all(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a model folder, through its index (or model.safetensors alone)."""
     index = folder / "model.safetensors.index.json"
@@ -80,7 +77,7 @@ def test_tiny_loads_in_transformers_with_the_written_values(tiny):
     assert sorted(state) == sorted(s.name for s in specs)
     for s in specs:
         assert state[s.name].dtype == torch.float16 and tuple(state[s.name].shape) == s.shape, s.name
-        assert torch.equal(state[s.name], mrc.tensor_values(s, 7, torch.float16)), s.name
+        assert torch.equal(state[s.name], mrc.tensor_values(s, 7, "fp16")), s.name
     w = state["model.layers.0.self_attn.q_proj.weight"].float()
     assert abs(w.std().item() - mrc.STD) < 0.002 and abs(w.mean().item()) < 0.002
     norm = state["model.norm.weight"].float()
@@ -121,7 +118,7 @@ def test_tiny_heads_load_with_our_loader(tiny):
     heads = load_heads(hdir, lm_head)
     assert (heads.config.num_heads, heads.config.num_layers, heads.config.own_projection) == (4, 1, True)
     spec = mrc.TensorSpec("2.0.linear.weight", (64, 64))
-    assert torch.equal(heads.state_dict()["heads.2.0.linear.weight"].half(), mrc.tensor_values(spec, 7, torch.float16))
+    assert torch.equal(heads.state_dict()["heads.2.0.linear.weight"].half(), mrc.tensor_values(spec, 7, "fp16"))
 
 
 def test_small_shape_loads_and_is_about_100_mb(tmp_path):
@@ -238,7 +235,7 @@ def test_streaming_writer_equals_safetensors_save_file(tmp_path, dtype):
     specs = sorted([mrc.TensorSpec("b.weight", (33, 7)), mrc.TensorSpec("a.bias", (5,), "bias"),
                     mrc.TensorSpec("c.norm", (9,), "norm")], key=lambda s: s.name)  # save_file's order: by name
     mrc.write_safetensors(tmp_path / "ours.safetensors", specs, dtype, 11)
-    save_file({s.name: mrc.tensor_values(s, 11, TORCH_DTYPES[dtype]) for s in specs},
+    save_file({s.name: mrc.tensor_values(s, 11, dtype) for s in specs},
               str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
