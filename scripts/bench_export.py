@@ -532,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     ckpts = resolve_checkpoints(args.pairs, scratch, make_args=shlex.split(args.make_args), interval=args.interval,
                                 use_time=args.use_time, regenerate=args.regenerate)
-    runs = [run_one(c, p, args, build_args, logs) for c in ckpts for p in args.precision]
     mem = psutil.virtual_memory()
+    runs: list[dict] = []
     report = {
         "date": datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "command": shlex.join(["python", "scripts/bench_export.py", *given]),
@@ -546,8 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(report))
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    for c in ckpts:
+        for precision in args.precision:
+            runs.append(run_one(c, precision, args, build_args, logs))
+            # rewritten after every run: a long benchmark interrupted midway keeps what it measured
+            out.write_text(markdown(report))
+            out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {out} and {out.with_suffix('.json')}", file=sys.stderr)
     return 0 if all(r["returncode"] == 0 for r in runs) else 1
 
