@@ -38,8 +38,9 @@ written by the streaming writer below (the format: an 8-byte little-endian heade
 padded with spaces to 8 bytes, then the raw little-endian data in header order; the header is known before
 any value is drawn, since shapes come from the config). Each tensor is drawn and written in chunks of at
 most ``CHUNK_ELEMENTS`` values into buffers allocated once (:class:`ChunkBuffers`, 64 MiB), so the peak
-resident memory is the interpreter + torch + those buffers (~0.3 GB) whatever the shape. Everything is written into ``.NAME.partial-PID`` folders beside the outputs and renamed
-into place at the end: an interrupted run leaves no half-written checkpoint.
+resident memory is the interpreter + torch + those buffers (~0.3 GB) whatever the shape. Everything is
+written into ``.NAME.partial-PID`` folders beside the outputs and renamed into place at the end: an
+interrupted run leaves no half-written checkpoint.
 
 Real shapes (transformers' config fields of the public checkpoints; their dtype is the default ``--dtype``):
 vicuna-7b (lmsys/vicuna-7b-v1.3 = Llama 7B, 5 heads as FasterDecoding/medusa-vicuna-7b-v1.3, whose own file is
@@ -629,7 +630,8 @@ def _check_out(path: Path, force: bool) -> None:
 def make_checkpoint(shape: str, out: str | Path, *, dtype: str | None = None, family: str | None = None,
                     heads: int | None = None, head_layers: int = 1, head_projection: str = "own",
                     heads_layout: str = "fasterdecoding", heads_out: str | Path | None = None,
-                    heads_dtype: str | None = None, seed: int = 0, shard_size: int | None = None,
+                    heads_dtype: str | None = None, heads_config_count: int | None = None, seed: int = 0,
+                    shard_size: int | None = None,
                     overrides: dict | None = None, force: bool = False, progress: bool = True) -> dict:
     """Write a random-weight checkpoint (and its heads) of ``shape``; see the module docstring for the files.
 
@@ -644,6 +646,9 @@ def make_checkpoint(shape: str, out: str | Path, *, dtype: str | None = None, fa
         heads_layout: ``fasterdecoding`` (a heads folder), ``medusa-1.0`` (inside the shards) or ``none``.
         heads_out: the heads folder (default: ``OUT-heads`` beside ``out``).
         heads_dtype: dtype of the heads file (default: ``dtype``).
+        heads_config_count: the ``medusa_num_heads`` written in the heads' config.json (default: the real
+            count ``heads``). FasterDecoding's medusa-vicuna-7b-v1.3 says 2 for its 5 heads (Medusa
+            ``medusa_model.py``: "TODO: fix the uploaded config (only include 2 heads)"): 2 reproduces it.
         seed: the seed of every tensor's generator.
         shard_size: max bytes per shard (default :func:`default_shard_bytes`).
         overrides: config.json fields set after the shape's (the tensors follow them).
@@ -735,7 +740,8 @@ def make_checkpoint(shape: str, out: str | Path, *, dtype: str | None = None, fa
         _write_json(tmp / "tokenizer_config.json", tcfg)
         _write_json(tmp / "special_tokens_map.json", smap)
         if heads_layout == "fasterdecoding":
-            _write_json(htmp / "config.json", {"base_model_name_or_path": str(out), "medusa_num_heads": k,
+            said = k if heads_config_count is None else heads_config_count
+            _write_json(htmp / "config.json", {"base_model_name_or_path": str(out), "medusa_num_heads": said,
                                                "medusa_num_layers": head_layers,
                                                "transformers_version": cfg["transformers_version"]})
         info["hf_id_of_shape"] = _HF_IDS.get(shape)
@@ -776,6 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model shards with the medusa_head. prefix; none (default fasterdecoding)")
     p.add_argument("--heads-out", help="heads folder for --heads-layout fasterdecoding (default: OUT-heads)")
     p.add_argument("--heads-dtype", choices=DTYPES, help="heads file dtype (default: --dtype)")
+    p.add_argument("--heads-config-count", type=int, metavar="N",
+                   help="medusa_num_heads written in the heads' config.json (default: --heads; FasterDecoding's "
+                        "medusa-vicuna-7b-v1.3 says 2 for its 5 heads)")
     p.add_argument("--seed", type=int, default=0, help="seed of every tensor's generator (default 0)")
     p.add_argument("--shard-size", help="max shard size, e.g. 5GB (default: 5GB, at most half the model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
@@ -796,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         info = make_checkpoint(args.shape, args.out, dtype=args.dtype, family=args.family, heads=args.heads,
                                head_layers=args.head_layers, head_projection=args.head_projection,
                                heads_layout=args.heads_layout, heads_out=args.heads_out, heads_dtype=args.heads_dtype,
+                               heads_config_count=args.heads_config_count,
                                seed=args.seed, shard_size=parse_size(args.shard_size) if args.shard_size else None,
                                overrides=overrides, force=args.force, progress=not args.quiet)
     except MedusaError as exc:

@@ -206,6 +206,14 @@ def test_shared_projection_heads_and_bf16_heads(tmp_path):
     assert (heads.config.num_heads, heads.config.num_layers, heads.config.own_projection) == (2, 2, False)
 
 
+def test_heads_config_can_miscount_as_fasterdecodings_vicuna_heads_do(tmp_path):
+    """medusa-vicuna-7b-v1.3's config.json says 2 heads for 5 (notes/14-research.md §1.a): reproducible."""
+    mrc.make_checkpoint("tiny", tmp_path / "m", heads=5, heads_config_count=2, progress=False)
+    assert json.loads((tmp_path / "m-heads" / "config.json").read_text())["medusa_num_heads"] == 2
+    with safe_open(str(tmp_path / "m-heads" / mrc.HEADS_FILE), framework="pt") as f:
+        assert {k.split(".")[0] for k in f.keys()} == {"0", "1", "2", "3", "4"}
+
+
 def test_single_shard_is_written_as_hf_does(tmp_path):
     out = tmp_path / "one"
     mrc.make_checkpoint("tiny", out, shard_size=mrc.parse_size("1GB"), heads_layout="none", progress=False)
