@@ -15,6 +15,8 @@ and measures:
 * the kernel's exact high-water mark of the build process (``VmHWM`` in ``/proc/PID/status``), read with each
   sample and at every stage line: it only grows, so a stage during which it rose holds the run's peak so far,
   even a spike shorter than the sampling interval;
+* how much of the build process's RSS is its own memory (``RssAnon``) rather than file-backed pages
+  (``RssFile``: mmapped checkpoint shards count in RSS while touched, but are page cache the kernel can drop);
 * ``/usr/bin/time -v``'s "Maximum resident set size" of the whole run, when GNU time is installed (Debian
   package ``time``); the table says when it is not;
 * the time per stage: the build prints ``[n/N] what ...`` when a stage starts and ``[n/N] what: done in Xs``
@@ -80,11 +82,15 @@ def _mrc():
 
 @dataclass
 class Sample:
-    """One look at the process tree: seconds since start, summed RSS (bytes), VmHWM of the main process."""
+    """One look at the process tree: seconds since start, summed RSS (bytes), VmHWM of the main process, and
+    the main process's RSS split into anonymous memory (its allocations) and file-backed pages (e.g. mmapped
+    safetensors shards: counted in RSS, but page cache the kernel can drop)."""
 
     t: float
     rss: int
     hwm: int
+    anon: int = 0
+    file: int = 0
 
 
 @dataclass
@@ -100,16 +106,24 @@ class Measured:
     min_available: int = 0  # lowest MemAvailable seen during the run (bytes)
 
 
-def read_hwm(pid: int) -> int:
-    """The process's peak resident set size so far (``VmHWM``, bytes); 0 when it cannot be read."""
+def read_status(pid: int) -> dict[str, int]:
+    """``VmHWM`` (peak RSS so far), ``RssAnon`` and ``RssFile`` of a process from ``/proc/PID/status``, in
+    bytes; {} when it cannot be read (gone, or not Linux)."""
+    out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                key = line.split(":", 1)[0]
+                if key in ("VmHWM", "RssAnon", "RssFile"):
+                    out[key] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return out
+
+
+def read_hwm(pid: int) -> int:
+    """The process's peak resident set size so far (``VmHWM``, bytes); 0 when it cannot be read."""
+    return read_status(pid).get("VmHWM", 0) if pid else 0
 
 
 def tree_rss(root: psutil.Process, skip_root: bool) -> int:
@@ -191,7 +205,7 @@ def measure(cmd: list[str], *, interval: float = 0.1, use_time: bool = True, tim
             *parts, rest = re.split(rb"\r\n|\r|\n", rest + chunk)
             if parts:
                 pid = find_main()
-                now, hwm = time.monotonic() - t0, read_hwm(pid) if pid else 0
+                now, hwm = time.monotonic() - t0, read_hwm(pid)
                 lines.extend((now, part.decode(errors="replace"), hwm) for part in parts if part)
         if rest:
             lines.append((time.monotonic() - t0, rest.decode(errors="replace"), 0))
@@ -202,8 +216,9 @@ def measure(cmd: list[str], *, interval: float = 0.1, use_time: bool = True, tim
     def sample():
         while not done.is_set():
             pid = find_main()
-            samples.append(Sample(time.monotonic() - t0, tree_rss(root, skip_root=use_time),
-                                  read_hwm(pid) if pid else 0))
+            st = read_status(pid) if pid else {}
+            samples.append(Sample(time.monotonic() - t0, tree_rss(root, skip_root=use_time), st.get("VmHWM", 0),
+                                  st.get("RssAnon", 0), st.get("RssFile", 0)))
             avail[0] = min(avail[0], psutil.virtual_memory().available)
             done.wait(interval)
 
@@ -240,11 +255,12 @@ class Stage:
     finished: bool
     index: int = 0  # n of "[n/N]" (0: not a numbered stage)
     peak_rss: int = 0  # max sampled tree RSS within [start, end] (bytes)
+    peak_anon: int = 0  # max sampled RssAnon of the build process within [start, end] (bytes)
     hwm_end: int = 0  # VmHWM when the stage ended: the exact kernel peak of the run so far (bytes)
 
     def to_json(self) -> dict:
         return {**asdict(self), "wall_s": round(self.end - self.start, 3), "peak_rss_gb": round(self.peak_rss / GB, 3),
-                "hwm_end_gb": round(self.hwm_end / GB, 3)}
+                "peak_anon_gb": round(self.peak_anon / GB, 3), "hwm_end_gb": round(self.hwm_end / GB, 3)}
 
 
 def split_stages(lines: list[tuple[float, str, int]], wall: float) -> list[Stage]:
@@ -288,12 +304,11 @@ def attribute(stages: list[Stage], samples: list[Sample], lines: list[tuple[floa
     it and the first one after it (the memory around it).
     """
     for st in stages:
-        inside = [s.rss for s in samples if st.start <= s.t <= st.end]
+        inside = [s for s in samples if st.start <= s.t <= st.end]
         if not inside:
-            before = [s.rss for s in samples if s.t < st.start][-1:]
-            after = [s.rss for s in samples if s.t > st.end][:1]
-            inside = before + after
-        st.peak_rss = max(inside, default=0)
+            inside = [s for s in samples if s.t < st.start][-1:] + [s for s in samples if s.t > st.end][:1]
+        st.peak_rss = max((s.rss for s in inside), default=0)
+        st.peak_anon = max((s.anon for s in inside), default=0)
         if not st.hwm_end:
             seen = [h for t, _, h in lines if t <= st.end and h] + [s.hwm for s in samples if s.t <= st.end and s.hwm]
             later = [s.hwm for s in samples if s.t >= st.end and s.hwm]
@@ -409,10 +424,12 @@ def run_one(ckpt: Checkpoint, precision: str, args, build_args: list[str], logs:
     if not args.keep_artifacts:
         shutil.rmtree(art, ignore_errors=True)
     peak = max((s.rss for s in m.samples), default=0)
+    anon = max((s.anon for s in m.samples), default=0)
     hwm = max([s.hwm for s in m.samples] + [h for _, _, h in m.lines], default=0)
     rec = {"checkpoint": str(ckpt.model), "label": ckpt.label, "heads": str(ckpt.heads) if ckpt.heads else None,
            "precision": precision, "command": shlex.join(cmd), "returncode": m.returncode,
-           "wall_s": round(m.wall_s, 2), "peak_rss_gb": round(peak / GB, 3), "vmhwm_gb": round(hwm / GB, 3),
+           "wall_s": round(m.wall_s, 2), "peak_rss_gb": round(peak / GB, 3), "peak_anon_gb": round(anon / GB, 3),
+           "vmhwm_gb": round(hwm / GB, 3),
            "time_v_max_rss_gb": round(m.time_v["max_rss"] / GB, 3) if "max_rss" in m.time_v else None,
            "time_v_elapsed_s": m.time_v.get("elapsed_s"), "artifact_bytes": size,
            "min_available_gb": round(m.min_available / GB, 2), "samples": len(m.samples),
@@ -444,22 +461,25 @@ def markdown(report: dict) -> str:
         "",
         f"Peak RSS: the build's process tree, sampled every {report['interval_s']} s (psutil). VmHWM: the kernel's",
         "high-water mark of the build process at the end of the stage (exact; it only grows, so the stage where it",
-        "rises holds the peak). `/usr/bin/time -v`: \"Maximum resident set size\" of the whole run"
+        "rises holds the peak). Anon: the build process's RssAnon (its own allocations; the rest of RSS is",
+        "file-backed pages, e.g. mmapped checkpoint shards, which the kernel can drop under pressure).",
+        "`/usr/bin/time -v`: \"Maximum resident set size\" of the whole run"
         + ("." if report["gnu_time"] else " (not measured: /usr/bin/time is not installed; `apt-get install time`)."),
         "Seconds: the build's own \"done in\" figure per stage; the total is the wall time of the command.",
         "",
-        "| checkpoint | precision | stage | seconds | peak RSS GB (sampled) | VmHWM GB | artifact |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| checkpoint | precision | stage | seconds | peak RSS GB (sampled) | of it anon GB | VmHWM GB | artifact |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in report["runs"]:
         for s in r["stages"]:
             mark = "" if s["finished"] else " (unfinished)"
             lines.append(f"| {r['label']} | {r['precision']} | {s['name']}{mark} | {s['seconds']:.1f} | "
-                         f"{s['peak_rss_gb']:.2f} | {s['hwm_end_gb']:.2f} | |")
+                         f"{s['peak_rss_gb']:.2f} | {s['peak_anon_gb']:.2f} | {s['hwm_end_gb']:.2f} | |")
         status = "total" if r["returncode"] == 0 else f"**failed, exit {r['returncode']}**"
         tv = f" (time -v {_gb(r['time_v_max_rss_gb'])})" if r["time_v_max_rss_gb"] is not None else ""
         lines.append(f"| {r['label']} | {r['precision']} | **{status}** | **{r['wall_s']:.1f}** | "
-                     f"**{r['peak_rss_gb']:.2f}** | **{r['vmhwm_gb']:.2f}**{tv} | {_size(r['artifact_bytes'])} |")
+                     f"**{r['peak_rss_gb']:.2f}** | **{r['peak_anon_gb']:.2f}** | **{r['vmhwm_gb']:.2f}**{tv} | "
+                     f"{_size(r['artifact_bytes'])} |")
     made = [c for c in report["checkpoints"] if c.get("made")]
     if made:
         lines += ["", "Random checkpoints made for this run (`scripts/make_random_checkpoint.py`, heads included):", "",

@@ -104,6 +104,7 @@ def test_measure_sees_the_memory_of_the_stage_that_allocates_it(tmp_path, fake):
     light, heavy = by["[1/2] light work"], by["[2/2] heavy work"]
     assert light.peak_rss < 100 * MB and light.hwm_end < 100 * MB
     assert heavy.peak_rss - light.peak_rss > 280 * MB and heavy.hwm_end > 300 * MB
+    assert heavy.peak_anon - light.peak_anon > 280 * MB  # the block is the process's own (anonymous) memory
     if be.GNU_TIME.is_file():
         assert m.time_v["max_rss"] > 300 * MB and m.time_v["exit_status"] == 0
 
@@ -129,6 +130,7 @@ def test_main_writes_the_report_and_passes_build_args_through(tmp_path, fake):
     assert r["vmhwm_gb"] > 0.3 and r["peak_rss_gb"] > 0.28
     md = out.read_text()
     assert "| ckpt | int4 | [2/2] heavy work | 0.6 |" in md and "| ckpt | fp16 | **total** |" in md
+    assert 0.28 < r["peak_anon_gb"] <= r["peak_rss_gb"]
     assert "0.1 MB |" in md and (tmp_path / "s" / "logs" / "ckpt-int4.samples.csv").is_file()
 
 
