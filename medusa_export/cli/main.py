@@ -71,10 +71,10 @@ def cmd_generate(args) -> int:
     from ..loading.registry import DEFAULT_MODEL, load_model
     from ..model.decode import medusa_generate
 
-    args.model = args.model or DEFAULT_MODEL
+    model = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
+    print(f"loading {model} ...", file=sys.stderr, flush=True)
+    lm = load_model(model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
