@@ -78,7 +78,8 @@ def cmd_train_heads(args) -> int:
 
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
-    train, held = select_prompts(_prompts(require(args.prompt_file, "--prompt-file")), caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
+    prompts = _prompts(require(args.prompt_file, "--prompt-file"))
+    train, held = select_prompts(prompts, caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
     if args.exclude:  # e.g. the calibration prompts: never answered for training, never trained on
         banned = {p.id for p in _prompts(args.exclude)}
         train = [p for p in train if p.id not in banned]

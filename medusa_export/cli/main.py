@@ -257,7 +257,8 @@ def _add_chat_parser(sub) -> None:
 
 
 def _add_build_parser(sub) -> None:
-    from ..export.config import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
+    from ..export.config import (FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT,
+                                 BuildConfig)
     from .trt import add_build_engine_args
 
     p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
