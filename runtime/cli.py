@@ -13,7 +13,7 @@ from typing import TextIO
 
 from .acceptance import TypicalConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
-from .errors import ContextOverflowError, MedusaError
+from .errors import EXIT_CODES_HELP, EXIT_INTERRUPTED, ContextOverflowError, MedusaError
 
 _TYPICAL = TypicalConfig()
 
@@ -149,7 +149,8 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m medusa_runtime",
-                                     description="Run a medusa-export artifact without torch or transformers.")
+                                     description="Run a medusa-export artifact without torch or transformers.",
+                                     epilog=EXIT_CODES_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     add_runtime_args(p, artifact_required=True)
@@ -173,15 +174,20 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_command(args, prog: str) -> int:
-    """Run ``args.func(args)``; a :class:`MedusaError` becomes a one-line message and exit code 2."""
+    """Run ``args.func(args)``; a :class:`MedusaError` becomes a one-line message and its ``exit_code``.
+
+    Returns:
+        The command's exit code; :attr:`MedusaError.exit_code` (2 for bad input, 3 for a
+        backend not available here, see :mod:`medusa_runtime.errors`) or 130 on Ctrl-C.
+    """
     try:
         return args.func(args)
     except MedusaError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

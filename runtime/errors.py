@@ -1,12 +1,36 @@
 """Typed errors shared by the runtime and the exporter.
 
 Every error raised at a boundary (user input, files on disk) derives from
-:class:`MedusaError`, so a CLI can catch one type and print its message.
+:class:`MedusaError`, so a CLI can catch one type, print its message and exit with its
+:attr:`~MedusaError.exit_code`.
 """
+
+#: Exit codes of the command lines (``medusa-export``, ``python -m medusa_runtime``).
+EXIT_OK = 0
+#: An artifact disagrees with the PyTorch reference (``verify``, ``build``'s validation).
+EXIT_MISMATCH = 1
+#: Bad input: a :class:`MedusaError` (its message names the problem) or a command-line error.
+EXIT_USAGE = 2
+#: A backend or tool this command needs is not available here (TensorRT, a CUDA provider).
+EXIT_UNAVAILABLE = 3
+#: Interrupted (Ctrl-C).
+EXIT_INTERRUPTED = 130
+#: The exit codes for ``--help`` epilogs and docs.
+EXIT_CODES_HELP = (f"exit codes: {EXIT_OK} success; {EXIT_MISMATCH} the artifact disagrees with the PyTorch "
+                   f"reference (verify, build's validation); {EXIT_USAGE} bad input (the message names it); "
+                   f"{EXIT_UNAVAILABLE} a needed backend is not available here (TensorRT, CUDA); "
+                   f"{EXIT_INTERRUPTED} interrupted")
 
 
 class MedusaError(Exception):
-    """Base class of every error this project raises on bad input."""
+    """Base class of every error this project raises on bad input.
+
+    Attributes:
+        exit_code: the command lines' exit code for this error (:data:`EXIT_USAGE` unless a
+            subclass says otherwise).
+    """
+
+    exit_code: int = EXIT_USAGE
 
 
 class InvalidTreeError(MedusaError, ValueError):
@@ -27,3 +51,5 @@ class ChatTemplateError(MedusaError, ValueError):
 
 class BackendUnavailableError(MedusaError):
     """An engine backend cannot run here (package, provider or GPU missing); the message says what is needed."""
+
+    exit_code = EXIT_UNAVAILABLE

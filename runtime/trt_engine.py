@@ -262,7 +262,7 @@ class TrtEngine:
         missing = [str(p) for p in plans.values() if not p.is_file()]
         if missing:
             raise ArtifactError(f"no {precision} TensorRT engine in {artifact.path} ({', '.join(missing)} missing): "
-                                f"build it with `medusa-export engine {artifact.path} --precision {precision}` or "
+                                f"build it with `medusa-export engine --artifact {artifact.path} --precision {precision}` or "
                                 f"`bash engines/build_engine.sh {precision}` on this GPU machine")
         m = artifact.model
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]

@@ -40,7 +40,7 @@ if [ -n "${ART:-}" ]; then
 elif [ -n "${MODEL:-}" ]; then
   ART="$OUT/art-$MODEL"
   t0=$(date +%s)
-  medusa-export build --model "$MODEL" --tree "${TREE:-16}" --out "$ART" --new-tokens 16
+  medusa-export build --model "$MODEL" --tree "${TREE:-16}" --out "$ART" --max-new-tokens 16
   row "artifact" "built" "$MODEL in $(( $(date +%s) - t0 ))s"
 else
   ART="$OUT/art-tiny"
@@ -78,7 +78,7 @@ echo "== engines"
 BUILT=""
 for p in $PRECISIONS; do
   set +e
-  medusa-export engine "$ART" --precision "$p"
+  medusa-export engine --artifact "$ART" --precision "$p"
   rc=$?
   set -e
   case $rc in

@@ -6,6 +6,7 @@ artifact is exported once (tree of 16 nodes, fp32) and shared by every test that
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -29,11 +30,10 @@ def mt_bench_prompts(n: int = 5) -> list[str]:
     return [json.loads(line)["turns"][0] for line in lines]
 
 
-def make_tiny_tokenizer(vocab_limit: int = 300):
-    """A real byte-level BPE tokenizer (transformers fast tokenizer) trained in-process on a
-    few sentences, with a ChatML-like chat template. Its ids stay below ``vocab_limit``."""
+@functools.lru_cache(maxsize=None)
+def _tiny_bpe_json(vocab_limit: int) -> str:
+    """The trained tiny BPE (trained once per session and vocab size), as ``tokenizers`` JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -42,6 +42,19 @@ def make_tiny_tokenizer(vocab_limit: int = 300):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = mt_bench_prompts(20) + [line for line in (SHARED / "data" / "README.md").read_text().splitlines() if line]
     tok.train_from_iterator(corpus, trainer)
+    return tok.to_str()
+
+
+def make_tiny_tokenizer(vocab_limit: int = 300):
+    """A real byte-level BPE tokenizer (transformers fast tokenizer) trained in-process on a
+    few sentences, with a ChatML-like chat template. Its ids stay below ``vocab_limit``.
+
+    The training is cached (:func:`_tiny_bpe_json`); every call returns a new object, so a
+    test may change its own."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_tiny_bpe_json(vocab_limit))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = (
         "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -1,16 +1,32 @@
-"""``medusa-export generate`` / ``models``: exit codes and what is printed."""
+"""``medusa-export`` through :func:`main`: every command's happy path on tiny models, exit codes and what is
+printed, and one name per flag meaning (old spellings as hidden aliases).
+
+The process boundary itself (the console script, a torch-free process) is tested in
+tests/test_runtime.py::test_runtime_commands_run_without_torch; here everything runs in-process.
+"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
+import importlib.util
+import io
+import json
+import shutil
+import xml.etree.ElementTree as ET
 
+import numpy as np
+import onnx
 import pytest
+from onnx.external_data_helper import ExternalDataInfo
 
 import medusa_export.loading.registry
-from conftest import save_tiny_hf_dir
-from medusa_export.cli.main import main
-from medusa_export.loading.registry import load_registry
+from conftest import make_tiny_medusa, save_tiny_hf_dir
+from medusa_export.cli.main import build_parser, main
+from medusa_export.loading.accuracies import load_accuracies
+from medusa_export.loading.registry import DEFAULT_MODEL, load_model, load_registry
+from medusa_export.model.heads import save_heads
+from medusa_runtime.artifact import load_artifact, sha256_file
+from medusa_runtime.errors import EXIT_MISMATCH, EXIT_UNAVAILABLE, EXIT_USAGE
 
 
 @pytest.fixture(scope="module")
@@ -20,21 +36,33 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
-def test_unknown_model_exits_2_listing_known_models():
-    proc = subprocess.run([sys.executable, "-m", "medusa_export.cli", "generate", "--model", "nope", "--prompt", "hi"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    assert "unknown model 'nope'" in proc.stderr
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, tmp_path_factory):
+    """``medusa-export build`` on the tiny local model, through main(): (artifact path, exit code, stdout)."""
+    out = tmp_path_factory.mktemp("cli-build") / "tiny-t4"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256",
+                   "--max-new-tokens", "8", "--out", str(out)])
+    return out, rc, stdout.getvalue()
+
+
+# --- registry and the PyTorch reference ------------------------------------------------------
+
+
+def test_unknown_model_exits_2_listing_known_models(capsys):
+    assert main(["generate", "--model", "nope", "--prompt", "hi"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "medusa-export: error: unknown model 'nope'" in err
     for name in load_registry():
-        assert name in proc.stderr
-    assert "Traceback" not in proc.stderr
+        assert name in err
 
 
-def test_models_lists_the_registry(capsys):
+def test_models_lists_the_registry_and_marks_the_default(capsys):
     assert main(["models"]) == 0
-    out = capsys.readouterr().out
-    for name in load_registry():
-        assert name in out
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[0] for line in lines) == sorted(load_registry())
+    assert [line.split()[0] for line in lines if line.endswith("[default]")] == [DEFAULT_MODEL]
 
 
 def test_generate_on_a_local_model(tiny_model_dir, capsys):
@@ -49,7 +77,7 @@ def test_generate_on_a_local_model(tiny_model_dir, capsys):
 
 def test_bad_tree_exits_2(tiny_model_dir, capsys):
     rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "--tree", "bushy"])
-    assert rc == 2
+    assert rc == EXIT_USAGE
     assert "unknown tree 'bushy'" in capsys.readouterr().err
 
 
@@ -70,3 +98,145 @@ def test_generate_embedded_model(smollm, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out.strip()
     assert "[8 tokens in" in err and "mean accepted tokens per step:" in err and "finish: length" in err
+
+
+# --- build, verify, and the runtime on what build wrote --------------------------------------
+
+
+def test_build_writes_a_validated_artifact(built):
+    path, rc, stdout = built
+    assert rc == 0
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["model"]["name"] == "tiny-llama" and m["model"]["max_context"] == 256
+    assert m["tree"]["size"] == 4 and m["precision"]["name"] == "fp32"
+    v = m["validation"]
+    assert v["passed"] and len(v["prompts"]) == 3 and all(p["identical"] and p["tokens"] == 8 for p in v["prompts"])
+    assert f"artifact: {path}" in stdout and "tree: 4 nodes" in stdout and "validation:" in stdout
+    assert not list(path.parent.glob(".*partial*"))  # the temporary folder was moved into place
+
+
+def test_verify_passes_on_the_built_artifact(built, tiny_model_dir, capsys):
+    path, _, _ = built
+    assert main(["verify", "--artifact", str(path), "--model-path", str(tiny_model_dir), "--limit", "2",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical") == 2 and "PASSED: 2 prompts, precision fp32" in out
+
+
+def test_verify_exits_1_when_the_weights_disagree(built, tiny_model_dir, tmp_path, capsys):
+    """An artifact whose weights were edited and its checksums rewritten: it loads, but disagrees."""
+    path, _, _ = built
+    bad = tmp_path / "edited"
+    shutil.copytree(path, bad)
+    graph = onnx.load(str(bad / "model.onnx"), load_external_data=False)
+    embed = next(t for t in graph.graph.initializer if t.name.endswith("embed_tokens.weight"))
+    info = ExternalDataInfo(embed)
+    with open(bad / info.location, "r+b") as f:  # token i now reads token V-1-i's embedding
+        f.seek(info.offset)
+        w = np.frombuffer(f.read(info.length), dtype=np.float32).reshape(tuple(embed.dims))[::-1]
+        f.seek(info.offset)
+        f.write(w.tobytes())
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["checksums"][info.location] = {**manifest["checksums"][info.location],
+                                            "sha256": sha256_file(bad / info.location)}
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    load_artifact(bad, full_verify=True)  # consistent: only the comparison can tell
+
+    junit = tmp_path / "parity.xml"
+    assert main(["verify", "--artifact", str(bad), "--model-path", str(tiny_model_dir), "--limit", "2",
+                 "--max-new-tokens", "6", "--junit", str(junit)]) == EXIT_MISMATCH
+    out, err = capsys.readouterr()
+    assert out.count("MISMATCH") == 2 and "FAILED:" in err
+    suite = ET.parse(junit).getroot()
+    assert suite.get("tests") == "2" and suite.get("failures") == "2"
+
+
+def test_verify_of_a_local_model_needs_its_weights(built, capsys):
+    path, _, _ = built
+    assert main(["verify", "--artifact", str(path)]) == EXIT_USAGE
+    assert "'tiny-llama' is not a registered model: give its weights with --model-path" in capsys.readouterr().err
+
+
+def test_generate_runs_what_build_wrote(built, capsys):
+    path, _, _ = built
+    assert main(["generate", "--artifact", str(path), "--prompt", "Hi", "--max-new-tokens", "5", "--threads", "1"]) == 0
+    assert "[5 tokens in" in capsys.readouterr().err
+    assert main(["generate", "--artifact", str(path), "--model", "smollm2-135m", "--prompt", "Hi"]) == EXIT_USAGE
+    assert "--model choose(s) the PyTorch reference's model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here")
+def test_a_missing_backend_exits_3(built, capsys):
+    path, _, _ = built
+    assert main(["generate", "--artifact", str(path), "--backend", "tensorrt", "--prompt", "Hi"]) == EXIT_UNAVAILABLE
+    assert "the tensorrt backend needs TensorRT's Python package" in capsys.readouterr().err
+
+
+# --- heads: calibrate end to end, train-heads' input errors ----------------------------------
+
+
+def test_calibrate_writes_accuracies_that_trees_use(tiny_model_dir, tmp_path, capsys):
+    _, model = make_tiny_medusa(medusa_heads=3, head_noise=0.05)  # the same backbone as tiny_model_dir (seed 0)
+    heads = tmp_path / "heads"
+    save_heads(model.heads, heads)
+    prompts = tmp_path / "held_out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ["Name three colors.", "What is 2 + 2?", "Tell me a joke.", "Say hi."]))
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--heads", str(heads), "--prompt-file", str(prompts),
+               "--limit", "3", "--max-new-tokens", "12", "--batch-size", "2", "--topk", "4", "--budgets", "4", "8",
+               "--cache", str(tmp_path / "cache")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    acc = load_accuracies(heads)
+    assert acc.shape == (3, 4) and (acc >= 0).all() and (acc.sum(1) <= 1 + 1e-9).all()
+    assert json.loads((heads / "accuracies.json").read_text())["source"] == str(prompts)
+    assert out.startswith("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in acc[:, 0]))
+    rows = [line.split() for line in out.splitlines()[2:4]]
+    assert [int(r[0]) for r in rows] == [4, 8]  # the greedy trees of each budget, from these accuracies
+    lm = load_model(str(tiny_model_dir), heads_path=str(heads))  # --tree N reads them beside the heads
+    np.testing.assert_allclose(lm.head_accuracies, acc)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cap", "gsm8k"], "--cap takes SOURCE=N, got 'gsm8k'"),
+    (["--prompt-file", "no-such.jsonl"], "prompt file no-such.jsonl does not exist"),
+    ([], "the following argument is required: --prompt-file"),
+])
+def test_train_heads_input_errors_exit_2(tmp_path, capsys, argv, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    if "--prompt-file" not in argv and argv:
+        argv = argv + ["--prompt-file", str(prompts)]
+    assert main(["train-heads", "--out", str(tmp_path / "h"), *argv]) == EXIT_USAGE
+    assert f"medusa-export: error: {message}" in capsys.readouterr().err
+
+
+# --- one name per flag meaning ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command, new, old", [
+    ("build", ["--prompt-file", "p.jsonl", "--max-new-tokens", "9", "--engine-prompt-file", "c.jsonl"],
+     ["--prompts", "p.jsonl", "--new-tokens", "9", "--calibration", "c.jsonl"]),
+    ("verify", ["--artifact", "A", "--prompt-file", "p.jsonl", "--max-new-tokens", "9"],
+     ["A", "--prompts", "p.jsonl", "--new-tokens", "9"]),
+    ("engine", ["--artifact", "A", "--prompt-file", "c.jsonl"], ["A", "--calibration", "c.jsonl"]),
+    ("triton", ["--artifact", "A", "--out", "R"], ["A", "--out", "R"]),
+    ("train-heads", ["--out", "H", "--prompt-file", "a.jsonl", "--prompt-file", "b.jsonl"],
+     ["--out", "H", "--data", "a.jsonl", "--data", "b.jsonl"]),
+    ("calibrate", ["--prompt-file", "a.jsonl"], ["--data", "a.jsonl"]),
+])
+def test_old_flag_spellings_are_hidden_aliases(command, new, old):
+    parser = build_parser(command)
+    assert vars(parser.parse_args([command, *old])) == vars(parser.parse_args([command, *new]))
+    sub = parser._subparsers._group_actions[0].choices[command]
+    shown = sub.format_help()
+    for flag in (a for a in old if a.startswith("--") and a not in new):
+        assert flag not in shown.replace("--calibration-batches", "")
+
+
+def test_every_command_documents_the_exit_codes(capsys):
+    for argv in ([], ["generate"], ["verify"], ["build"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--help"])
+        assert exc.value.code == 0
+        assert "exit codes: 0 success; 1 the artifact disagrees" in " ".join(capsys.readouterr().out.split())

@@ -196,8 +196,8 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
 def test_cli_writes_the_repository(tiny_trt_artifact, tmp_path, capsys):
     from medusa_export.cli.main import main
 
-    assert main(["triton", str(tiny_trt_artifact), "--out", str(tmp_path / "r"), "--name", "gen", "--threads", "1",
-                 "--no-engine-models", "--max-new-tokens-limit", "64"]) == 0
+    assert main(["triton", "--artifact", str(tiny_trt_artifact), "--out", str(tmp_path / "r"), "--name", "gen",
+                 "--threads", "1", "--no-engine-models", "--max-new-tokens-limit", "64"]) == 0
     gen = (tmp_path / "r" / "gen" / "config.pbtxt").read_text()
     assert 'name: "gen"' in gen and 'key: "max_new_tokens_limit" value: { string_value: "64" }' in gen
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["README.md", "gen", MARKER]

@@ -252,7 +252,7 @@ def _expected_shapes(m: dict, graph: str) -> list[dict]:
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed: `engine` builds instead of stopping")
 def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
-    assert main(["engine", str(art), "--precision", "fp16"]) == EXIT_NO_TENSORRT
+    assert main(["engine", "--artifact", str(art), "--precision", "fp16"]) == EXIT_NO_TENSORRT
     err = capsys.readouterr().err
     assert "TensorRT is not available here" in err and "bash engines/build_engine.sh fp16" in err
     m = load_artifact(art).manifest  # checksums still hold after the manifest update
@@ -288,7 +288,7 @@ def test_fp16_artifact_builds_strongly_typed(tiny_trt_artifact):
 
 
 def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
-    main(["engine", str(art)])
+    main(["engine", "--artifact", str(art)])
     stub = tmp_path / "trtexec"
     stub.write_text("#!/usr/bin/env bash\necho '[TensorRT v101500]'\n"
                     "for a in \"$@\"; do case \"$a\" in --saveEngine=*) echo plan > \"${a#--saveEngine=}\";; esac; done\n")
@@ -320,7 +320,7 @@ def test_engine_refuses_a_graph_that_is_not_ready(art, capsys):
     m.graph.node.append(helper.make_node("Unique", [m.graph.output[0].name], ["u"], name="bad_unique"))
     onnx.save(m, str(art / "heads.onnx"))
     update_manifest(art, {}, ["heads.onnx"])
-    assert main(["engine", str(art)]) == 2
+    assert main(["engine", "--artifact", str(art)]) == 2
     assert "unsupported op Unique" in capsys.readouterr().err
     assert _manifest(art)["engines"]["fp16"]["status"].startswith("blocked")
 
@@ -386,7 +386,7 @@ def test_trt_engine_matches_onnxruntime(art):
     from medusa_runtime.ort_engine import OrtEngine
     from medusa_runtime.trt_engine import TrtEngine
 
-    assert main(["engine", str(art), "--precision", "fp32"]) == 0
+    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
     a = load_artifact(art)
     assert a.manifest["engines"]["fp32"]["status"] == "built"
     trt_engine = TrtEngine(a, precision="fp32")

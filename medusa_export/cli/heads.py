@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import shlex
 import sys
 import time
@@ -11,8 +9,11 @@ from pathlib import Path
 
 from ..errors import MedusaError
 from ..loading.registry import DEFAULT_MODEL
+from .args import add_prompt_file_arg, require
 
 DEFAULT_CACHE = ".cache/train-heads"
+#: The records training.distill.load_prompts reads, for --prompt-file's help.
+DISTILL_PROMPT_FORMAT = "JSONL records with 'messages', 'turns', 'prompt', 'instruction' or OASST '### Human:' text"
 
 
 def _caps(values: list[str] | None) -> dict[str, int]:
@@ -20,7 +21,7 @@ def _caps(values: list[str] | None) -> dict[str, int]:
     for v in values or []:
         src, _, n = v.partition("=")
         if not n.isdigit():
-            raise SystemExit(f"medusa-export: error: --cap takes SOURCE=N, got {v!r}")
+            raise MedusaError(f"--cap takes SOURCE=N, got {v!r}")
         caps[src] = int(n)
     return caps
 
@@ -31,7 +32,7 @@ def _prompts(paths: list[str]):
     out = []
     for p in paths:
         if not Path(p).is_file():
-            raise SystemExit(f"medusa-export: error: prompt file {p} does not exist")
+            raise MedusaError(f"prompt file {p} does not exist")
         out.extend(load_prompts(p))
     return out
 
@@ -77,7 +78,8 @@ def cmd_train_heads(args) -> int:
 
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
-    train, held = select_prompts(_prompts(args.data), caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
+    prompts = _prompts(require(args.prompt_file, "--prompt-file"))
+    train, held = select_prompts(prompts, caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
     if args.exclude:  # e.g. the calibration prompts: never answered for training, never trained on
         banned = {p.id for p in _prompts(args.exclude)}
         train = [p for p in train if p.id not in banned]
@@ -132,7 +134,7 @@ def cmd_train_heads(args) -> int:
     heads = res.heads
     recipe = {
         "recipe": {**cfg.__dict__, "train_prompts": len(replies), "train_tokens": data.num_tokens,
-                   "data": args.data, "caps": _caps(args.cap), "holdout": args.holdout,
+                   "data": args.prompt_file, "caps": _caps(args.cap), "holdout": args.holdout,
                    "max_new_tokens": args.max_new_tokens, "samples": args.samples,
                    "temperature": args.temperature if args.samples > 1 else None, "device": args.device,
                    "replies": {"greedy": sum(not is_sampled(r.id) for r in replies),
@@ -168,19 +170,19 @@ def cmd_calibrate(args) -> int:
     from ..training.calibrate import calibrate, save_accuracies, simulate_acceptance
     from ..training.distill import load_generator
 
-    gen = load_generator(args.model, model_path=args.model_path)
+    prompts = _prompts(require(args.prompt_file, "--prompt-file"))[: args.limit or None]
     heads_dir = args.heads
     if heads_dir is None:
         entry = get_entry(args.model)
         if entry.heads.get("source") != "shipped":
-            raise SystemExit("medusa-export: error: give --heads DIR (the model has no shipped heads)")
+            raise MedusaError(f"give --heads DIR ({args.model} has no shipped heads)")
         heads_dir = str(models_dir() / entry.heads["path"])
+    gen = load_generator(args.model, model_path=args.model_path)
     heads = load_heads(heads_dir, gen.lm_head)
-    prompts = _prompts(args.data)[: args.limit] if args.limit else _prompts(args.data)
     res = calibrate(gen, heads, prompts, Path(args.cache) / "calibrate", max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, topk=args.topk)
     out = args.out or heads_dir
-    save_accuracies(res.accuracies, out, source=", ".join(args.data), positions=res.positions)
+    save_accuracies(res.accuracies, out, source=", ".join(args.prompt_file), positions=res.positions)
     print("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in res.accuracies[:, 0]))
     print(f"{'nodes':>6} {'depth':>5} {'expected':>9} {'simulated':>9}")
     for budget in args.budgets:
@@ -203,9 +205,8 @@ def add_heads_commands(sub) -> None:
                                    "cached under --cache.")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model or path (default: {DEFAULT_MODEL})")
     p.add_argument("--model-path", help="local backbone weights instead of the registry's source")
-    p.add_argument("--data", action="append", required=True,
-                   help="prompt JSONL file (repeatable): 'messages', 'turns', 'prompt', 'instruction' or "
-                        "OASST '### Human:' records")
+    add_prompt_file_arg(p, "training prompts (required)", aliases=("--data",), repeatable=True,
+                        formats=DISTILL_PROMPT_FORMAT)
     p.add_argument("--cap", action="append", help="SOURCE=N: at most N prompts of a source (repeatable)")
     p.add_argument("--holdout", type=int, default=32,
                    help="prompts answered but never trained on; the heads' accuracies on them go to accuracies.json "
@@ -248,7 +249,8 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model or path (default: {DEFAULT_MODEL})")
     p.add_argument("--model-path", help="local backbone weights instead of the registry's source")
     p.add_argument("--heads", help="heads directory (default: the model's shipped heads)")
-    p.add_argument("--data", action="append", required=True, help="held-out prompt JSONL file (repeatable)")
+    add_prompt_file_arg(p, "held-out prompts (required)", aliases=("--data",), repeatable=True,
+                        formats=DISTILL_PROMPT_FORMAT)
     p.add_argument("--limit", type=int, help="use only the first N prompts")
     p.add_argument("--out", help="where accuracies.json goes (default: the heads directory)")
     p.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache directory (default: {DEFAULT_CACHE})")

@@ -1,7 +1,9 @@
 """``medusa-export`` command line: one sub-command per stage.
 
 Each sub-command lives in its own function; defaults come from the dataclasses and the
-registry, not restated here.
+registry, not restated here. Imports are lazy: :func:`main` builds only the parser of the
+command it runs, and each command imports what it needs when it runs, so the runtime's
+commands (``generate --artifact``, ``chat``) import neither torch, transformers nor onnx.
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import time
 
 from medusa_runtime.acceptance import TypicalConfig
 from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
-from medusa_runtime.errors import MedusaError
+from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
-from ..export.config import FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT, BuildConfig
-from ..loading.registry import DEFAULT_MODEL, load_registry
-from .doctor import add_doctor_command
-from .heads import add_heads_commands
-from .trt import add_build_engine_args, add_trt_commands, after_build, readiness_line
+from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg
+
+PROG = "medusa-export"
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    names = ", ".join(sorted(load_registry()))
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"registered model name ({names}) or a path to an HF model dir / .gguf file "
-                        f"(default: {DEFAULT_MODEL})")
+def _add_model_args(p: argparse.ArgumentParser, *, runtime_alternative: bool = False) -> None:
+    """--model, --model-path, --heads, --trust-remote-code (the PyTorch side's model).
+
+    ``runtime_alternative`` (generate): ``--artifact`` is the other choice, so nothing of the
+    registry (which imports torch) is read while the parser is built; the default is applied
+    by the command.
+    """
+    if runtime_alternative:
+        p.add_argument("--model", help="run the PyTorch reference loop on this registered model (`medusa-export "
+                                       "models` lists them) or HF model dir / .gguf file instead of an artifact "
+                                       "(default without --artifact: the registry's default model)")
+    else:
+        from ..loading.registry import DEFAULT_MODEL, load_registry
+
+        names = ", ".join(sorted(load_registry()))
+        p.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"registered model name ({names}) or a path to an HF model dir / .gguf file "
+                            f"(default: {DEFAULT_MODEL})")
     p.add_argument("--model-path", help="local backbone weights to use instead of the registry's source")
     p.add_argument("--heads", help="Medusa heads (dir or file: ours, medusa_lm_head.pt/.safetensors) "
                                    "instead of the registry's")
@@ -44,18 +57,24 @@ def cmd_generate(args) -> int:
     if args.artifact:
         from medusa_runtime.cli import run_generate
 
+        reference_only = [f for f, v in (("--model", args.model), ("--model-path", args.model_path),
+                                         ("--heads", args.heads), ("--trust-remote-code", args.trust_remote_code)) if v]
+        if reference_only:
+            raise MedusaError(f"{', '.join(reference_only)} choose(s) the PyTorch reference's model; with --artifact "
+                              "the artifact runs as built (give one or the other)")
         return run_generate(args)
     if args.stop:
         raise MedusaError("--stop needs --artifact (the runtime); the PyTorch reference stops at EOS and length only")
     from medusa_runtime.tree import tree_from_spec
 
     from ..chat import apply_chat_template, TextStreamer
-    from ..loading.registry import load_model
+    from ..loading.registry import DEFAULT_MODEL, load_model
     from ..model.decode import medusa_generate
 
+    model = args.model or DEFAULT_MODEL
     t0 = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
+    print(f"loading {model} ...", file=sys.stderr, flush=True)
+    lm = load_model(model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
@@ -95,11 +114,13 @@ def cmd_build(args) -> int:
     from medusa_runtime.tree import tree_from_spec
 
     from ..export.build import build_artifact
+    from ..export.config import BuildConfig
     from ..loading.registry import load_model
     from ..validation.validate import read_prompts
+    from .trt import after_build
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
-                      new_tokens=args.new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
+                      new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -111,7 +132,7 @@ def cmd_build(args) -> int:
                           accuracies=lm.head_accuracies)
     graph = "-fused" if cfg.graph == "fused" else ""
     out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
-    prompts = read_prompts(args.prompts) if args.prompts else None
+    prompts = read_prompts(args.prompt_file) if args.prompt_file else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
     _print_summary(path, time.perf_counter() - t0)
     return after_build(args, path)
@@ -120,6 +141,8 @@ def cmd_build(args) -> int:
 def _print_summary(path, seconds: float) -> None:
     import json
     from pathlib import Path
+
+    from .trt import readiness_line
 
     m = json.loads((Path(path) / "manifest.json").read_text())
     size = sum(r["bytes"] for r in m["checksums"].values())
@@ -148,18 +171,25 @@ def _print_summary(path, seconds: float) -> None:
 
 
 def cmd_verify(args) -> int:
-    """Validate an existing artifact; exit 1 on mismatch."""
+    """Validate an existing artifact; exit 1 (:data:`EXIT_MISMATCH`) on mismatch."""
     from medusa_runtime.artifact import load_artifact
 
     from ..chat import apply_chat_template
-    from ..loading.registry import load_model
+    from ..loading.registry import load_model, load_registry
     from ..validation.validate import default_prompts, read_prompts, validate
 
     art = load_artifact(args.artifact, full_verify=True)
-    lm = load_model(art.model["name"], model_path=args.model_path, heads_path=args.heads)
-    texts = read_prompts(args.prompts, args.limit) if args.prompts else default_prompts()[: args.limit]
+    name = art.model["name"]
+    if name in load_registry():
+        lm = load_model(name, model_path=args.model_path, heads_path=args.heads)
+    elif args.model_path:  # a model built from a local path: that path is the model
+        lm = load_model(args.model_path, heads_path=args.heads)
+    else:
+        raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
+                          "--model-path (an HF model dir or .gguf file)")
+    texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
-    report = validate(art, lm.model, ids, texts, new_tokens=args.new_tokens, eos_token_ids=lm.eos_token_ids)
+    report = validate(art, lm.model, ids, texts, new_tokens=args.max_new_tokens, eos_token_ids=lm.eos_token_ids)
     for p in report.prompts:
         status = "identical" if p.identical else ("near-tie" if p.near_tie else "MISMATCH")
         print(f"{status:9s} {p.tokens:4d} tokens  log-prob diff {p.max_logprob_diff:.1e}  {p.prompt[:60]!r}")
@@ -169,7 +199,7 @@ def cmd_verify(args) -> int:
         write_junit(args.junit, report)
     if not report.passed:
         print("FAILED:\n  " + "\n  ".join(report.failures()), file=sys.stderr)
-        return 1
+        return EXIT_MISMATCH
     print(f"PASSED: {len(report.prompts)} prompts, precision {report.precision}")
     return 0
 
@@ -186,20 +216,28 @@ def cmd_triton(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``medusa-export`` parser: every sub-command, or only ``command``'s (what :func:`main` runs)."""
     parser = argparse.ArgumentParser(
-        prog="medusa-export",
+        prog=PROG,
         description="Export Medusa speculative decoding (backbone + heads + token tree) to ONNX / TensorRT "
                     "and run it. Stages: generate (PyTorch reference) -> build (ONNX artifact) -> verify.",
+        epilog=EXIT_CODES_HELP,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    adders = [_COMMANDS[command]] if command in _COMMANDS else list(dict.fromkeys(_COMMANDS.values()))
+    for add in adders:
+        add(sub)
+    return parser
 
+
+def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply (an artifact with the runtime, or the PyTorch reference)",
                        description="Apply the chat template to --prompt, decode with Medusa (greedy by default) "
                                    "and print the reply, the mean accepted tokens per step and tokens/s. With "
                                    "--artifact the torch-free runtime runs the artifact (--model is not needed); "
-                                   "otherwise the PyTorch reference loop runs --model.")
-    _add_model_args(p)
+                                   "otherwise the PyTorch reference loop runs --model.", epilog=EXIT_CODES_HELP)
+    _add_model_args(p, runtime_alternative=True)
     add_runtime_args(p, artifact_required=False)
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the model's or the artifact's)")
@@ -207,19 +245,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn chat with an artifact (streaming)",
                        description="Chat with an artifact through the torch-free runtime: the chat template over "
                                    "the whole conversation, the KV cache reused across turns, tokens streamed as "
                                    "they are accepted; tokens per step and tokens/s after each reply. "
-                                   "/reset starts a new conversation, /exit or Ctrl-D quits.")
+                                   "/reset starts a new conversation, /exit or Ctrl-D quits.", epilog=EXIT_CODES_HELP)
     add_chat_args(p)
     p.set_defaults(func=cmd_chat)
+
+
+def _add_build_parser(sub) -> None:
+    from ..export.config import (FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT,
+                                 BuildConfig)
+    from .trt import add_build_engine_args
 
     p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
                        description="Export backbone + heads to ONNX (backbone step graph for prefill and tree "
                                    "steps, heads graph, one weights file), write the manifest, tree and tokenizer, "
                                    "and validate ONNX Runtime against the PyTorch reference. The artifact is written "
-                                   "to a temporary folder and moved into place only when everything passed.")
+                                   "to a temporary folder and moved into place only when everything passed.",
+                       epilog=EXIT_CODES_HELP)
     _add_model_args(p)
     p.add_argument("--tree", help="node budget (e.g. 64: the greedy tree from the heads' calibrated accuracies), "
                                   "preset (root, chain), JSON file of medusa_choices, or 'auto' (after export, time "
@@ -251,35 +298,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "tree step's rounding differs from one-token steps and outputs can diverge) "
                         "(default: 1 for int4, 4 for int8, which has no fast fp32-compute kernel)")
     p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
-    p.add_argument("--prompts", help="JSONL file of validation prompts ('prompt', 'turns' or 'messages'; "
-                                     "default: the project's own 3 prompts)")
-    p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
+    add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
+    p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")
+    add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--no-validate", action="store_true", help="skip validation (not recommended)")
     add_build_engine_args(p)
     p.set_defaults(func=cmd_build)
 
+
+def _add_verify_parser(sub) -> None:
+    from ..export.config import BuildConfig
+
     p = sub.add_parser("verify", help="check an artifact against the PyTorch reference (for CI)",
                        description="Re-run build's validation on an existing artifact: step outputs within "
-                                   "tolerance and greedy tokens identical. Exits 1 on any mismatch.")
-    p.add_argument("artifact", help="artifact directory")
-    p.add_argument("--prompts", help="JSONL file of prompts (default: the project's own)")
+                                   "tolerance and greedy tokens identical. Exits 1 on any mismatch.",
+                       epilog=EXIT_CODES_HELP)
+    add_artifact_arg(p)
+    add_prompt_file_arg(p, "prompts to compare on (default: the project's own)", aliases=("--prompts",))
     p.add_argument("--limit", type=int, help="use only the first N prompts")
-    p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
+    p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
+    add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name)")
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
     p.set_defaults(func=cmd_verify)
-
-    _add_triton_parser(sub)
-    add_trt_commands(sub)
-    add_doctor_command(sub)
-    add_heads_commands(sub)
-
-    p = sub.add_parser("models", help="list the registered models")
-    p.set_defaults(func=cmd_models)
-    return parser
 
 
 def _add_triton_parser(sub) -> None:
@@ -291,8 +335,9 @@ def _add_triton_parser(sub) -> None:
                        description="A model repository with a Python-backend model that runs the Medusa loop "
                                    "(decoupled: text or token ids in, token ids and text out, streaming per tree "
                                    "step) and the artifact's step and heads graphs as models of their own "
-                                   "(tensorrt_plan when the artifact holds built plans, else onnxruntime).")
-    p.add_argument("artifact", help="artifact directory")
+                                   "(tensorrt_plan when the artifact holds built plans, else onnxruntime).",
+                       epilog=EXIT_CODES_HELP)
+    add_artifact_arg(p)
     p.add_argument("--out", required=True, help="repository folder (created or replaced)")
     p.add_argument("--name", default=TritonConfig.model_name,
                    help=f"generation model name; the engine models are NAME_step and NAME_heads "
@@ -311,15 +356,62 @@ def _add_triton_parser(sub) -> None:
     p.set_defaults(func=cmd_triton)
 
 
+def _add_engine_parser(sub) -> None:
+    from .trt import add_trt_commands
+
+    add_trt_commands(sub)
+
+
+def _add_doctor_parser(sub) -> None:
+    from .doctor import add_doctor_command
+
+    add_doctor_command(sub)
+
+
+def _add_heads_parsers(sub) -> None:
+    from .heads import add_heads_commands
+
+    add_heads_commands(sub)
+
+
+def _add_models_parser(sub) -> None:
+    p = sub.add_parser("models", help="list the registered models")
+    p.set_defaults(func=cmd_models)
+
+
 def cmd_models(args) -> int:
-    """Print the registry."""
+    """Print the registry; the default model is marked."""
+    from ..loading.registry import DEFAULT_MODEL, load_registry
+
     for name, e in sorted(load_registry().items()):
-        print(f"{name:14s} {e.description} (default tree: {e.default_tree})")
+        mark = " [default]" if name == DEFAULT_MODEL else ""
+        print(f"{name:14s} {e.description} (default tree: {e.default_tree}){mark}")
     return 0
 
 
+#: Sub-command -> the function that adds its parser (train-heads and calibrate are added together).
+_COMMANDS = {
+    "generate": _add_generate_parser,
+    "chat": _add_chat_parser,
+    "build": _add_build_parser,
+    "verify": _add_verify_parser,
+    "triton": _add_triton_parser,
+    "engine": _add_engine_parser,
+    "doctor": _add_doctor_parser,
+    "train-heads": _add_heads_parsers,
+    "calibrate": _add_heads_parsers,
+    "models": _add_models_parser,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv), "medusa-export")
+    """Run ``medusa-export`` on ``argv`` (default: the process's); returns the exit code.
+
+    Only the named command's parser is built, so a command imports nothing it does not use.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and argv[0] in _COMMANDS else None
+    return run_command(build_parser(command).parse_args(argv), PROG)
 
 
 if __name__ == "__main__":

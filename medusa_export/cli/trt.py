@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..trt.config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
+from .args import add_artifact_arg, add_prompt_file_arg
 
 
 def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -13,8 +14,8 @@ def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    default=EngineConfig.precision,
                    help=f"engine precision: fp16 (norms and softmax kept fp32), int8 (calibrated on prompts, "
                         f"fp16 elsewhere) or fp32 (default: {EngineConfig.precision})")
-    p.add_argument("--calibration", help="JSONL prompts for int8 calibration ('prompt', 'turns' or 'messages'; "
-                                         "default: the project's own prompts)")
+    add_prompt_file_arg(p, "prompts for int8 calibration (default: the project's own prompts)",
+                        flag=f"--{prefix}prompt-file", dest="calibration", aliases=("--calibration",))
     p.add_argument("--calibration-batches", type=int, default=EngineConfig.calibration_batches,
                    help=f"calibration windows (default: {EngineConfig.calibration_batches})")
     p.add_argument("--workspace", type=int, dest="workspace_mib", metavar="MIB",
@@ -82,8 +83,9 @@ def add_trt_commands(sub) -> None:
                     "trtexec commands (engines/trtexec.PRECISION.txt) and a build script (engines/build_engine.sh), "
                     "then, where TensorRT's Python package imports, build the engines with optimization profiles for "
                     "the prefill, the tree step and decoding, a timing cache and a build record in the manifest.",
-        epilog=f"exit codes: 0 engines built; 2 the ONNX is not ready for TensorRT; {EXIT_NO_TENSORRT} TensorRT is "
-               "not installed here (the commands and build script were written for a GPU machine)")
-    p.add_argument("artifact", help="artifact directory")
+        epilog=f"exit codes: 0 engines built; 2 the ONNX is not ready for TensorRT (or other bad input); "
+               f"{EXIT_NO_TENSORRT} TensorRT is not installed here (the commands and build script were written for a "
+               f"GPU machine); 130 interrupted")
+    add_artifact_arg(p)
     _add_engine_options(p)
     p.set_defaults(func=cmd_engine)

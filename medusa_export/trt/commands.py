@@ -101,8 +101,8 @@ def build_script(folder: Path, manifest: dict, workspace_mib: int | None = None)
         lines = [f"  {prec})"]
         if prec == "int8":
             lines += [f"    if [ ! -f {CALIBRATION_CACHE} ]; then",
-                      f"      echo \"build_engine.sh: int8 needs {CALIBRATION_CACHE}: run 'medusa-export engine . "
-                      f"--precision int8 --calibration PROMPTS.jsonl' on a machine with TensorRT's Python package "
+                      f"      echo \"build_engine.sh: int8 needs {CALIBRATION_CACHE}: run 'medusa-export engine --artifact . "
+                      f"--precision int8 --prompt-file PROMPTS.jsonl' on a machine with TensorRT's Python package "
                       f"(it calibrates, saves the cache and builds the engine)\" >&2",
                       "      exit 3", "    fi"]
         for n, argv in enumerate(trtexec_commands(folder, manifest, prec, workspace_mib), 1):

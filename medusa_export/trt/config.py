@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from medusa_runtime.errors import MedusaError
+from medusa_runtime.errors import EXIT_UNAVAILABLE, MedusaError
 
 ENGINE_PRECISIONS = ("fp16", "int8", "fp32")
 #: Exit code of ``medusa-export engine`` when TensorRT is not importable (the commands and
-#: build script are written, no engine is built).
-EXIT_NO_TENSORRT = 3
+#: build script are written, no engine is built): the command lines' "not available here" code.
+EXIT_NO_TENSORRT = EXIT_UNAVAILABLE
 TIMING_CACHE = "engines/timing.cache"
 CALIBRATION_CACHE = "engines/calibration.cache"
 BUILD_SCRIPT = "engines/build_engine.sh"

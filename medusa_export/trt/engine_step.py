@@ -1,4 +1,4 @@
-"""``medusa-export engine ARTIFACT``: readiness check -> trtexec commands -> engines (where TensorRT is).
+"""``medusa-export engine --artifact DIR``: readiness check -> trtexec commands -> engines (where TensorRT is).
 
 Exit codes (also :class:`EngineOutcome.code`): 0 engines built and recorded; 2 the ONNX
 is not ready for TensorRT (the errors are printed); 3 (:data:`EXIT_NO_TENSORRT`) TensorRT
@@ -72,7 +72,7 @@ def run_engine_step(path: str | Path, cfg: EngineConfig = EngineConfig()) -> Eng
             "TensorRT is not available here (`import tensorrt` failed), so no engine was built.\n"
             f"Wrote {', '.join(files)} into {folder}.\n"
             f"On a machine with an NVIDIA GPU and TensorRT 10.x, run from the artifact: bash {BUILD_SCRIPT} {cfg.precision}\n"
-            f"(or `medusa-export engine {folder} --precision {cfg.precision}` where TensorRT's Python package is installed)."),
+            f"(or `medusa-export engine --artifact {folder} --precision {cfg.precision}` where TensorRT's Python package is installed)."),
             files)
     feeds = None
     if cfg.precision == "int8":

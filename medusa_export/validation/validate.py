@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.artifact import Artifact
+from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
@@ -38,6 +39,8 @@ from ..model.medusa import MedusaModel
 
 class ValidationError(MedusaError):
     """The artifact disagrees with the PyTorch reference; the message gives the first divergence."""
+
+    exit_code = EXIT_MISMATCH  # as `verify`'s: a mismatch, not bad input
 
 
 @dataclass(frozen=True)
