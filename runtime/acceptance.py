@@ -263,12 +263,13 @@ def inverse_cdf(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
 
 def draw_tokens(sorted_ids: np.ndarray, sorted_logprobs: np.ndarray, uniforms: np.ndarray, top_k: int,
                 top_p: float) -> np.ndarray:
-    """One token per row by inverse CDF over :func:`truncated_probs` (best token first).
+    """One token per row: inverse CDF over :func:`truncated_probs`, the kept tokens in increasing id order.
 
-    The order (descending probability; the step's TopK breaks ties by the lower id) fixes
-    which token a given uniform yields, so the host (from the step's top-k outputs) and the
-    in-graph sampler (from the whole sorted vocabulary, docs/sampling.md) draw the same token
-    for the same uniform whenever both are exact.
+    The order fixes which token a given uniform yields. Increasing token id is the order the
+    in-graph sampler (docs/sampling.md) can follow over the whole vocabulary without sorting it
+    (a cumulative sum in vocabulary order), so the host (from the step's top-k outputs) and the
+    graph draw the same token from the same uniform wherever both are exact (up to float
+    rounding near a CDF boundary).
 
     Args:
         sorted_ids: int [R, n] tokens, best first (``topk_ids``).
@@ -279,8 +280,11 @@ def draw_tokens(sorted_ids: np.ndarray, sorted_logprobs: np.ndarray, uniforms: n
     Returns:
         int64 [R] the drawn tokens.
     """
-    col = inverse_cdf(truncated_probs(sorted_logprobs, top_k, top_p), uniforms)
-    return np.take_along_axis(np.asarray(sorted_ids), col[:, None], axis=-1)[:, 0].astype(np.int64)
+    ids = np.asarray(sorted_ids)
+    probs = truncated_probs(sorted_logprobs, top_k, top_p)
+    by_id = np.argsort(ids, axis=-1, kind="stable")
+    col = inverse_cdf(np.take_along_axis(probs, by_id, axis=-1), uniforms)
+    return np.take_along_axis(np.take_along_axis(ids, by_id, axis=-1), col[:, None], axis=-1)[:, 0].astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -350,7 +354,8 @@ def accept_sample(tree: Tree, tokens: np.ndarray, drawn: np.ndarray) -> Acceptan
 
     Why the output is distributed as plain sampling. Write q(. | prefix) for the backbone's
     next-token distribution at the temperature, truncated by top-k / top-p
-    (:func:`truncated_probs`), and F^-1(u; q) for the inverse-CDF draw (:func:`draw_tokens`).
+    (:func:`truncated_probs`), and F^-1(u; q) for the inverse-CDF draw (:func:`draw_tokens`; any
+    fixed order of the tokens would do, the code uses increasing id).
     The loop draws the token of generated position m with the m-th uniform u_m of the
     generation's stream (:class:`PositionUniforms`), at whichever node and step position m
     falls. Claim: every emitted token is x_m = F^-1(u_m; q(. | x_<m)), which is exactly

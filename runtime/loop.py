@@ -42,15 +42,15 @@ class StepResult(NamedTuple):
 class SamplerInputs(NamedTuple):
     """What a step with the in-graph sampler is fed (docs/sampling.md), batch dimension dropped."""
 
-    uniforms: np.ndarray  # float32 [S] in [0, 1): row i's draw
-    top_k: int  # 0 = the whole vocabulary
+    uniforms: np.ndarray  # float32 [S] in [0, 1): row i's draw (< 0: row i not sampled)
+    top_k: int  # 0 = the whole vocabulary (-1: the sampler off, sampled_ids all -1)
     top_p: float  # (0, 1]; 1 = off
 
 
 def sampler_feed(s: int, sampling: SamplerInputs | None) -> dict[str, np.ndarray]:
-    """The in-graph sampler's step inputs for S rows (docs/sampling.md); None: zeros, whole vocabulary, top-p off."""
+    """The in-graph sampler's step inputs for S rows (docs/sampling.md); None: the sampler off (top_k -1)."""
     if sampling is None:
-        sampling = SamplerInputs(np.zeros(s, np.float32), 0, 1.0)
+        sampling = SamplerInputs(np.full(s, -1.0, np.float32), -1, 1.0)
     return {"sample_uniforms": np.ascontiguousarray(sampling.uniforms, np.float32).reshape(1, s),
             "sample_top_k": np.array([sampling.top_k], np.int64),
             "sample_top_p": np.array([sampling.top_p], np.float32)}
@@ -361,7 +361,7 @@ def generate(
         """One engine call; ``draw_positions`` int [S]: the generated position each row draws (-1: none)."""
         kwargs = {}
         if route == "graph":
-            u = np.zeros(len(tokens), np.float32)
+            u = np.full(len(tokens), -1.0, np.float32)  # < 0: the graph does not sample the row
             rows = draw_positions >= 0
             u[rows] = uniforms.at(draw_positions[rows])
             kwargs["sampling"] = SamplerInputs(u, sampling.top_k, sampling.top_p)

@@ -223,7 +223,10 @@ def test_inverse_cdf_on_a_uniform_grid_reproduces_the_probabilities():
     draws = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=0, top_p=1.0)
     counts = [(draws == t).sum() for t in ids[0]]
     assert np.all(np.abs(np.array(counts) - n * np.array([0.5, 0.3, 0.15, 0.05])) <= 1), counts
-    assert draw_tokens(ids, lp, np.array([0.0]), 0, 1.0)[0] == 11  # u = 0: the most likely token
+    assert draw_tokens(ids, lp, np.array([0.0]), 0, 1.0)[0] == 11  # u = 0: the lowest id kept
+    # the CDF runs in increasing id order, whatever order the top-k outputs come in
+    shuffled = draw_tokens(np.repeat(ids[:, ::-1], n, 0), np.repeat(lp[:, ::-1], n, 0), u, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(shuffled, draws)
     top = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=2, top_p=1.0)
     assert set(top.tolist()) == {11, 22} and abs((top == 11).mean() - 0.5 / 0.8) < 2 / n
     nucleus = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=0, top_p=0.75)

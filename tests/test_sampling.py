@@ -150,6 +150,15 @@ def test_graph_and_host_draw_the_same_token_from_the_same_uniform(engines):
         out = eng.step(ids, np.arange(s)[None], causal_mask(s), temperature, KVCache.for_engine(eng, 16).past(),
                        sampling=SamplerInputs(u, top_k, top_p))
         np.testing.assert_array_equal(out.sampled_ids, draw_tokens(out.topk_ids, out.topk_logprobs, u, top_k, top_p))
+    # rows with a negative uniform are not sampled; top_k -1 turns the sampler off (the loop's feed when unused)
+    u[[0, 3]] = -1.0
+    past = KVCache.for_engine(eng, 16).past()
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, past, sampling=SamplerInputs(u, 4, 1.0))
+    want = draw_tokens(out.topk_ids, out.topk_logprobs, np.maximum(u, 0), 4, 1.0)
+    want[[0, 3]] = -1
+    np.testing.assert_array_equal(out.sampled_ids, want)
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, past, sampling=SamplerInputs(u, -1, 1.0))
+    np.testing.assert_array_equal(out.sampled_ids, np.full(s, -1))
 
 
 def test_pytorch_reference_samples_the_same_tokens(peaked, engines):

@@ -34,8 +34,8 @@ class TorchEngine:
             ``max_position_embeddings``).
         sampler: also act as a step graph with the in-graph sampler (docs/sampling.md): ``step``
             then takes ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``, drawn from the
-            whole vocabulary sorted by descending log-probability (ties: lower id first) with
-            :func:`medusa_runtime.acceptance.draw_tokens`, the reference of the graph contract.
+            whole vocabulary with :func:`medusa_runtime.acceptance.draw_tokens` (rows with a negative
+            uniform, or every row at top_k -1, give -1): the reference of the graph contract.
     """
 
     def __init__(self, model: MedusaModel, k: int = STEP_TOPK, *, max_context: int | None = None,
@@ -73,8 +73,13 @@ class TorchEngine:
         logits, hidden, new_kv = self.model(ids, torch.from_numpy(position_ids), torch.from_numpy(mask),
                                             [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past])
         topk_ids, topk_lp, entropy, token_lp = acceptance_outputs(logits, ids, t, self.k)
-        logp, order = torch.sort(torch.log_softmax(logits[0].float() / t, dim=-1), dim=-1, descending=True, stable=True)
-        sampled = draw_tokens(order.numpy(), logp.numpy(), sampling.uniforms, sampling.top_k, sampling.top_p)
+        u = np.asarray(sampling.uniforms)
+        rows = np.flatnonzero(u >= 0) if sampling.top_k >= 0 else np.zeros(0, np.int64)  # the contract's skips
+        sampled = np.full(len(u), -1, np.int64)
+        if rows.size:
+            logp, order = torch.sort(torch.log_softmax(logits[0, rows].float() / t, dim=-1), dim=-1, descending=True,
+                                     stable=True)
+            sampled[rows] = draw_tokens(order.numpy(), logp.numpy(), u[rows], sampling.top_k, sampling.top_p)
         return StepResult(topk_ids[0].numpy(), topk_lp[0].numpy(), entropy[0].numpy(), token_lp[0].numpy(),
                           hidden[0].numpy(), [(k.numpy(), v.numpy()) for k, v in new_kv], sampled)
 
