@@ -5,8 +5,9 @@ engine on the chosen backend and the tokenizer, and offers:
 
 * :meth:`MedusaSession.generate`: one prompt (text, chat messages or token ids) -> a
   :class:`Completion` (text, ids, finish reason, timing), greedy (lossless), exact sampling
-  (lossless in distribution) or typical acceptance (:class:`SamplingConfig`), stop strings, ``vanilla=True`` for one token per step through the same
-  engine (the root-only tree), and a streaming callback that receives text deltas;
+  (plain sampling's law) or typical acceptance (:class:`SamplingConfig`), stop strings,
+  ``vanilla=True`` for one token per step through the same engine (the root-only tree), and
+  a streaming callback that receives text deltas;
 * :meth:`MedusaSession.chat`: multi-turn chat with the chat template. The KV cache is
   kept between turns and reused for the longest prefix of token ids that the new
   conversation shares with what the cache holds (K/V at a slot depend only on the tokens
