@@ -10,6 +10,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -173,3 +174,52 @@ def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
     if topk_ids[1:] != [heads, tree.topk]:
         raise ArtifactError(f"{mpath}: the heads graph outputs {topk_ids} but the manifest has {heads} Medusa heads "
                             f"and the tree uses top-{tree.topk}")
+
+
+#: The in-graph sampler's tensors (docs/sampling.md), by the manifest's ``step_sampler.version``.
+STEP_SAMPLER_IO = {1: (("sample_uniforms", "sample_top_k", "sample_top_p"), ("sampled_ids",))}
+
+
+class StepLimits(NamedTuple):
+    """What an engine tells the decode loop about its step graph (see :class:`medusa_runtime.loop.Engine`)."""
+
+    max_context: int  # KV capacity the graphs were built for (model.max_context)
+    vocab_size: int
+    step_topk: int | None  # k of topk_ids / topk_logprobs (None: not recorded)
+    has_sampler: bool  # the in-graph sampler (step_sampler)
+
+
+def step_limits(manifest: dict) -> StepLimits:
+    """The :class:`StepLimits` of an artifact's step graph.
+
+    Raises:
+        ArtifactError: a bad ``step_sampler`` entry (:func:`step_sampler`).
+    """
+    m = manifest["model"]
+    return StepLimits(int(m["max_context"]), int(m["vocab_size"]), int(manifest.get("step_topk", 0)) or None,
+                      step_sampler(manifest))
+
+
+def step_sampler(manifest: dict) -> bool:
+    """Whether the step graph has the in-graph sampler (``manifest["step_sampler"]``, docs/sampling.md).
+
+    Absent: no sampler (every artifact built before it). Present: ``{"version": 1, ...}``, and the
+    step graph's I/O lists must hold its inputs ``sample_uniforms`` float32 [1, S], ``sample_top_k``
+    int64 [1], ``sample_top_p`` float32 [1] and its output ``sampled_ids`` int64 [1, S].
+
+    Raises:
+        ArtifactError: an unknown version, or tensors missing from the step graph's I/O lists.
+    """
+    spec = manifest.get("step_sampler")
+    if not spec:
+        return False
+    version = spec.get("version") if isinstance(spec, dict) else None
+    if version not in STEP_SAMPLER_IO:
+        raise ArtifactError(f"step_sampler version {version!r} is not supported (this runtime reads "
+                            f"{', '.join(map(str, STEP_SAMPLER_IO))})")
+    graph = manifest["graphs"]["model"]
+    names = {t["name"] for t in graph["inputs"]} | {t["name"] for t in graph["outputs"]}
+    missing = [n for group in STEP_SAMPLER_IO[version] for n in group if n not in names]
+    if missing:
+        raise ArtifactError(f"step_sampler is declared but the step graph lacks {', '.join(missing)}")
+    return True

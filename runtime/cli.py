@@ -11,23 +11,52 @@ import argparse
 import sys
 from typing import TextIO
 
-from .acceptance import TypicalConfig
+from .acceptance import ACCEPTANCES, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
 from .errors import EXIT_CODES_HELP, EXIT_INTERRUPTED, ContextOverflowError, MedusaError
 
-_TYPICAL = TypicalConfig()
+_S = SamplingConfig  # every default below is read from it
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """--max-new-tokens, --temperature, typical acceptance's epsilon/delta and --seed."""
-    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum new tokens (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy acceptance (lossless, default); > 0 = typical acceptance at this temperature")
-    p.add_argument("--posterior-threshold", type=float, default=_TYPICAL.posterior_threshold,
-                   help=f"typical acceptance epsilon (default: {_TYPICAL.posterior_threshold})")
-    p.add_argument("--posterior-alpha", type=float, default=_TYPICAL.posterior_alpha,
-                   help=f"typical acceptance delta (default: {_TYPICAL.posterior_alpha})")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling under typical acceptance (default: 0)")
+    """--max-new-tokens and the sampling settings (:class:`SamplingConfig`; defaults read from it)."""
+    from .session import DEFAULT_MAX_NEW_TOKENS
+
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"maximum new tokens, >= 0 (default: {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=_S.temperature,
+                   help=f"0 = greedy decoding (lossless); > 0 = sample at this temperature (default: {_S.temperature:g})")
+    p.add_argument("--acceptance", choices=ACCEPTANCES, default=_S.acceptance,
+                   help="how tree candidates are accepted: greedy (temperature 0), sample (exact: the output is "
+                        "distributed as plain sampling) or typical (seeds/001 §2.3.1, lossy) "
+                        "(default: greedy at --temperature 0, sample above)")
+    p.add_argument("--top-k", type=int, default=_S.top_k,
+                   help="sample among the k most likely tokens; 0 = the whole vocabulary, which needs an artifact "
+                        f"with the in-graph sampler (default: {_S.top_k}, the step graphs' k: exact everywhere)")
+    p.add_argument("--top-p", type=float, default=_S.top_p,
+                   help=f"nucleus sampling inside the top-k, in (0, 1] (default: {_S.top_p:g} = off)")
+    p.add_argument("--posterior-threshold", type=float, default=_S.posterior_threshold,
+                   help=f"typical acceptance epsilon, in (0, 1] (default: {_S.posterior_threshold})")
+    p.add_argument("--posterior-alpha", type=float, default=_S.posterior_alpha,
+                   help=f"typical acceptance delta, > 0 (default: {_S.posterior_alpha})")
+    p.add_argument("--seed", type=int, default=_S.seed,
+                   help=f"seed of the sampling, >= 0 (reproducible) (default: {_S.seed})")
+
+
+def sampling_from_args(args) -> SamplingConfig:
+    """The :class:`SamplingConfig` of parsed :func:`add_sampling_args` options.
+
+    Raises:
+        InvalidSettingError: a value out of its range (named with the valid range), before any
+            model is loaded; also a negative --max-new-tokens.
+    """
+    from .errors import InvalidSettingError
+
+    if args.max_new_tokens < 0:
+        raise InvalidSettingError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    return SamplingConfig(temperature=args.temperature, acceptance=args.acceptance, top_k=args.top_k,
+                          top_p=args.top_p, posterior_threshold=args.posterior_threshold,
+                          posterior_alpha=args.posterior_alpha, seed=args.seed)
 
 
 def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> None:
@@ -63,10 +92,9 @@ def _session(args):
     return session
 
 
-def _gen_kwargs(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
-                seed=args.seed, stop=args.stop, vanilla=args.vanilla)
+def _gen_kwargs(args, session) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, sampling=session.sampling(sampling_from_args(args)),
+                stop=args.stop, vanilla=args.vanilla)
 
 
 def summary(c, mode: str) -> str:
@@ -82,7 +110,8 @@ def summary(c, mode: str) -> str:
 
 def _mode(session, args) -> str:
     tree = session.vanilla_tree if args.vanilla else session.tree
-    return f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} nodes"
+    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} nodes, "
+            f"{sampling_from_args(args).describe()}")
 
 
 def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -92,7 +121,9 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     bound when this module is imported, so redirections made later are honoured).
     """
     out, err = out or sys.stdout, err or sys.stderr
+    sampling_from_args(args)  # bad values fail before the artifact is loaded
     session = _session(args)
+    kwargs = _gen_kwargs(args, session)  # and settings this artifact cannot sample exactly, before any work
     if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
         print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
               "guess), so few candidates are accepted]", file=err)
@@ -101,7 +132,7 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
         out.write(text)
         out.flush()
 
-    c = session.generate(args.prompt, raw=getattr(args, "raw", False), stream=write, **_gen_kwargs(args))
+    c = session.generate(args.prompt, raw=getattr(args, "raw", False), stream=write, **kwargs)
     out.write("\n")
     print(summary(c, _mode(session, args)), file=err)
     return 0
@@ -113,7 +144,9 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     The streams default to the current sys.stdin / sys.stdout / sys.stderr, looked up per call.
     """
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
+    sampling_from_args(args)
     session = _session(args)
+    kwargs = _gen_kwargs(args, session)
     session.reset(args.system)
     interactive = inp.isatty()
     print(f"chat with {session.artifact.model['name']} ({_mode(session, args)}); /reset starts over, "
@@ -138,7 +171,7 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
         if not message.strip():
             continue
         try:
-            c = session.chat(message, stream=write, **_gen_kwargs(args))
+            c = session.chat(message, stream=write, **kwargs)
         except ContextOverflowError as exc:
             print(f"[{exc}; the conversation is full: /reset to start a new one]", file=err)
             continue

@@ -53,3 +53,13 @@ class BackendUnavailableError(MedusaError):
     """An engine backend cannot run here (package, provider or GPU missing); the message says what is needed."""
 
     exit_code = EXIT_UNAVAILABLE
+
+
+class InvalidSettingError(MedusaError, ValueError):
+    """A generation setting is out of its valid range (temperature, top-k, top-p, acceptance,
+    max_new_tokens, context); the message names the setting and its valid range."""
+
+
+class UnsupportedSamplingError(InvalidSettingError):
+    """Sampling settings the engine cannot sample exactly (e.g. the whole vocabulary from a step
+    graph that returns only its top-k); the message names the settings that are exact there."""

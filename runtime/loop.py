@@ -19,8 +19,9 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-from .acceptance import TypicalConfig, accept_greedy, accept_typical, sample_topk
-from .errors import ContextOverflowError
+from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
+                         sampling_route)
+from .errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
 from .kvcache import compact_in_place, fits, write_accepted
 from .stops import apply_stops
 from .tree import Tree, gather_candidates, make_tree
@@ -35,10 +36,35 @@ class StepResult(NamedTuple):
     token_logprobs: np.ndarray  # float32 [S, S]
     hidden: np.ndarray  # [S, d]
     new_kv: list  # per layer (key, value), each [1, S, H_kv, D]
+    sampled_ids: np.ndarray | None = None  # int64 [S], the in-graph sampler's draw (only when asked for)
+
+
+class SamplerInputs(NamedTuple):
+    """What a step with the in-graph sampler is fed (docs/sampling.md), batch dimension dropped."""
+
+    uniforms: np.ndarray  # float32 [S] in [0, 1): row i's draw (< 0: row i not sampled)
+    top_k: int  # 0 = the whole vocabulary (-1: the sampler off, sampled_ids all -1)
+    top_p: float  # (0, 1]; 1 = off
+
+
+def sampler_feed(s: int, sampling: SamplerInputs | None) -> dict[str, np.ndarray]:
+    """The in-graph sampler's step inputs for S rows (docs/sampling.md); None: the sampler off (top_k -1)."""
+    if sampling is None:
+        sampling = SamplerInputs(np.full(s, -1.0, np.float32), -1, 1.0)
+    return {"sample_uniforms": np.ascontiguousarray(sampling.uniforms, np.float32).reshape(1, s),
+            "sample_top_k": np.array([sampling.top_k], np.int64),
+            "sample_top_p": np.array([sampling.top_p], np.float32)}
 
 
 class Engine(Protocol):
-    """What the loop needs from a backend."""
+    """What the loop needs from a backend.
+
+    Optional attributes the loop reads when present: ``max_context`` (the KV capacity the
+    graphs were built for: the default capacity and its upper bound), ``step_topk`` and
+    ``vocab_size`` (which sampling settings are exact from the top-k outputs) and
+    ``has_sampler`` (the step graph has the in-graph sampler: ``step`` then accepts
+    ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``).
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -48,7 +74,10 @@ class Engine(Protocol):
 
     def step(self, input_ids: np.ndarray, position_ids: np.ndarray, mask: np.ndarray, temperature: float,
              past: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
-        """Run S tokens (input_ids/position_ids int64 [1, S], mask bool [S, S]) after the past views."""
+        """Run S tokens (input_ids/position_ids int64 [1, S], mask bool [S, S]) after the past views.
+
+        Engines with ``has_sampler`` also take ``sampling: SamplerInputs | None = None``.
+        """
 
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens.
@@ -184,8 +213,10 @@ class GenerationResult:
     Attributes:
         tokens: emitted token ids (EOS excluded).
         finish_reason: "stop" (EOS or stop string) or "length" (max_new_tokens, or the context is full).
-        step_tokens: tokens produced by each tree step (accepted candidates + 1), before stops.
-        accept_depths: per tree step, the accepted candidates after the root.
+        step_tokens: tokens each tree step emitted (accepted candidates + 1, less what EOS, a stop
+            string or max_new_tokens cut off; EOS itself is not counted), so that
+            ``len(tokens) == 1 + sum(step_tokens)`` whenever the prefill's token was emitted.
+        accept_depths: per tree step, the candidates acceptance accepted after the root (before stops).
         prompt_tokens: prompt length.
         engine_seconds / host_seconds: wall time in engine calls / in the loop's own work.
         prefill_seconds: wall time of the prefill call.
@@ -207,13 +238,55 @@ class GenerationResult:
 
     @property
     def mean_accepted(self) -> float:
-        """Mean tokens per tree step (acceptance length incl. the bonus token); 0 if no step."""
+        """Mean emitted tokens per tree step (accepted candidates + the bonus token); 0 if no step."""
         return float(np.mean(self.step_tokens)) if self.step_tokens else 0.0
 
 
 def causal_mask(n: int) -> np.ndarray:
     """bool [n, n] lower-triangular: the prefill's mask over the new tokens."""
     return np.tril(np.ones((n, n), dtype=bool))
+
+
+def context_capacity(engine: Engine, max_context: int | None) -> int:
+    """The KV capacity of a generation: ``max_context``, or the engine's own when None.
+
+    Args:
+        engine: the backend (its ``max_context`` attribute, when it has one, is the artifact's
+            ``model.max_context``: the graphs' rotary tables and optimization profiles end there).
+        max_context: the capacity asked for, or None.
+
+    Raises:
+        InvalidSettingError: ``max_context`` < 1, or None for an engine that does not say its context.
+        ContextOverflowError: ``max_context`` exceeds the engine's.
+    """
+    limit = getattr(engine, "max_context", None)
+    if max_context is None:
+        if limit is None:
+            raise InvalidSettingError("this engine does not say its context length (no max_context attribute): "
+                                      "pass max_context")
+        return int(limit)
+    if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
+        raise InvalidSettingError(f"max_context must be an integer >= 1, got {max_context!r}")
+    if limit is not None and max_context > limit:
+        raise ContextOverflowError(f"max_context {max_context} exceeds the engine's context of {limit} tokens "
+                                   f"(the artifact's model.max_context): use 1..{limit}")
+    return int(max_context)
+
+
+def engine_sampling_route(engine: Engine, sampling: SamplingConfig, step_topk: int | None = None) -> str:
+    """:func:`~medusa_runtime.acceptance.sampling_route` for an engine ("greedy", "host" or "graph").
+
+    Args:
+        engine: the backend (reads ``step_topk``, ``vocab_size``, ``has_sampler`` when present).
+        sampling: the settings.
+        step_topk: k of the step's top-k outputs when the engine does not say it.
+
+    Raises:
+        UnsupportedSamplingError: the settings are not exact on this engine.
+    """
+    k = getattr(engine, "step_topk", None) or step_topk
+    return sampling_route(sampling, step_topk=int(k), vocab_size=getattr(engine, "vocab_size", None),
+                          graph_sampler=bool(getattr(engine, "has_sampler", False)))
 
 
 def generate(
@@ -223,59 +296,88 @@ def generate(
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
-    max_context: int = 2048,
-    typical: TypicalConfig | None = None,
-    seed: int = 0,
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    max_context: int | None = None,
+    sampling: SamplingConfig | None = None,
+    on_tokens: Callable[[list[int]], bool | int | None] | None = None,
     cache: KVCache | None = None,
 ) -> GenerationResult:
-    """Generate with Medusa; greedy when ``typical`` is None (lossless vs plain greedy).
+    """Generate with Medusa: greedy (lossless vs plain greedy), exact sampling, or typical acceptance.
+
+    Tokens are drawn as :mod:`medusa_runtime.acceptance` describes: the token of generated
+    position m with the m-th uniform of one generator seeded with ``sampling.seed``, from the
+    step's top-k outputs on the host, or by the in-graph sampler (``sampled_ids``) when the
+    settings need the whole vocabulary and the engine has it (:func:`engine_sampling_route`).
 
     Args:
         engine: the backend.
         prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
             ``cache`` given, these are the tokens *after* the cache's valid prefix.
         tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps.
-        max_new_tokens: maximum emitted tokens (exact).
+        max_new_tokens: maximum emitted tokens (exact), >= 0.
         eos_token_ids: tokens that end generation (not emitted).
-        max_context: KV capacity in tokens. When the tree no longer fits, steps fall back
-            to the root alone; when nothing fits, generation ends with "length".
-        typical: typical acceptance settings (temperature > 0), or None for greedy.
-        seed: seeds the sampling of bonus tokens under typical acceptance.
-        on_tokens: called with each step's emitted tokens (streaming); returning True
-            stops generation (finish_reason "stop"; used for stop strings).
+        max_context: KV capacity in tokens (default: the engine's ``max_context``, i.e. the
+            artifact's; never more). When the tree no longer fits, steps fall back to the root
+            alone; when nothing fits, generation ends with "length". Ignored with ``cache``.
+        sampling: temperature, acceptance rule, top-k/top-p, typical's thresholds and the seed
+            (default: :class:`SamplingConfig`'s defaults, greedy).
+        on_tokens: called with each step's emitted tokens (streaming). Returning True stops
+            generation after them (finish_reason "stop"; used for stop strings); returning an
+            int n stops after the first n of them; None or False continues.
         cache: a cache to continue from (multi-turn chat); a new one when None.
 
     Raises:
-        ValueError: empty prompt, negative max_new_tokens, or a tree deeper than the heads.
-        ContextOverflowError: the prompt does not fit the context.
+        InvalidSettingError: empty prompt, max_new_tokens < 0, a bad max_context.
+        UnsupportedSamplingError: sampling settings this engine cannot sample exactly.
+        InvalidTreeError: a tree deeper than the engine's heads.
+        ContextOverflowError: the prompt does not fit the context, or ``max_context`` exceeds the engine's.
     """
+    sampling = sampling if sampling is not None else SamplingConfig()
     prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
     if prompt.size == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        raise InvalidSettingError("the prompt is empty: give at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if tree.max_depth > engine.num_heads:
-        raise ValueError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
-    cache = cache if cache is not None else KVCache.for_engine(engine, max_context)
+        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
+    if cache is None:
+        cache = KVCache.for_engine(engine, context_capacity(engine, max_context))
     if cache.length + prompt.size > cache.capacity:
         raise ContextOverflowError(
             f"the prompt has {prompt.size} tokens but only {cache.capacity - cache.length} of the "
             f"{cache.capacity}-token context are free"
         )
-    rng = np.random.default_rng(seed)
+    route = engine_sampling_route(engine, sampling) if getattr(engine, "step_topk", None) else None
     result = GenerationResult([], "length", prompt_tokens=int(prompt.size))
     if max_new_tokens == 0:
         return result
     root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
-    temperature = typical.temperature if typical else 1.0
+    mode = sampling.mode
+    typical = sampling.typical if mode == "typical" else None
+    temperature = sampling.temperature if mode != "greedy" else 1.0
+    uniforms = PositionUniforms(sampling.seed)
     t_start = time.perf_counter()
 
-    def run(tokens, positions, mask) -> StepResult:
+    def run(tokens, positions, mask, draw_positions) -> StepResult:
+        """One engine call; ``draw_positions`` int [S]: the generated position each row draws (-1: none)."""
+        kwargs = {}
+        if route == "graph":
+            u = np.full(len(tokens), -1.0, np.float32)  # < 0: the graph does not sample the row
+            rows = draw_positions >= 0
+            u[rows] = uniforms.at(draw_positions[rows])
+            kwargs["sampling"] = SamplerInputs(u, sampling.top_k, sampling.top_p)
         t = time.perf_counter()
-        out = engine.step(tokens[None], positions[None], mask, temperature, cache.past())
+        out = engine.step(tokens[None], positions[None], mask, temperature, cache.past(), **kwargs)
         result.engine_seconds += time.perf_counter() - t
         return out
+
+    def draw(out: StepResult, rows, positions) -> np.ndarray:
+        """int64 [len(rows)] the token drawn at each row, with the uniform of its generated position."""
+        if route == "greedy":
+            return np.asarray(out.topk_ids[rows, 0], dtype=np.int64)
+        if route == "graph":
+            return np.asarray(out.sampled_ids[rows], dtype=np.int64)
+        return draw_tokens(out.topk_ids[rows], out.topk_logprobs[rows], uniforms.at(positions), sampling.top_k,
+                           sampling.top_p)
 
     def heads_topk(hidden_row) -> np.ndarray:  # hidden_row: a [1, d] slice of StepResult.hidden
         t = time.perf_counter()
@@ -283,30 +385,41 @@ def generate(
         result.engine_seconds += time.perf_counter() - t
         return out
 
-    def emit(step_tokens: list[int]) -> bool:
+    def emit(step_tokens: list[int]) -> tuple[int, bool]:
+        """Emit a step's tokens up to a stop; returns (tokens emitted, whether generation ends)."""
         stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=max_new_tokens,
                            eos_token_ids=eos_token_ids)
-        result.tokens.extend(stop.tokens)
-        if on_tokens and stop.tokens and on_tokens(stop.tokens):
-            result.finish_reason = "stop"
-            return True
-        if stop.finish_reason:
+        kept, done = stop.tokens, stop.finish_reason is not None
+        if on_tokens and kept:
+            ret = on_tokens(kept)
+            if ret is not None and ret is not False:
+                n = len(kept) if ret is True else int(ret)
+                if not 0 <= n <= len(kept):
+                    raise ValueError(f"on_tokens returned {n} for {len(kept)} tokens")
+                result.tokens.extend(kept[:n])
+                result.finish_reason = "stop"
+                return n, True
+        result.tokens.extend(kept)
+        if done:
             result.finish_reason = stop.finish_reason
-            return True
-        return False
+        return len(kept), done
 
     def finish() -> GenerationResult:
         total = time.perf_counter() - t_start
         result.host_seconds = total - result.engine_seconds
         return result
 
-    # Prefill: the prompt with a causal mask; all of its K/V are kept.
+    # Prefill: the prompt with a causal mask; all of its K/V are kept. Its last row draws position 0.
     n = int(prompt.size)
-    out = run(prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n))
+    last_row = np.full(n, -1, np.int64)
+    last_row[-1] = 0
+    out = run(prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n), last_row)
     result.prefill_seconds = result.engine_seconds
+    if route is None:  # the engine does not say its k: the prefill's outputs do
+        route = engine_sampling_route(engine, sampling, step_topk=out.topk_ids.shape[-1])
     cache.keep(out.new_kv, np.arange(n), prompt)
-    root = int(out.topk_ids[-1, 0]) if typical is None else sample_topk(out.topk_ids[-1], out.topk_logprobs[-1], rng)
-    if emit([root]):
+    root = int(draw(out, [n - 1], [0])[0])
+    if emit([root])[1]:
         return finish()
     heads = heads_topk(out.hidden[n - 1 : n]) if tree.size > 1 else None
     while True:
@@ -316,17 +429,21 @@ def generate(
             return finish()
         b = step_tree.buffers()
         tokens = gather_candidates(root, heads, step_tree) if step_tree.size > 1 else np.array([root], np.int64)
-        out = run(tokens, cache.length + b.depth, b.attention_mask)
-        if typical is None:
-            acc = accept_greedy(step_tree, tokens, out.topk_ids[:, 0])
+        positions = len(result.tokens) + b.depth  # generated position each node draws (the root is the last emitted)
+        out = run(tokens, cache.length + b.depth, b.attention_mask, positions)
+        drawn = draw(out, np.arange(step_tree.size), positions)
+        if mode == "greedy":
+            acc = accept_greedy(step_tree, tokens, drawn)
+        elif mode == "sample":
+            acc = accept_sample(step_tree, tokens, drawn)
         else:
-            acc = accept_typical(step_tree, tokens, out.token_logprobs, out.entropy, out.topk_ids,
-                                 out.topk_logprobs, typical, rng)
+            acc = accept_typical(step_tree, tokens, out.token_logprobs, out.entropy, typical, drawn)
         cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
         step_tokens = [int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token]
-        result.step_tokens.append(len(step_tokens))
+        emitted, done = emit(step_tokens)
+        result.step_tokens.append(emitted)
         result.accept_depths.append(acc.accept_length)
-        if emit(step_tokens):
+        if done:
             return finish()
         root = acc.next_token
         if tree.size > 1:

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout
+from .artifact import Artifact, kv_layout, step_limits
 from .errors import BackendUnavailableError
 from .kvcache import compaction_slots, in_place_moves
-from .loop import CacheState, StepResult
+from .loop import CacheState, StepResult, sampler_feed
 from .ort_engine import KV_DTYPES, check_graph_io, session_options
 
 _HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
@@ -158,6 +158,9 @@ class OrtCudaEngine:
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
         self.num_heads = m["medusa_heads"]
         self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest["precision"]["kv_dtype"]])
+        # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
+        self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(artifact.manifest)
+        self.has_sampler = False
         self.hidden_size = m["hidden_size"]
         self.device_id = device_id
         self.cudart = _load_cudart()
@@ -179,6 +182,8 @@ class OrtCudaEngine:
         io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids))
         io.bind_cpu_input("new_token_mask", np.ascontiguousarray(mask))
         io.bind_cpu_input("temperature", np.array([temperature], dtype=np.float32))
+        for name, value in (sampler_feed(s, None) if self._graph_sampler else {}).items():
+            io.bind_cpu_input(name, value)
         for name in _HOST_OUTPUTS:
             io.bind_output(name, "cpu")
         io.bind_output("hidden_states", "cuda", self.device_id)

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout
+from .artifact import Artifact, kv_layout, step_limits
 from .errors import ArtifactError, ContextOverflowError
-from .loop import HeadMajorKVCache, InPlacePast, KVCache, StepResult
+from .loop import HeadMajorKVCache, InPlacePast, KVCache, SamplerInputs, StepResult, sampler_feed
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -117,8 +117,11 @@ class OrtEngine:
             check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
         self._outputs = [o.name for o in self.step_session.get_outputs()]
+        self._kv_outputs = [i for i, n in enumerate(self._outputs) if n.startswith("new_key_values.")]
         self.kv_layout = kv_layout(artifact.manifest)
         self.max_positions = int(m["max_context"])
+        self.max_context, self.vocab_size, self.step_topk, self.has_sampler = step_limits(artifact.manifest)
+        self._host_outputs = _STEP_OUTPUTS + (("sampled_ids",) if self.has_sampler else ())
         self._binding = None  # (cache, IOBinding) of the head-major cache bound last
 
     def make_cache(self, capacity: int):
@@ -135,29 +138,43 @@ class OrtEngine:
                                        f"{self.max_positions}")
         return HeadMajorKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.kv_dtype)
 
-    def step(self, input_ids, position_ids, mask, temperature, past) -> StepResult:
-        """One step; shapes as :class:`medusa_runtime.loop.Engine` (outputs batch-dropped)."""
+    def _sampler_feed(self, s: int, sampling: SamplerInputs | None) -> dict:
+        if not self.has_sampler:
+            if sampling is not None:
+                raise ArtifactError("this artifact's step graph has no in-graph sampler (manifest step_sampler)")
+            return {}
+        return sampler_feed(s, sampling)
+
+    def step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs | None = None) -> StepResult:
+        """One step; shapes as :class:`medusa_runtime.loop.Engine` (outputs batch-dropped).
+
+        ``sampling`` feeds the in-graph sampler (artifacts whose manifest has ``step_sampler``);
+        ``StepResult.sampled_ids`` is then its draw per row.
+        """
         if isinstance(past, InPlacePast):
-            return self._step_in_place(input_ids, position_ids, mask, temperature, past)
+            return self._step_in_place(input_ids, position_ids, mask, temperature, past, sampling)
         feed = {
             "input_ids": input_ids,
             "position_ids": position_ids,
             "new_token_mask": mask,
             "temperature": np.array([temperature], dtype=np.float32),
+            **self._sampler_feed(int(input_ids.shape[1]), sampling),
         }
         for (kn, vn), (k, v) in zip(self._past_names, past):
             feed[kn], feed[vn] = k, v
-        outs = self.step_session.run(self._outputs, feed)
-        new = outs[5:]
-        return StepResult(outs[0][0], outs[1][0], outs[2][0], outs[3][0], outs[4][0],
-                          [(new[2 * i], new[2 * i + 1]) for i in range(self.num_layers)])
+        outs = dict(zip(self._outputs, self.step_session.run(self._outputs, feed)))
+        new = [outs[self._outputs[i]] for i in self._kv_outputs]
+        sampled = outs["sampled_ids"][0] if sampling is not None else None
+        return StepResult(outs["topk_ids"][0], outs["topk_logprobs"][0], outs["entropy"][0], outs["token_logprobs"][0],
+                          outs["hidden_states"][0], [(new[2 * i], new[2 * i + 1]) for i in range(self.num_layers)],
+                          sampled)
 
     def _bind_cache(self, cache: HeadMajorKVCache):
         """The I/O binding of ``cache``: each layer's buffer as past input and present output."""
         if self._binding is not None and self._binding[0] is cache:
             return self._binding[1]
         io = self.step_session.io_binding()
-        for name in _STEP_OUTPUTS:  # first, so that they lead get_outputs()
+        for name in self._host_outputs:  # first, so that they lead get_outputs()
             io.bind_output(name)
         dtype = self.kv_dtype.type
         for i, (kn, vn) in enumerate(self._past_names):
@@ -167,7 +184,8 @@ class OrtEngine:
         self._binding = (cache, io)
         return io
 
-    def _step_in_place(self, input_ids, position_ids, mask, temperature, past: InPlacePast) -> StepResult:
+    def _step_in_place(self, input_ids, position_ids, mask, temperature, past: InPlacePast,
+                       sampling: SamplerInputs | None = None) -> StepResult:
         cache, p = past
         s = int(input_ids.shape[1])
         if p + s > cache.capacity:
@@ -178,12 +196,15 @@ class OrtEngine:
         io.bind_cpu_input("new_token_mask", np.ascontiguousarray(mask, bool))
         io.bind_cpu_input("temperature", np.array([temperature], dtype=np.float32))
         io.bind_cpu_input("past_sequence_length", np.array([p], dtype=np.int32))
-        for name in _STEP_OUTPUTS:  # unallocated again: a run keeps its outputs bound, and S changes
+        for name, value in self._sampler_feed(s, sampling).items():
+            io.bind_cpu_input(name, value)
+        for name in self._host_outputs:  # unallocated again: a run keeps its outputs bound, and S changes
             io.bind_output(name)
         self.step_session.run_with_iobinding(io)
         outs = io.get_outputs()
         topk_ids, topk_lp, entropy, token_lp, hidden = (outs[j].numpy()[0] for j in range(len(_STEP_OUTPUTS)))
-        return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, cache.new_kv(p, s))
+        sampled = outs[len(_STEP_OUTPUTS)].numpy()[0] if sampling is not None else None
+        return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, cache.new_kv(p, s), sampled)
 
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, topk] (topk fixed by the artifact's heads graph)."""

@@ -20,14 +20,22 @@ field              value                            meaning
 ``input_ids``      ints                             prompt token ids, used as is
 ``max_new_tokens`` int, 1 .. limit                  reply budget (default
                                                     :data:`DEFAULT_MAX_NEW_TOKENS`)
-``temperature``    float >= 0                       0: greedy acceptance (lossless); > 0: typical
-``seed``           int >= 0                         sampling seed under typical acceptance
+``temperature``    float >= 0                       0: greedy (lossless); > 0: sample
+``acceptance``     "greedy", "sample", "typical"    default: greedy at temperature 0, sample
+                                                    (exact) above
+``top_k``          int >= 0                         0 = whole vocabulary (needs the in-graph
+                                                    sampler); default 10
+``top_p``          float in (0, 1]                  nucleus inside the top-k; 1 = off
+``posterior_threshold``  float in (0, 1]            typical acceptance epsilon
+``posterior_alpha``      float > 0                  typical acceptance delta
+``seed``           int >= 0                         sampling seed (reproducible)
 ``stop``           str or list of str               stop strings (the text is cut where one starts)
 ``stream``         bool                             one response per tree step (decoupled mode)
 ``raw``            bool                             ``text_input`` without the chat template
 =================  ===============================  ============================================
 
-Exactly one of ``text_input``, ``messages`` and ``input_ids`` is given.
+Exactly one of ``text_input``, ``messages`` and ``input_ids`` is given. The sampling
+settings' defaults are :class:`~medusa_runtime.acceptance.SamplingConfig`'s.
 """
 
 from __future__ import annotations
@@ -40,15 +48,15 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .acceptance import TypicalConfig
-from .errors import ChatTemplateError, MedusaError
+from .acceptance import SamplingConfig
+from .errors import ChatTemplateError, InvalidSettingError, MedusaError
 from .loop import generate
-from .session import Completion, MedusaSession
+from .session import DEFAULT_MAX_NEW_TOKENS, Completion, MedusaSession
 
-#: Reply budget when a request gives none.
-DEFAULT_MAX_NEW_TOKENS = 128
 PROMPT_FIELDS = ("text_input", "messages", "input_ids")
-FIELDS = PROMPT_FIELDS + ("max_new_tokens", "temperature", "seed", "stop", "stream", "raw")
+#: The request fields that are :class:`SamplingConfig` settings (same names).
+SAMPLING_FIELDS = ("temperature", "acceptance", "top_k", "top_p", "posterior_threshold", "posterior_alpha", "seed")
+FIELDS = PROMPT_FIELDS + ("max_new_tokens",) + SAMPLING_FIELDS + ("stop", "stream", "raw")
 #: Request parameters with this prefix belong to the server or client library, not to us.
 RESERVED_PREFIX = "triton_"
 
@@ -64,16 +72,15 @@ class GenerationRequest:
     Attributes:
         prompt_ids: the prompt's token ids (chat template applied), length >= 1.
         max_new_tokens: reply budget (>= 1).
-        temperature: 0 for greedy acceptance, > 0 for typical acceptance.
-        seed: sampling seed (>= 0).
+        sampling: temperature, acceptance, top-k/top-p, typical's thresholds, seed (checked
+            against the session's artifact).
         stop: stop strings.
         stream: answer once per tree step.
     """
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0
-    seed: int = 0
+    sampling: SamplingConfig = SamplingConfig()
     stop: tuple[str, ...] = ()
     stream: bool = False
 
@@ -133,8 +140,8 @@ def _int(name: str, value, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if value < lo or (hi is not None and value > hi):
-        span = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise RequestError(f"{name} must be in {span}, got {value}")
+        span = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise RequestError(f"{name} must be {span}, got {value}")
     return value
 
 
@@ -189,6 +196,26 @@ def _input_ids(value, vocab_size: int) -> tuple[int, ...]:
     return ids
 
 
+def _sampling(fields: Mapping[str, object], session: MedusaSession) -> SamplingConfig:
+    """The request's :class:`SamplingConfig` (types checked here, ranges by the dataclass, exactness by the session)."""
+    given = {}
+    if "temperature" in fields:
+        given["temperature"] = _float("temperature", fields["temperature"])
+    if "acceptance" in fields:
+        given["acceptance"] = _text("acceptance", fields["acceptance"])
+    if "top_k" in fields:
+        given["top_k"] = _int("top_k", fields["top_k"], 0)
+    for name in ("top_p", "posterior_threshold", "posterior_alpha"):
+        if name in fields:
+            given[name] = _float(name, fields[name])
+    if "seed" in fields:
+        given["seed"] = _int("seed", fields["seed"], 0, 2**63 - 1)
+    try:
+        return session.sampling(**given)
+    except InvalidSettingError as exc:
+        raise RequestError(str(exc)) from None
+
+
 def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
                   max_new_tokens_limit: int | None = None) -> GenerationRequest:
     """Check a request's fields and encode its prompt.
@@ -206,9 +233,7 @@ def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
     if len(given) != 1:
         raise RequestError(f"give exactly one of {', '.join(PROMPT_FIELDS)} (got {', '.join(given) or 'none'})")
     limit = max_new_tokens_limit or session.max_context
-    temperature = _float("temperature", fields["temperature"]) if "temperature" in fields else 0.0
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    sampling = _sampling(fields, session)
     raw = _bool("raw", fields["raw"]) if "raw" in fields else False
     try:
         if "input_ids" in fields:
@@ -230,8 +255,7 @@ def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
         prompt_ids=ids,
         max_new_tokens=_int("max_new_tokens", fields["max_new_tokens"], 1, limit)
         if "max_new_tokens" in fields else min(DEFAULT_MAX_NEW_TOKENS, limit),
-        temperature=temperature,
-        seed=_int("seed", fields["seed"], 0, 2**63 - 1) if "seed" in fields else 0,
+        sampling=sampling,
         stop=_stop(fields["stop"]) if "stop" in fields else (),
         stream=_bool("stream", fields["stream"]) if "stream" in fields else False,
     )
@@ -254,28 +278,27 @@ def serve(session: MedusaSession, req: GenerationRequest,
         The :class:`Completion`, as :meth:`MedusaSession.generate` returns it (same tokens
         for the same request).
     """
-    typical = TypicalConfig(temperature=req.temperature) if req.temperature > 0 else None
     decoder = session.tokenizer.stream(req.stop)
     state = {"cancelled": False}
 
-    def on_tokens(tokens: list[int]) -> bool:
+    def on_tokens(tokens: list[int]) -> bool | int | None:
         start = len(decoder.tokens)
-        for t in tokens:
-            if decoder.add(t):
-                break
+        kept = decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
         if on_step is not None:
             ids, piece = decoder.tokens[start:], decoder.take()
             if ids or piece:
                 on_step(ids, piece)
+        if kept is not None:
+            return kept
         if cancelled is not None and cancelled():
             state["cancelled"] = True
             return True
-        return decoder.stopped
+        return None
 
     t = time.perf_counter()
     res = generate(session.engine, req.prompt_ids, session.tree, max_new_tokens=req.max_new_tokens,
-                   eos_token_ids=session.eos_token_ids, max_context=session.max_context, typical=typical,
-                   seed=req.seed, on_tokens=on_tokens)
+                   eos_token_ids=session.eos_token_ids, max_context=session.max_context, sampling=req.sampling,
+                   on_tokens=on_tokens)
     seconds = time.perf_counter() - t
     tail = decoder.finish()
     if on_step is not None and tail:

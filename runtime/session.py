@@ -4,9 +4,10 @@
 engine on the chosen backend and the tokenizer, and offers:
 
 * :meth:`MedusaSession.generate`: one prompt (text, chat messages or token ids) -> a
-  :class:`Completion` (text, ids, finish reason, timing), greedy (lossless) or typical
-  acceptance, stop strings, ``vanilla=True`` for one token per step through the same
-  engine (the root-only tree), and a streaming callback that receives text deltas;
+  :class:`Completion` (text, ids, finish reason, timing), greedy (lossless), exact sampling
+  (plain sampling's law) or typical acceptance (:class:`SamplingConfig`), stop strings,
+  ``vanilla=True`` for one token per step through the same engine (the root-only tree), and
+  a streaming callback that receives text deltas;
 * :meth:`MedusaSession.chat`: multi-turn chat with the chat template. The KV cache is
   kept between turns and reused for the longest prefix of token ids that the new
   conversation shares with what the cache holds (K/V at a slot depend only on the tokens
@@ -20,16 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .acceptance import TypicalConfig
+from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
 from .autotree import TreeTiming, auto_tree, is_auto
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import MedusaError
-from .loop import GenerationResult, KVCache, generate
+from .loop import GenerationResult, KVCache, engine_sampling_route, generate
 from .tokenizer import RuntimeTokenizer
 from .tree import Tree, make_tree, tree_from_spec
 
-_TYPICAL = TypicalConfig()
+#: Reply budget when none is given (generate, the CLIs, Triton requests).
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclass
@@ -148,16 +150,37 @@ class MedusaSession:
             prompt = [{"role": "user", "content": prompt}]
         return self.tokenizer.apply_chat_template(list(prompt))
 
+    def sampling(self, sampling: SamplingConfig | None = None, **overrides) -> SamplingConfig:
+        """The settings a generation would use, checked against this artifact.
+
+        Args:
+            sampling: a base (default: :class:`SamplingConfig`'s defaults).
+            **overrides: :class:`SamplingConfig` fields (temperature, acceptance, top_k, top_p,
+                posterior_threshold, posterior_alpha, seed); None keeps the base's.
+
+        Raises:
+            InvalidSettingError: a value out of its range.
+            UnsupportedSamplingError: settings this artifact cannot sample exactly (the message
+                names the exact ones: top-k up to its step_topk, or its in-graph sampler).
+        """
+        cfg = sampling_config(sampling, **overrides)
+        engine_sampling_route(self.engine, cfg)
+        return cfg
+
     def generate(
         self,
         prompt: str | Sequence[dict] | None = None,
         *,
         prompt_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        posterior_threshold: float = _TYPICAL.posterior_threshold,
-        posterior_alpha: float = _TYPICAL.posterior_alpha,
-        seed: int = 0,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | None = None,
+        temperature: float | None = None,
+        acceptance: str | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        posterior_threshold: float | None = None,
+        posterior_alpha: float | None = None,
+        seed: int | None = None,
         stop: Sequence[str] = (),
         vanilla: bool = False,
         raw: bool = False,
@@ -170,11 +193,17 @@ class MedusaSession:
             prompt: a user message (chat template applied unless ``raw``) or a list of
                 ``{"role", "content"}`` messages; or None with ``prompt_ids``.
             prompt_ids: token ids to use as is (after ``cache``'s valid prefix, if given).
-            max_new_tokens: reply budget, exact ("length" when reached).
-            temperature: 0 for greedy acceptance (output identical to greedy decoding);
-                > 0 for typical acceptance at this temperature (seeds/001 §2.3.1).
+            max_new_tokens: reply budget, exact ("length" when reached), >= 0.
+            sampling: the sampling settings (default: :class:`SamplingConfig`'s: greedy);
+                the keyword arguments below override its fields one by one.
+            temperature: 0 for greedy acceptance (output identical to greedy decoding); > 0 to
+                sample at this temperature.
+            acceptance: "greedy", "sample" (exact: distributed as plain sampling; the default
+                at temperature > 0) or "typical" (seeds/001 §2.3.1, lossy).
+            top_k, top_p: truncation as plain sampling applies it (transformers' order).
             posterior_threshold, posterior_alpha: typical acceptance epsilon and delta.
-            seed: seeds the sampling under typical acceptance (reproducible).
+            seed: seeds the sampling (reproducible; same tokens as ``vanilla`` with this seed
+                under "sample").
             stop: stop strings; the text is cut where the first one starts ("stop").
             vanilla: one token per step (root-only tree) through the same engine.
             raw: encode a string prompt without the chat template.
@@ -184,29 +213,30 @@ class MedusaSession:
         Raises:
             ContextOverflowError: the prompt does not fit the context.
             ChatTemplateError: the messages cannot be rendered.
-            ValueError: neither or both of ``prompt`` and ``prompt_ids``; bad sampling values.
+            InvalidSettingError: a sampling value or max_new_tokens out of range.
+            UnsupportedSamplingError: settings this artifact cannot sample exactly.
+            ValueError: neither or both of ``prompt`` and ``prompt_ids``.
         """
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt and prompt_ids")
+        cfg = self.sampling(sampling, temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
+                            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, raw=raw)
-        typical = TypicalConfig(temperature, posterior_threshold, posterior_alpha) if temperature > 0 else None
         decoder = self.tokenizer.stream(stop)
 
-        def on_tokens(tokens: list[int]) -> bool:
-            for t in tokens:
-                if decoder.add(t):
-                    break
+        def on_tokens(tokens: list[int]) -> int | None:
+            kept = decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
             if stream is not None:
                 piece = decoder.take()
                 if piece:
                     stream(piece)
-            return decoder.stopped
+            return kept
 
         reused = cache.length if cache is not None else 0
         t = time.perf_counter()
         res = generate(self.engine, ids, self.vanilla_tree if vanilla else self.tree,
                        max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-                       max_context=self.max_context, typical=typical, seed=seed,
+                       max_context=self.max_context, sampling=cfg,
                        on_tokens=on_tokens if (stop or stream) else None, cache=cache)
         seconds = time.perf_counter() - t
         if stream is not None:

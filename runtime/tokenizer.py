@@ -235,6 +235,14 @@ class StreamDecoder:
             self._search_from = max(0, len(self._text) - longest - 4)
         return False
 
+    def add_all(self, tokens: Sequence[int]) -> int | None:
+        """Consume a step's tokens; the number consumed when one completes a stop string (the
+        loop's ``on_tokens`` stop protocol), else None."""
+        for i, t in enumerate(tokens):
+            if self.add(t):
+                return i + 1
+        return None
+
     def take(self) -> str:
         """The text that became printable since the last call (maybe "")."""
         text = self._text

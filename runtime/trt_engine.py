@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .artifact import Artifact
+from .artifact import Artifact, step_limits
 from .errors import ArtifactError, BackendUnavailableError, ContextOverflowError
-from .loop import StepResult
+from .loop import StepResult, sampler_feed
 from .trt_plan import (KVLayout, align, compaction_copies, heads_profiles, kv_bindings, model_profiles, plan_files,
                        select_profile)
 
@@ -268,6 +268,9 @@ class TrtEngine:
         self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
         self.num_heads, self.hidden_size = m["medusa_heads"], m["hidden_size"]
         self.manifest = manifest
+        # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
+        self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(manifest)
+        self.has_sampler = False
         self.cuda = _Cuda(device_id)
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
@@ -306,7 +309,7 @@ class TrtEngine:
         ctx = self.model.contexts[select_profile(self.model.profiles, {"S": s, "P": p})]
         dt = self.model.dtypes
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "new_token_mask": mask,
-                 "temperature": np.array([temperature])}
+                 "temperature": np.array([temperature]), **(sampler_feed(s, None) if self._graph_sampler else {})}
         for name, arr in feeds.items():
             self._bind_input(ctx, f"model.{name}", name, np.asarray(arr, dtype=dt[name]))
         kv_shape = lambda n: (1, n, self.num_kv_heads, self.head_dim)  # noqa: E731

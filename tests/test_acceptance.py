@@ -1,4 +1,5 @@
-"""Acceptance (medusa_runtime.acceptance): greedy and typical, on hand-made arrays."""
+"""Acceptance (medusa_runtime.acceptance): greedy, exact sampling and typical, on hand-made arrays;
+the sampling settings and their truncation against transformers' own logits warpers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from medusa_runtime.acceptance import TypicalConfig, accept_greedy, accept_typical, sample_topk
+from medusa_runtime.acceptance import (PositionUniforms, SamplingConfig, TypicalConfig, accept_greedy, accept_sample,
+                                      accept_typical, draw_tokens, inverse_cdf, sampling_config, sampling_route,
+                                      truncated_probs)
+from medusa_runtime.errors import InvalidSettingError, UnsupportedSamplingError
 from medusa_runtime.tree import make_tree
 
 # Nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
@@ -71,13 +75,10 @@ FORK = make_tree([[0], [1]], num_heads=1, topk=2)
 FORK_TOKENS = np.array([5, 3, 4])
 
 
-def _typical(p1, p2, entropy, config, seed=0):
+def _typical(p1, p2, entropy, config, drawn=(3, 8, 7)):
     token_logprobs = np.full((3, 3), -30.0)
     token_logprobs[0, 1], token_logprobs[0, 2] = math.log(p1), math.log(p2)
-    topk_ids = np.array([[3, 4], [8, 9], [6, 7]])
-    topk_logprobs = np.log(np.array([[0.5, 0.5], [1.0, 1e-12], [1e-12, 1.0]]))
-    return accept_typical(FORK, FORK_TOKENS, token_logprobs, np.array([entropy, 0.0, 0.0]), topk_ids,
-                          topk_logprobs, config, np.random.default_rng(seed))
+    return accept_typical(FORK, FORK_TOKENS, token_logprobs, np.array([entropy, 0.0, 0.0]), config, np.array(drawn))
 
 
 @pytest.mark.parametrize(
@@ -95,10 +96,10 @@ def test_typical_threshold_formula(p1, entropy, accepted):
     acc = _typical(p1, 0.01, entropy, cfg)
     if accepted:
         np.testing.assert_array_equal(acc.accepted, [0, 1])
-        assert acc.next_token == 8  # node 1's top-k puts all its mass on token 8
+        assert acc.next_token == 8  # the draw at node 1
     else:
         np.testing.assert_array_equal(acc.accepted, [0])
-        assert acc.next_token in (3, 4)
+        assert acc.next_token == 3  # the draw at the root (not node 1's token: typical does not look)
 
 
 def test_typical_tie_broken_by_probability():
@@ -107,21 +108,6 @@ def test_typical_tie_broken_by_probability():
     acc = _typical(0.35, 0.55, 0.0, cfg)
     np.testing.assert_array_equal(acc.accepted, [0, 2])
     assert (acc.path_index, acc.next_token) == (1, 7)
-
-
-def test_typical_is_reproducible_for_a_seed():
-    cfg = TypicalConfig(temperature=1.0, posterior_threshold=0.9, posterior_alpha=0.9)  # rejects both
-    draws = [_typical(0.1, 0.1, 0.0, cfg, seed=s).next_token for s in range(40)]
-    assert draws == [_typical(0.1, 0.1, 0.0, cfg, seed=s).next_token for s in range(40)]
-    assert set(draws) == {3, 4}  # the root's bonus token is sampled from its two equally likely tokens
-
-
-def test_sample_topk_follows_probabilities():
-    rng = np.random.default_rng(1)
-    ids, logp = np.array([11, 22, 33]), np.log(np.array([0.7, 0.2, 0.1]))
-    draws = np.array([sample_topk(ids, logp, rng) for _ in range(4000)])
-    for tok, p in zip(ids, [0.7, 0.2, 0.1]):
-        assert abs((draws == tok).mean() - p) < 0.03
 
 
 def test_typical_defaults_and_validation():
@@ -133,3 +119,172 @@ def test_typical_defaults_and_validation():
         TypicalConfig(posterior_threshold=0.0)
     with pytest.raises(ValueError, match="delta"):
         TypicalConfig(posterior_alpha=0.0)
+
+
+# --- exact sampling: the walk ---------------------------------------------------------------------
+# TREE nodes: 0 root(100), 1 [0](10), 2 [1](11), 3 [0,0](20), 4 [0,1](21), 5 [1,0](20), 6 [0,0,0](30)
+
+
+def _drawn(**at_node) -> np.ndarray:
+    """The token drawn at each node: 99 (no child carries it) except where given."""
+    return _argmax(**at_node)
+
+
+@pytest.mark.parametrize("draws, path, next_token, row", [
+    ({"n0": 7}, [0], 7, 0),  # the root's draw matches no child: it is the bonus token
+    ({"n0": 11, "n2": 20, "n5": 4}, [0, 2, 5], 4, 1),
+    ({"n0": 10, "n1": 20, "n3": 30, "n6": 5}, [0, 1, 3, 6], 5, 2),
+    ({"n0": 10, "n1": 21, "n4": 30}, [0, 1, 4], 30, 0),  # 30 is node 6's token, but node 6 is not node 4's child
+    ({"n0": 10, "n1": 11}, [0, 1], 11, 0),  # 11 is a child of the root, not of node 1
+])
+def test_sample_walks_the_draws(draws, path, next_token, row):
+    acc = accept_sample(TREE, TOKENS, _drawn(**draws))
+    np.testing.assert_array_equal(acc.accepted, path)
+    assert (acc.next_token, acc.path_index) == (next_token, row)
+    np.testing.assert_array_equal(TREE.buffers().retrieve_indices[row, : len(path)], path)
+
+
+def test_sample_with_argmax_draws_accepts_what_greedy_accepts():
+    rng = np.random.default_rng(0)
+    tree = make_tree([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)] + [[0, 0, 0], [1, 2, 0]],
+                     num_heads=3, topk=3)
+    parent = tree.buffers().parent
+
+    def path_tokens(tokens, v):
+        return () if v < 0 else path_tokens(tokens, parent[v]) + (int(tokens[v]),)
+
+    for _ in range(300):
+        tokens = rng.integers(0, 4, tree.size)  # siblings may repeat a token
+        model = {}  # a "backbone": the argmax is a function of the node's path (nodes with equal paths agree)
+        argmax = np.array([model.setdefault(path_tokens(tokens, v), int(rng.integers(0, 4))) for v in range(tree.size)])
+        g, s = accept_greedy(tree, tokens, argmax), accept_sample(tree, tokens, argmax)
+        assert list(tokens[g.accepted[1:]]) + [g.next_token] == list(tokens[s.accepted[1:]]) + [s.next_token]
+
+
+# --- the sampling distribution against transformers' logits warpers --------------------------------
+
+
+def _transformers_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Plain sampling's distribution: transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
+    TopPLogitsWarper (the order of generation/utils.py), then softmax; float64."""
+    import torch
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    scores = torch.from_numpy(logits.astype(np.float64))
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1).numpy()
+
+
+def _step_topk(logits: np.ndarray, temperature: float, k: int):
+    """What the step graph returns: the k best ids and their log-probs over the whole vocabulary."""
+    z = logits.astype(np.float64) / temperature
+    logp = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+    ids = np.argsort(-logp, axis=-1, kind="stable")[:, :k]
+    return ids, np.take_along_axis(logp, ids, axis=-1)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, 10, 1.0), (0.7, 10, 1.0), (0.7, 4, 1.0), (1.3, 10, 0.9), (0.5, 7, 0.5), (1.0, 1, 1.0),
+    (1.0, 10, 0.05), (2.0, 3, 0.99),
+])
+def test_top_k_outputs_give_plain_sampling_distribution(temperature, top_k, top_p):
+    """Renormalising the step's top-10 (k <= 10) and applying top-p inside is exactly transformers'
+    temperature -> top-k -> top-p, for every row, over the whole vocabulary."""
+    logits = np.random.default_rng(3).normal(0, 3, (6, 40))
+    want = _transformers_probs(logits, temperature, top_k, top_p)
+    ids, lp = _step_topk(logits, temperature, 10)
+    got = np.zeros_like(want)
+    np.put_along_axis(got, ids, truncated_probs(lp, top_k, top_p), axis=-1)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (0, 0.8), (25, 0.6), (40, 1.0)])
+def test_whole_sorted_vocabulary_gives_plain_sampling_distribution(top_k, top_p):
+    """The in-graph sampler's reference: the whole vocabulary sorted, any top-k / top-p."""
+    logits = np.random.default_rng(4).normal(0, 2, (5, 40))
+    want = _transformers_probs(logits, 0.8, top_k, top_p)
+    ids, lp = _step_topk(logits, 0.8, 40)
+    got = np.zeros_like(want)
+    np.put_along_axis(got, ids, truncated_probs(lp, top_k, top_p), axis=-1)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_inverse_cdf_on_a_uniform_grid_reproduces_the_probabilities():
+    """N evenly spaced uniforms land on each token N * p times, to within one."""
+    ids = np.array([[11, 22, 33, 44]])
+    lp = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    n = 1000
+    u = (np.arange(n) + 0.5) / n
+    draws = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=0, top_p=1.0)
+    counts = [(draws == t).sum() for t in ids[0]]
+    assert np.all(np.abs(np.array(counts) - n * np.array([0.5, 0.3, 0.15, 0.05])) <= 1), counts
+    assert draw_tokens(ids, lp, np.array([0.0]), 0, 1.0)[0] == 11  # u = 0: the lowest id kept
+    # the CDF runs in increasing id order, whatever order the top-k outputs come in
+    shuffled = draw_tokens(np.repeat(ids[:, ::-1], n, 0), np.repeat(lp[:, ::-1], n, 0), u, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(shuffled, draws)
+    top = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=2, top_p=1.0)
+    assert set(top.tolist()) == {11, 22} and abs((top == 11).mean() - 0.5 / 0.8) < 2 / n
+    nucleus = draw_tokens(np.repeat(ids, n, 0), np.repeat(lp, n, 0), u, top_k=0, top_p=0.75)
+    assert set(nucleus.tolist()) == {11, 22}  # the mass before 33 is 0.8, not < 0.75
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_column():
+    probs = np.array([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert inverse_cdf(probs, np.array([1 - 1e-17, 0.999999999])).tolist() == [1, 0]
+
+
+def test_position_uniforms_do_not_depend_on_chunking():
+    a, b = PositionUniforms(5), PositionUniforms(5)
+    x = np.concatenate([a.at([0, 1, 2]), a.at(np.arange(3, 200)), a.at([0])])
+    y = np.concatenate([b.at(np.arange(200))[::-1][::-1], b.at([0])])
+    np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(y[:200], np.random.default_rng(5).random(200))
+
+
+# --- settings ---------------------------------------------------------------------------------------
+
+
+def test_sampling_defaults_and_modes():
+    d = SamplingConfig()
+    assert (d.temperature, d.acceptance, d.top_k, d.top_p, d.seed, d.mode) == (0.0, None, 10, 1.0, 0, "greedy")
+    assert (d.posterior_threshold, d.posterior_alpha) == (TypicalConfig.posterior_threshold, TypicalConfig.posterior_alpha)
+    assert SamplingConfig(temperature=0.7).mode == "sample"
+    t = SamplingConfig(temperature=0.7, acceptance="typical", posterior_threshold=0.2)
+    assert t.mode == "typical" and t.typical == TypicalConfig(0.7, 0.2, 0.3)
+    assert sampling_config(t, top_p=0.9, seed=None) == SamplingConfig(0.7, "typical", 10, 0.9, 0.2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"temperature": 0.5, "acceptance": "greedy"}, "greedy acceptance decodes the argmax: it needs temperature 0"),
+    ({"acceptance": "typical"}, "typical acceptance needs temperature > 0"),
+    ({"temperature": 1.0, "acceptance": "rejection"}, "unknown acceptance 'rejection'; choose one of greedy, sample"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"seed": -2}, "seed must be an integer >= 0"),
+    ({"temperature": 0.5, "posterior_threshold": 0.0}, r"posterior_threshold \(epsilon\) must be in \(0, 1\]"),
+    ({"posterior_alpha": -1.0}, r"posterior_alpha \(delta\) must be > 0"),
+])
+def test_sampling_settings_out_of_range_are_typed_errors(kwargs, message):
+    with pytest.raises(InvalidSettingError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_sampling_route_says_which_settings_are_exact():
+    route = lambda cfg, **kw: sampling_route(cfg, **{"step_topk": 10, "vocab_size": 1000, "graph_sampler": False, **kw})  # noqa: E731
+    assert route(SamplingConfig()) == "greedy"
+    assert route(SamplingConfig(temperature=1.0, top_k=10, top_p=0.5)) == "host"
+    assert route(SamplingConfig(temperature=1.0, top_k=0), graph_sampler=True) == "graph"
+    assert route(SamplingConfig(temperature=1.0, top_k=50), graph_sampler=True) == "graph"
+    assert route(SamplingConfig(temperature=1.0, top_k=0), vocab_size=10) == "host"  # the top-10 is the vocabulary
+    for cfg in (SamplingConfig(temperature=1.0, top_k=0), SamplingConfig(temperature=1.0, top_k=11, top_p=0.9),
+                SamplingConfig(temperature=1.0, acceptance="typical", top_k=0)):
+        with pytest.raises(UnsupportedSamplingError, match=r"Exact here: top_k 1..10, with any top_p"):
+            route(cfg)

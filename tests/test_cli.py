@@ -75,6 +75,17 @@ def test_generate_on_a_local_model(tiny_model_dir, capsys):
     assert "finish: length" in err
 
 
+def test_reference_generate_samples_and_refuses_bad_settings_before_loading(tiny_model_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "Hello", "--tree", "16", "--max-new-tokens", "6",
+               "--temperature", "0.8", "--top-k", "0", "--top-p", "0.9", "--seed", "2"])
+    assert rc == 0  # the reference samples from the whole vocabulary
+    assert "PyTorch reference, sample T=0.8 top-k off top-p 0.9 seed 2" in capsys.readouterr().err
+    rc = main(["generate", "--model", "no-such-model", "--prompt", "Hi", "--temperature", "-1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "temperature must be a finite number >= 0" in err and "loading" not in err
+
+
 def test_bad_tree_exits_2(tiny_model_dir, capsys):
     rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "--tree", "bushy"])
     assert rc == EXIT_USAGE

@@ -15,8 +15,8 @@ import torch
 
 from conftest import plain_greedy
 from medusa_export.model.decode import TorchEngine, medusa_generate
-from medusa_runtime.acceptance import TypicalConfig, accept_greedy
-from medusa_runtime.errors import ContextOverflowError
+from medusa_runtime.acceptance import SamplingConfig, accept_greedy
+from medusa_runtime.errors import ContextOverflowError, MedusaError
 from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.tree import gather_candidates, make_tree, tree_from_spec
 
@@ -82,7 +82,8 @@ def test_full_tree_accepts_three_candidates_every_step(tiny_hf, reference, promp
     assert len(set(ref)) >= 3, ref
     res = medusa_generate(model, prompt, FULL_TREE, max_new_tokens=N_NEW)
     assert res.tokens == ref
-    assert res.step_tokens == [4] * math.ceil((N_NEW - 1) / 4)
+    # 1 + 4 * 9 = 37 tokens after 9 full steps; the 10th accepts 4 but max_new_tokens keeps 3 (counted: 3)
+    assert res.step_tokens == [4] * 9 + [3] and res.accept_depths == [3] * 10
 
 
 @pytest.mark.parametrize("spec", ["16", "64"])
@@ -96,8 +97,8 @@ def test_partial_acceptance_equals_plain_greedy(vocab8, spec):
 
 def test_typical_acceptance_is_reproducible(vocab8):
     model, prompt, _ = vocab8
-    cfg = TypicalConfig(temperature=0.7)
-    runs = [medusa_generate(model, prompt, FULL_TREE, max_new_tokens=24, typical=cfg, seed=s) for s in (3, 3, 4)]
+    runs = [medusa_generate(model, prompt, FULL_TREE, max_new_tokens=24,
+                            sampling=SamplingConfig(0.7, "typical", seed=s)) for s in (3, 3, 4)]
     assert runs[0].tokens == runs[1].tokens and runs[0].step_tokens == runs[1].step_tokens
     assert len(runs[0].tokens) == 24 and all(0 <= t < 8 for t in runs[0].tokens)
     assert runs[0].tokens != runs[2].tokens  # another seed samples other bonus tokens
@@ -202,7 +203,8 @@ def test_eos_in_the_middle_of_an_accepted_path(vocab8):
     res = medusa_generate(model, prompt, FULL_TREE, max_new_tokens=N_NEW, eos_token_ids=[ref[i]])
     assert res.tokens == ref[:i]
     assert res.finish_reason == "stop"
-    assert res.steps == (i + 2) // 4 and res.step_tokens[-1] == 4  # it stopped inside the last step's path
+    assert res.steps == (i + 2) // 4 and res.accept_depths[-1] == 3  # it stopped inside the last step's path
+    assert res.step_tokens[-1] == 1 and len(res.tokens) == 1 + sum(res.step_tokens)  # only the emitted token counts
 
 
 @pytest.mark.parametrize("max_new", [0, 1, 2, 5, 6, 13])
@@ -249,12 +251,13 @@ def test_small_context_falls_back_to_root_steps(vocab8, spec, room):
     "prompt, kwargs, message",
     [
         ([], {}, "the prompt is empty"),
-        ([3], {"max_new_tokens": -1}, "max_new_tokens must be >= 0"),
+        ([3], {"max_new_tokens": -1}, "max_new_tokens must be an integer >= 0, got -1"),
+        ([3], {"max_context": 0}, "max_context must be an integer >= 1, got 0"),
         ([3], {"tree": tree_from_spec("chain", num_heads=4, topk=8)}, "tree depth 4 exceeds the engine's 3"),
     ],
 )
 def test_bad_generation_arguments(vocab8, prompt, kwargs, message):
     model = vocab8[0]
     kw = {"tree": FULL_TREE, "max_new_tokens": 4, **kwargs}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(MedusaError, match=message):  # typed: the CLI prints the message, no traceback
         medusa_generate(model, prompt, kw.pop("tree"), **kw)

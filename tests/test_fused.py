@@ -163,6 +163,22 @@ def test_greedy_through_the_runtime_equals_plain_greedy(built, gqa):
         assert len(medusa.tokens) == 32
 
 
+@pytest.mark.parametrize("graph", ["fused", "portable"])
+def test_the_loop_takes_its_context_from_the_artifact(built, graph):
+    """medusa_runtime.loop.generate without max_context: the artifact's 256 tokens (issue 16: a
+    hard 2048 made a 256-context fused artifact fail on a 3-token prompt, and a 256-context
+    portable one accept a 300-token prompt)."""
+    eng = OrtEngine(load_artifact(built(graph)))
+    tree = make_tree(TREE, num_heads=3)
+    res = generate(eng, [5, 6, 7], tree, max_new_tokens=8)
+    assert res.tokens == generate(eng, [5, 6, 7], tree, max_new_tokens=8, max_context=256).tokens
+    assert len(res.tokens) == 8
+    with pytest.raises(ContextOverflowError, match="the prompt has 300 tokens but only 256 of the 256-token context"):
+        generate(eng, list(range(300)), tree, max_new_tokens=1)
+    with pytest.raises(ContextOverflowError, match="max_context 2048 exceeds the engine's context of 256 tokens"):
+        generate(eng, [5, 6, 7], tree, max_new_tokens=1, max_context=2048)
+
+
 def test_accepting_full_paths_equals_plain_greedy(tiny_hf, tmp_path):
     """Vocabulary 8 and every depth-2 path of the top 8: each step accepts two candidates at
     scattered node indices, so the in-place cache moves rows every step."""

@@ -95,8 +95,11 @@ def test_eos_inside_an_accepted_path(counter):
     c = counter.generate(prompt_ids=[295], max_new_tokens=50)
     assert c.token_ids == [296, 297, 298, 299, 0, 1]
     assert c.finish_reason == "stop"
-    emitted_in_last_step = len(c.token_ids) - 1 - sum(c.result.step_tokens[:-1])
-    assert emitted_in_last_step < c.result.step_tokens[-1]  # cut mid-path
+    # the last step accepted a whole path (3 candidates + bonus: 1, 2, 3, 4) but emitted only 1 before EOS:
+    # it counts 1, not 4 (issue 16: the discarded tail was counted)
+    assert c.result.accept_depths[-1] == 3 and c.result.step_tokens[-1] == 1
+    assert len(c.token_ids) == 1 + sum(c.result.step_tokens)
+    assert c.tokens_per_step == np.mean(c.result.step_tokens)
 
 
 def test_eos_through_the_loop_directly(counter):
@@ -123,13 +126,15 @@ def test_stop_string_inside_an_accepted_path(counter):
     assert c.text == before
     assert "".join(streamed) == before  # the stop string's start was never printed
     assert c.token_ids == ids[: i + 2]  # up to the token that completed the stop string
-    assert sum(c.result.step_tokens) + 1 > len(c.token_ids)  # the step had accepted more
+    assert sum(c.result.step_tokens) + 1 == len(c.token_ids) == len(c.result.tokens)  # only the emitted ones count
+    assert c.result.accept_depths[-1] + 1 > c.result.step_tokens[-1]  # the step had accepted more
 
 
 def test_max_new_tokens_exact_inside_a_long_path(counter):
     for n in (1, 2, 3, 6):
         c = counter.generate(prompt_ids=[100], max_new_tokens=n)
         assert c.token_ids == _counting(101, n) and c.finish_reason == "length"
+        assert c.result.step_tokens == {1: [], 2: [1], 3: [2], 6: [4, 1]}[n]  # what max_new_tokens kept
     c = counter.generate(prompt_ids=[100], max_new_tokens=0)
     assert c.token_ids == [] and c.finish_reason == "length"
 
@@ -153,7 +158,7 @@ def test_prompt_that_fills_the_context(counter):
 
 
 def test_typical_acceptance_is_reproducible_per_seed(counter):
-    kw = dict(prompt_ids=[100], max_new_tokens=40, temperature=2.0)
+    kw = dict(prompt_ids=[100], max_new_tokens=40, temperature=2.0, acceptance="typical")
     a = counter.generate(seed=1, **kw)
     assert counter.generate(seed=1, **kw).token_ids == a.token_ids
     b = counter.generate(seed=2, **kw)
@@ -161,6 +166,23 @@ def test_typical_acceptance_is_reproducible_per_seed(counter):
     assert len(a.token_ids) == 40 and a.tokens_per_step > 1.0
     with pytest.raises(ValueError, match="posterior_threshold"):
         counter.generate(posterior_threshold=0.0, **kw)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=1.3, top_k=4, top_p=0.9)])
+def test_sample_acceptance_equals_plain_sampling_token_for_token(counter, settings):
+    """acceptance "sample" draws generated position m with the seed's m-th uniform, in whatever
+    step it falls: the same tokens as plain sampling (the root-only tree) with that seed."""
+    accepted = 0
+    for seed in range(6):
+        kw = dict(prompt_ids=[100], max_new_tokens=30, seed=seed, **settings)
+        m = counter.generate(**kw)
+        v = counter.generate(vanilla=True, **kw)
+        assert m.token_ids == v.token_ids and m.finish_reason == v.finish_reason
+        assert len(m.token_ids) == 1 + sum(m.result.step_tokens)
+        accepted += sum(m.result.accept_depths)
+    assert accepted >= 20  # the tree did accept candidates: this is not plain sampling in disguise
+    assert counter.generate(prompt_ids=[100], max_new_tokens=30, seed=0, **settings).token_ids != \
+        counter.generate(prompt_ids=[100], max_new_tokens=30, seed=1, **settings).token_ids
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,6 +309,40 @@ def test_cli_generate_and_chat(counter_artifact, capsys):
     assert sum("tokens/s" in line for line in lines) == 3
     assert "reused from the last turn" in lines[2] and "[new conversation]" in lines[3]
     assert main(["generate", "--artifact", str(counter_artifact / "nope"), "--prompt", "x"]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+    (["--temperature", "0.5", "--posterior-threshold", "0"], "posterior_threshold (epsilon) must be in (0, 1], got 0.0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0 (0 = greedy decoding), got -1.0"),
+    (["--acceptance", "typical"], "typical acceptance needs temperature > 0"),
+    (["--temperature", "0.7", "--top-p", "1.5"], "top_p must be in (0, 1] (1 = off), got 1.5"),
+    (["--temperature", "0.7", "--top-k", "0"], "not exact with this step graph: it returns only its 10 best tokens"),
+    (["--temperature", "0.7", "--top-k", "50", "--acceptance", "typical"], "Exact here: top_k 1..10, with any top_p"),
+])
+def test_cli_bad_sampling_settings_are_one_line_errors(counter_artifact, capsys, argv, message):
+    """Each bad setting exits 2 with a message naming the valid range (issue 16: a traceback, or
+    --temperature -1 silently decoding greedily)."""
+    from medusa_export.cli.main import main
+    from medusa_runtime.cli import main as runtime_main
+
+    for entry in (main, runtime_main):
+        assert entry(["generate", "--artifact", str(counter_artifact), "--prompt", "hi", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_cli_samples_with_the_settings(counter_artifact, capsys):
+    from medusa_runtime.cli import main as runtime_main
+
+    argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "12",
+            "--temperature", "0.9", "--top-k", "5", "--top-p", "0.95", "--seed", "4", "--threads", "1"]
+    assert runtime_main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "sample T=0.9 top-k 5 top-p 0.95 seed 4" in err
+    want = MedusaSession(counter_artifact, threads=1).generate("hi", max_new_tokens=12, temperature=0.9, top_k=5,
+                                                               top_p=0.95, seed=4)
+    assert out == want.text + "\n"
 
 
 def test_backends(counter_artifact):

@@ -6,6 +6,7 @@ errors while the model keeps serving, HTTP generate, clean shutdown with no proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import re
@@ -24,8 +25,9 @@ from medusa_export.errors import ArtifactError
 from medusa_export.triton.repository import (GENERATION_INPUTS, GENERATION_OUTPUTS, MARKER, TritonConfig,
                                              write_repository)
 from medusa_runtime import MedusaSession
+from medusa_runtime.acceptance import SamplingConfig
 from medusa_runtime.artifact import sha256_file
-from medusa_runtime.serving import RequestError, merge_fields, parse_request, serve
+from medusa_runtime.serving import FIELDS, SAMPLING_FIELDS, RequestError, merge_fields, parse_request, serve
 
 from conftest import mt_bench_prompts
 
@@ -56,7 +58,13 @@ def session(tiny_trt_artifact):
     ({"text_input": "hi", "max_new_tokens": 10**9}, "max_new_tokens must be in 1..256"),
     ({"text_input": "hi", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
     ({"text_input": "hi", "max_new_tokens": np.array([1, 2], np.int32)}, "must hold one value"),
-    ({"text_input": "hi", "temperature": -1.0}, "temperature must be >= 0"),
+    ({"text_input": "hi", "temperature": -1.0}, "temperature must be a finite number >= 0"),
+    ({"text_input": "hi", "temperature": 0.5, "acceptance": "greedy"}, "greedy acceptance decodes the argmax"),
+    ({"text_input": "hi", "acceptance": np.array([b"beam"], dtype=object)}, "unknown acceptance 'beam'"),
+    ({"text_input": "hi", "top_k": -1}, "top_k must be >= 0"),
+    ({"text_input": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "temperature": 0.5, "top_k": 0}, "Exact here: top_k 1..10"),
+    ({"text_input": "hi", "posterior_threshold": 2.0}, "posterior_threshold (epsilon) must be in (0, 1]"),
     ({"text_input": "hi", "temperature": float("nan")}, "finite number"),
     ({"text_input": "hi", "seed": -3}, "seed must be in"),
     ({"text_input": "hi", "stop": ["ok", ""]}, "empty string"),
@@ -69,6 +77,12 @@ def test_malformed_requests_are_request_errors(session, fields, message):
     with pytest.raises(RequestError) as err:
         parse_request(fields, session)
     assert message in str(err.value)
+
+
+def test_generation_inputs_are_the_request_fields():
+    """The config's inputs are exactly the fields the parser knows (sampling settings included)."""
+    assert sorted(n for n, _, _ in GENERATION_INPUTS) == sorted(FIELDS)
+    assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(SamplingConfig)}
 
 
 def test_merge_fields_rejects_unknown_and_doubled_fields():
@@ -86,7 +100,11 @@ def test_parse_request_values(session):
                          "seed": np.array([9], np.int64), "stop": np.array([b"x", b"yz"], dtype=object),
                          "stream": np.array([True])}, session)
     assert req.prompt_ids == tuple(session.encode("Name three colors."))
-    assert (req.max_new_tokens, req.temperature, req.seed, req.stop, req.stream) == (7, 0.5, 9, ("x", "yz"), True)
+    assert (req.max_new_tokens, req.stop, req.stream) == (7, ("x", "yz"), True)
+    assert req.sampling == SamplingConfig(temperature=0.5, seed=9)
+    typ = parse_request({"input_ids": [5, 6], "temperature": 0.7, "acceptance": "typical", "top_k": np.array([4], np.int32),
+                         "top_p": np.array([0.9], np.float32), "posterior_threshold": 0.2, "posterior_alpha": 0.4}, session)
+    assert typ.sampling == SamplingConfig(0.7, "typical", 4, float(np.float32(0.9)), 0.2, 0.4)
     raw = parse_request({"text_input": "Name", "raw": True}, session)
     assert raw.prompt_ids == tuple(session.encode("Name", raw=True))
     msgs = parse_request({"messages": json.dumps([{"role": "user", "content": "Name three colors."}])}, session)
@@ -337,6 +355,18 @@ def test_served_ids_params_stop_and_sampling(server, session):
     assert err is None
     want = session.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=float(np.float32(0.8)), seed=11)
     assert one[0] == want.token_ids
+    # typical acceptance and top-k / top-p: the same settings as the Python API
+    top_p = grpc.InferInput("top_p", [1], "FP32")
+    top_p.set_data_from_numpy(np.array([0.9], np.float32))
+    (one,), err = _request(srv, grpc, _inputs(grpc, text=PROMPTS[0], max_new_tokens=NEW_TOKENS) + [temp, top_p],
+                           parameters={"seed": 11, "acceptance": "typical", "top_k": 5})
+    assert err is None
+    want = session.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=float(np.float32(0.8)), seed=11,
+                            acceptance="typical", top_k=5, top_p=float(np.float32(0.9)))
+    assert one[0] == want.token_ids
+    _, err = _request(srv, grpc, _inputs(grpc, text=PROMPTS[0], max_new_tokens=NEW_TOKENS) + [temp],
+                      parameters={"top_k": 0})
+    assert "Exact here: top_k 1..10" in err
 
 
 def test_concurrent_requests(server, session):

@@ -12,8 +12,7 @@ import argparse
 import sys
 import time
 
-from medusa_runtime.acceptance import TypicalConfig
-from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command
+from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command, sampling_from_args
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg
@@ -46,12 +45,6 @@ def _add_model_args(p: argparse.ArgumentParser, *, runtime_alternative: bool = F
                    help="allow transformers to run code shipped with the checkpoint (off by default)")
 
 
-def _typical(args) -> TypicalConfig | None:
-    if args.temperature <= 0:
-        return None
-    return TypicalConfig(args.temperature, args.posterior_threshold, args.posterior_alpha)
-
-
 def cmd_generate(args) -> int:
     """One prompt, streamed to stdout: the runtime over ``--artifact``, else the PyTorch reference."""
     if args.artifact:
@@ -65,6 +58,7 @@ def cmd_generate(args) -> int:
         return run_generate(args)
     if args.stop:
         raise MedusaError("--stop needs --artifact (the runtime); the PyTorch reference stops at EOS and length only")
+    sampling = sampling_from_args(args)  # bad values fail before the model is loaded
     from medusa_runtime.tree import tree_from_spec
 
     from ..chat import apply_chat_template, TextStreamer
@@ -89,12 +83,12 @@ def cmd_generate(args) -> int:
     t1 = time.perf_counter()
     res = medusa_generate(lm.model, prompt_ids, tree, max_new_tokens=args.max_new_tokens,
                           eos_token_ids=lm.eos_token_ids, max_context=max_context,
-                          typical=_typical(args), seed=args.seed, on_tokens=streamer.put)
+                          sampling=sampling, on_tokens=streamer.put, sampler=True)  # any top-k / top-p
     streamer.end()
     dt = time.perf_counter() - t1
     print(f"\n[{len(res.tokens)} tokens in {res.steps + 1} forward passes (prefill + {res.steps} tree steps); "
           f"mean accepted tokens per step: {res.mean_accepted:.2f}; {len(res.tokens) / dt:.1f} tokens/s "
-          f"(PyTorch reference); finish: {res.finish_reason}]", file=sys.stderr)
+          f"(PyTorch reference, {sampling.describe()}); finish: {res.finish_reason}]", file=sys.stderr)
     if lm.heads_are_initial:
         print("[note: these Medusa heads are untrained (initialised as in the Medusa paper §2.1.1, they "
               "repeat the base model's next-token guess), so few candidates are accepted]", file=sys.stderr)
@@ -233,7 +227,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a reply (an artifact with the runtime, or the PyTorch reference)",
-                       description="Apply the chat template to --prompt, decode with Medusa (greedy by default) "
+                       description="Apply the chat template to --prompt, decode with Medusa (greedy by default; "
+                                   "--temperature > 0 samples, exactly as plain sampling with --acceptance sample) "
                                    "and print the reply, the mean accepted tokens per step and tokens/s. With "
                                    "--artifact the torch-free runtime runs the artifact (--model is not needed); "
                                    "otherwise the PyTorch reference loop runs --model.", epilog=EXIT_CODES_HELP)

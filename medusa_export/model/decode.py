@@ -13,11 +13,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from medusa_runtime.acceptance import TypicalConfig
-from medusa_runtime.loop import GenerationResult, KVCache, StepResult, causal_mask, generate
+from medusa_runtime.acceptance import SamplingConfig, draw_tokens
+from medusa_runtime.loop import GenerationResult, KVCache, SamplerInputs, StepResult, causal_mask, generate
 from medusa_runtime.tree import Tree
 
-from .medusa import STEP_TOPK, MedusaModel
+from .medusa import STEP_TOPK, MedusaModel, acceptance_outputs
 
 __all__ = ["GenerationResult", "KVCache", "TorchEngine", "causal_mask", "medusa_generate"]
 
@@ -25,9 +25,21 @@ _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 class TorchEngine:
-    """:class:`medusa_runtime.loop.Engine` over the PyTorch reference model."""
+    """:class:`medusa_runtime.loop.Engine` over the PyTorch reference model.
 
-    def __init__(self, model: MedusaModel, k: int = STEP_TOPK):
+    Args:
+        model: the reference model.
+        k: k of the step's top-k outputs (``step_topk``).
+        max_context: the context it reports to the loop (default: the backbone's
+            ``max_position_embeddings``).
+        sampler: also act as a step graph with the in-graph sampler (docs/sampling.md): ``step``
+            then takes ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``, drawn from the
+            whole vocabulary with :func:`medusa_runtime.acceptance.draw_tokens` (rows with a negative
+            uniform, or every row at top_k -1, give -1): the reference of the graph contract.
+    """
+
+    def __init__(self, model: MedusaModel, k: int = STEP_TOPK, *, max_context: int | None = None,
+                 sampler: bool = False):
         c = model.config
         self.model = model
         self.k = k
@@ -36,9 +48,15 @@ class TorchEngine:
         self.head_dim = c.head_dim
         self.num_heads = model.num_heads
         self.kv_dtype = np.dtype(_NP_DTYPES[model.backbone.embed_tokens.weight.dtype])
+        self.max_context = int(max_context or c.max_position_embeddings)
+        self.vocab_size = c.vocab_size
+        self.step_topk = min(k, c.vocab_size)
+        self.has_sampler = sampler
 
     @torch.no_grad()
-    def step(self, input_ids, position_ids, mask, temperature, past) -> StepResult:
+    def step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs | None = None) -> StepResult:
+        if sampling is not None:
+            return self._sampling_step(input_ids, position_ids, mask, temperature, past, sampling)
         out = self.model.step(
             torch.from_numpy(input_ids), torch.from_numpy(position_ids), torch.from_numpy(mask),
             [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past],
@@ -47,6 +65,23 @@ class TorchEngine:
         return StepResult(out.topk_ids[0].numpy(), out.topk_logprobs[0].numpy(), out.entropy[0].numpy(),
                           out.token_logprobs[0].numpy(), out.hidden[0].numpy(),
                           [(k.numpy(), v.numpy()) for k, v in out.new_kv])
+
+    def _sampling_step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs) -> StepResult:
+        if not self.has_sampler:
+            raise ValueError("this TorchEngine has no in-graph sampler (TorchEngine(..., sampler=True))")
+        ids, t = torch.from_numpy(input_ids), torch.tensor([temperature], dtype=torch.float32)
+        logits, hidden, new_kv = self.model(ids, torch.from_numpy(position_ids), torch.from_numpy(mask),
+                                            [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past])
+        topk_ids, topk_lp, entropy, token_lp = acceptance_outputs(logits, ids, t, self.k)
+        u = np.asarray(sampling.uniforms)
+        rows = np.flatnonzero(u >= 0) if sampling.top_k >= 0 else np.zeros(0, np.int64)  # the contract's skips
+        sampled = np.full(len(u), -1, np.int64)
+        if rows.size:
+            logp, order = torch.sort(torch.log_softmax(logits[0, rows].float() / t, dim=-1), dim=-1, descending=True,
+                                     stable=True)
+            sampled[rows] = draw_tokens(order.numpy(), logp.numpy(), u[rows], sampling.top_k, sampling.top_p)
+        return StepResult(topk_ids[0].numpy(), topk_lp[0].numpy(), entropy[0].numpy(), token_lp[0].numpy(),
+                          hidden[0].numpy(), [(k.numpy(), v.numpy()) for k, v in new_kv], sampled)
 
     @torch.no_grad()
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
@@ -60,19 +95,27 @@ def medusa_generate(
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
-    max_context: int = 2048,
-    typical: TypicalConfig | None = None,
-    seed: int = 0,
-    on_tokens: Callable[[list[int]], bool | None] | None = None,
+    max_context: int | None = None,
+    sampling: SamplingConfig | None = None,
+    on_tokens: Callable[[list[int]], bool | int | None] | None = None,
+    sampler: bool = False,
 ) -> GenerationResult:
     """Generate with the PyTorch reference; see :func:`medusa_runtime.loop.generate`.
 
-    Greedy when ``typical`` is None: the output equals plain greedy decoding of the backbone.
+    Greedy by default: the output equals plain greedy decoding of the backbone. With
+    ``sampling`` at temperature > 0, exact sampling (or typical acceptance).
+
+    Args:
+        max_context: KV capacity (default: the backbone's ``max_position_embeddings``; the reference
+            itself has no hard limit).
+        sampler: the engine acts as a step graph with the in-graph sampler (whole-vocabulary sampling).
 
     Raises:
-        ValueError: empty prompt, negative max_new_tokens, or a tree deeper than the heads.
+        InvalidSettingError: empty prompt, negative max_new_tokens, bad sampling settings.
+        UnsupportedSamplingError: settings that need the in-graph sampler without ``sampler``.
+        InvalidTreeError: a tree deeper than the heads.
         ContextOverflowError: the prompt alone exceeds ``max_context``.
     """
-    return generate(TorchEngine(model), prompt_ids, tree, max_new_tokens=max_new_tokens,
-                    eos_token_ids=eos_token_ids, max_context=max_context, typical=typical, seed=seed,
-                    on_tokens=on_tokens)
+    engine = TorchEngine(model, max_context=max_context, sampler=sampler)  # its context: max_context
+    return generate(engine, prompt_ids, tree, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                    max_context=max_context, sampling=sampling, on_tokens=on_tokens)

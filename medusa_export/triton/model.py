@@ -14,7 +14,7 @@ more instances (``instance_group.count``) serve requests side by side.
 
 Inputs (all optional but one prompt; also accepted as request parameters, see
 medusa_runtime/serving.py): text_input, messages, input_ids, max_new_tokens, temperature,
-seed, stop, stream, raw. Outputs: output_ids, text_output, finish_reason,
+acceptance, top_k, top_p, posterior_threshold, posterior_alpha, seed, stop, stream, raw. Outputs: output_ids, text_output, finish_reason,
 num_input_tokens, tokens_per_step.
 
 Model parameters (config.pbtxt): artifact_dir (absolute, or relative to this file's

@@ -55,6 +55,11 @@ GENERATION_INPUTS = (
     ("input_ids", "TYPE_INT64", [-1]),
     ("max_new_tokens", "TYPE_INT32", [1]),
     ("temperature", "TYPE_FP32", [1]),
+    ("acceptance", "TYPE_STRING", [1]),
+    ("top_k", "TYPE_INT32", [1]),
+    ("top_p", "TYPE_FP32", [1]),
+    ("posterior_threshold", "TYPE_FP32", [1]),
+    ("posterior_alpha", "TYPE_FP32", [1]),
     ("seed", "TYPE_INT64", [1]),
     ("stop", "TYPE_STRING", [-1]),
     ("stream", "TYPE_BOOL", [1]),
@@ -265,7 +270,11 @@ The backend's Python needs numpy, onnxruntime, tokenizers and jinja2.
     tritonserver --model-repository $PWD --model-control-mode=explicit --load-model={name}
 
 Inputs (all optional but one of text_input, messages, input_ids; the generation settings may
-also be given as request parameters): {fields}.
+also be given as request parameters): {fields}. Sampling: temperature 0 (default) is greedy;
+above 0, acceptance "sample" (default; the output is distributed exactly as plain sampling with
+the same temperature, top_k, top_p) or "typical" (faster, lossy; posterior_threshold and
+posterior_alpha are its epsilon and delta); seed makes it reproducible. Defaults and ranges:
+medusa_runtime/serving.py.
 Outputs: {outs}. With stream=true one response per tree step (that step's ids and text), then
 a final one with the finish reason; otherwise one response. Use gRPC streaming (decoupled model).
 

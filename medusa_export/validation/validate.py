@@ -277,7 +277,7 @@ def validate(
     precision = artifact.manifest["precision"]["name"]
     tolerance(precision)  # an unknown precision fails before any work
     root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
-    ref = TorchEngine(model, artifact.manifest["step_topk"])
+    ref = TorchEngine(model, artifact.manifest["step_topk"], max_context=artifact.model["max_context"])
     eng = engine or OrtEngine(artifact)
     report = ValidationReport(precision, new_tokens)
     cap = artifact.model["max_context"]

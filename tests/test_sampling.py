@@ -1,0 +1,180 @@
+"""Exact sampling (acceptance "sample"): the joint law of the first generated tokens is plain sampling's.
+
+A tiny random Llama with a 24-token vocabulary (its lm_head scaled up, so that next-token
+distributions are peaked and depend on the context), exported with the current exporter and run
+by the runtime (ONNX Runtime), trees of 4 and 16 nodes. The reference is exact: the probability
+of every 3-token continuation, enumerated from transformers' own logits and logits warpers
+(TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper, the order of transformers'
+sampling). The empirical law over N seeds is compared by total variation with a bound sized from
+the exact law itself (the 99.9% quantile of the TV of N multinomial draws): "sample" must pass it,
+typical acceptance at its defaults must fail it. Whole-vocabulary sampling runs through the
+in-graph sampler (tests/sampler_graph.py grafts it onto the built step graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
+from medusa_export.model.decode import TorchEngine
+from medusa_runtime.acceptance import SamplingConfig, draw_tokens
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.errors import UnsupportedSamplingError
+from medusa_runtime.loop import KVCache, SamplerInputs, causal_mask, generate
+from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.tree import tree_from_spec
+from sampler_graph import graft_sampler
+
+VOCAB = 24
+PROMPT = [3, 1, 4, 1]
+N = 1000  # seeds per law
+TREES = {"4": tree_from_spec("4", num_heads=3), "16": tree_from_spec("16", num_heads=3)}
+ROOT = tree_from_spec("root", num_heads=3)
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    """(transformers model, MedusaModel) sharing weights; lm_head x10: entropies ~1-2 nats over 24 tokens."""
+    hf, model = make_tiny_medusa(vocab=VOCAB, seed=0, medusa_heads=3)
+    with torch.no_grad():
+        model.backbone.lm_head.weight.mul_(10.0)  # the heads share it (initial heads): candidates stay the base's top-k
+    return hf, model
+
+
+@pytest.fixture(scope="module")
+def engines(peaked, tmp_path_factory):
+    """ONNX Runtime engines of the exported model: without and with the in-graph sampler."""
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+
+    root = tmp_path_factory.mktemp("sampling")
+    art = build_artifact(tiny_loaded(peaked[1], max_context=64), TREES["16"], root / "plain", BuildConfig(validate=False),
+                         progress=False)
+    with_sampler = graft_sampler(art, root / "sampler")
+    return OrtEngine(load_artifact(art), threads=1), OrtEngine(load_artifact(with_sampler), threads=1)
+
+
+def exact_law(hf, temperature: float, top_k: int, top_p: float) -> dict[tuple[int, int, int], float]:
+    """P(x1, x2, x3) of plain sampling after PROMPT, every continuation enumerated (transformers' warpers)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    def q(prefixes):
+        with torch.no_grad():
+            scores = hf(torch.tensor([PROMPT + list(p) for p in prefixes])).logits[:, -1].double()
+        scores = TemperatureLogitsWarper(temperature)(None, scores)
+        scores = TopKLogitsWarper(top_k)(None, scores) if top_k else scores
+        scores = TopPLogitsWarper(top_p)(None, scores) if top_p < 1 else scores
+        return torch.softmax(scores, -1).numpy()
+
+    law = {}
+    p1 = q([()])[0]
+    firsts = [(int(a),) for a in np.flatnonzero(p1)]
+    p2 = q(firsts)
+    pairs = [(a, int(b), p1[a] * p2[i, b]) for i, (a,) in enumerate(firsts) for b in np.flatnonzero(p2[i])]
+    p3 = q([(a, b) for a, b, _ in pairs])
+    for j, (a, b, pab) in enumerate(pairs):
+        for c in np.flatnonzero(p3[j]):
+            law[(a, b, int(c))] = pab * p3[j, c]
+    assert abs(sum(law.values()) - 1) < 1e-9
+    return law
+
+
+def tv_bound(law: dict, n: int, quantile: float = 0.999) -> float:
+    """The TV distance that N samples of ``law`` itself stay under with probability ``quantile``."""
+    p = np.array(list(law.values()))
+    draws = np.random.default_rng(0).multinomial(n, p, size=4000) / n
+    return float(np.quantile(0.5 * np.abs(draws - p).sum(axis=1), quantile))
+
+
+def tv(law: dict, outputs: list[tuple]) -> float:
+    """Total variation between the empirical law of ``outputs`` and ``law`` (outcomes outside it count fully)."""
+    keys, counts = np.unique(np.array(outputs), axis=0, return_counts=True)
+    emp = {tuple(int(x) for x in k): c / len(outputs) for k, c in zip(keys, counts)}
+    return 0.5 * sum(abs(emp.get(k, 0.0) - law.get(k, 0.0)) for k in set(emp) | set(law))
+
+
+def first_three(engine, tree, cfg: SamplingConfig, seeds=range(N)) -> tuple[list[tuple], int]:
+    """The first 3 tokens for each seed (EOS ignored) and the candidates accepted in all."""
+    outs, accepted = [], 0
+    for seed in seeds:
+        r = generate(engine, PROMPT, tree, max_new_tokens=3, sampling=dataclasses.replace(cfg, seed=seed))
+        outs.append(tuple(r.tokens))
+        accepted += sum(r.accept_depths)
+    return outs, accepted
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_sample_has_plain_samplings_law_and_typical_does_not(peaked, engines, tree):
+    """Top-k 4 from the step's top-k outputs (the host draw): sample passes, typical at its defaults fails."""
+    hf, _ = peaked
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    law = exact_law(hf, 1.0, 4, 1.0)
+    bound = tv_bound(law, N)
+    sample, accepted = first_three(engines[0], TREES[tree], cfg)
+    vanilla, _ = first_three(engines[0], ROOT, cfg)
+    typical, _ = first_three(engines[0], TREES[tree], dataclasses.replace(cfg, acceptance="typical"))
+    assert accepted >= 0.2 * N  # the tree did its work: candidates were accepted, not only root draws
+    assert sample == vanilla  # token for token, seed by seed (the m-th uniform drives position m)
+    assert tv(law, sample) < bound, (tv(law, sample), bound)
+    assert tv(law, typical) > bound + 0.2, (tv(law, typical), bound)
+
+
+def test_whole_vocabulary_through_the_in_graph_sampler(peaked, engines):
+    """top_k 0 + top_p 0.8 needs the whole distribution: refused without the sampler, exact with it."""
+    hf, _ = peaked
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=0.8)
+    with pytest.raises(UnsupportedSamplingError, match="Exact here: top_k 1..10"):
+        generate(engines[0], PROMPT, TREES["16"], max_new_tokens=3, sampling=cfg)
+    law = exact_law(hf, 1.0, 0, 0.8)
+    bound = tv_bound(law, N)
+    sample, accepted = first_three(engines[1], TREES["16"], cfg)
+    typical, _ = first_three(engines[1], TREES["16"], dataclasses.replace(cfg, acceptance="typical"))
+    assert accepted >= 0.2 * N
+    assert sample[:200] == first_three(engines[1], ROOT, cfg, range(200))[0]  # = plain sampling, seed by seed
+    assert tv(law, sample) < bound, (tv(law, sample), bound)
+    assert tv(law, typical) > bound + 0.2, (tv(law, typical), bound)
+
+
+def test_graph_and_host_draw_the_same_token_from_the_same_uniform(engines):
+    """Where both are exact (top-k <= step_topk), sampled_ids equals the host's draw from the top-k outputs."""
+    eng = engines[1]
+    rng = np.random.default_rng(1)
+    ids = np.array([PROMPT + [5, 7, 9, 11, 2, 0]], np.int64)
+    s = ids.shape[1]
+    for top_k, top_p, temperature in [(4, 1.0, 1.0), (10, 0.7, 0.8), (1, 1.0, 1.0), (7, 0.95, 1.4)]:
+        u = rng.random(s).astype(np.float32)
+        out = eng.step(ids, np.arange(s)[None], causal_mask(s), temperature, KVCache.for_engine(eng, 16).past(),
+                       sampling=SamplerInputs(u, top_k, top_p))
+        np.testing.assert_array_equal(out.sampled_ids, draw_tokens(out.topk_ids, out.topk_logprobs, u, top_k, top_p))
+    # rows with a negative uniform are not sampled; top_k -1 turns the sampler off (the loop's feed when unused)
+    u[[0, 3]] = -1.0
+    past = KVCache.for_engine(eng, 16).past()
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, past, sampling=SamplerInputs(u, 4, 1.0))
+    want = draw_tokens(out.topk_ids, out.topk_logprobs, np.maximum(u, 0), 4, 1.0)
+    want[[0, 3]] = -1
+    np.testing.assert_array_equal(out.sampled_ids, want)
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, past, sampling=SamplerInputs(u, -1, 1.0))
+    np.testing.assert_array_equal(out.sampled_ids, np.full(s, -1))
+
+
+def test_pytorch_reference_samples_the_same_tokens(peaked, engines):
+    """The PyTorch reference (TorchEngine, same loop) draws the runtime's tokens, host and in-graph sampler."""
+    model = peaked[1]
+    for cfg, ort, ref in [(SamplingConfig(1.0, top_k=4), engines[0], TorchEngine(model, max_context=64)),
+                          (SamplingConfig(1.0, top_k=0, top_p=0.8), engines[1],
+                           TorchEngine(model, max_context=64, sampler=True))]:
+        seeds = range(30)
+        assert first_three(ref, TREES["16"], cfg, seeds)[0] == first_three(ort, TREES["16"], cfg, seeds)[0]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_greedy_is_unchanged(peaked, engines, tree):
+    """Temperature 0 (acceptance greedy): plain greedy decoding, token for token (transformers' generate)."""
+    hf, _ = peaked
+    for prompt in (PROMPT, [7, 7, 2, 19, 23, 0]):
+        r = generate(engines[0], prompt, TREES[tree], max_new_tokens=20, sampling=SamplingConfig())
+        assert r.tokens == plain_greedy(hf, prompt, 20)
