@@ -2,6 +2,18 @@
 
 Names are looked up exactly. Weights are resolved offline: from an installed package
 (the embedded model), a local path, or the Hugging Face cache.
+
+Entry schema (``models/registry.json``, one object per name)::
+
+    {"description": str, "architecture": model_type,          # "llama", "mistral", "qwen2", "qwen3"
+     "backbone": {"source": "package", "package": ..., "file": ..., "install": ...}
+               | {"source": "hf", "repo": ...},
+     "heads": {"source": "shipped", "path": folder in models/}
+            | {"source": "hf", "repo": ...}                     # medusa_lm_head.* / heads.safetensors
+            | {"source": "backbone"}                            # inside the backbone's checkpoint
+            | {"source": "init", "num_heads": K, "num_layers": N},
+     "chat_template": file in models/ (optional; overrides the tokenizer's),
+     "default_tree": str, "max_context": int}
 """
 
 from __future__ import annotations
@@ -14,14 +26,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UnknownModelError, WeightsNotFoundError
+from ..errors import HeadsFormatError, UnknownModelError, WeightsNotFoundError
 from ..model.medusa import MedusaModel
 from .accuracies import load_accuracies
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
 from .draft_vocab import DraftVocab, load_draft_vocab
-from .heads_formats import load_heads
+from .heads_formats import heads_from_tensors, load_heads
 
 DEFAULT_MODEL = "smollm2-135m"
+#: What a model without a chat template (a base model) does, said wherever it matters.
+NO_CHAT_TEMPLATE_NOTE = ("the model has no chat template (a base model): prompts are encoded as plain text and "
+                         "continued, not answered as a chat")
 
 
 @dataclass(frozen=True)
@@ -31,8 +46,11 @@ class ModelEntry:
     Attributes:
         name: the registry key.
         description: one line for ``--help`` and listings.
+        architecture: the backbone's ``model_type`` (what ``medusa-export models`` lists; the
+            loaded checkpoint's own config.json decides what is built).
         backbone: ``{"source": "package"|"hf", ...}``.
-        heads: ``{"source": "init"|"shipped"|"hf", ...}``.
+        heads: ``{"source": "init"|"shipped"|"hf"|"backbone", ...}`` ("backbone": the heads are
+            stored in the backbone's checkpoint, FasterDecoding medusa-1.0 / modelopt).
         chat_template: file name of a template in ``models/`` (None: the tokenizer's).
         default_tree: the ``--tree`` used when none is given.
         max_context: default context capacity (tokens) for generation and export.
@@ -42,6 +60,7 @@ class ModelEntry:
     description: str
     backbone: dict
     heads: dict
+    architecture: str = "llama"
     chat_template: str | None = None
     default_tree: str = "chain"
     max_context: int = 2048
@@ -97,6 +116,12 @@ class LoadedMedusa:
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
     #: projects the heads onto its top N (:mod:`medusa_export.loading.draft_vocab`).
     draft_vocab: DraftVocab | None = None
+    #: how the checkpoint was stored when not in plain floats (e.g. modelopt FP8, dequantized), else None.
+    quantization: str | None = None
+    #: FP8 scales dequantization did not apply (``*.input_scale``, KV scales), by checkpoint key.
+    kept_scales: dict = field(default_factory=dict)
+    #: what the user should know about this checkpoint (GGUF limits, FP8, no chat template); printed by the CLI.
+    notes: list = field(default_factory=list)
 
     @property
     def heads_are_initial(self) -> bool:
@@ -143,7 +168,9 @@ def load_model(
     """Load a registered model (or a path) with its Medusa heads.
 
     Args:
-        model: a registry name, or a path to an HF model directory / ``.gguf`` file.
+        model: a registry name, or a path to an HF model directory / ``.gguf`` file (its heads:
+            those stored in the checkpoint, ``medusa_head.`` / ``medusa_heads.`` keys, else the
+            §2.1.1 initial heads).
         model_path: local backbone weights overriding the registry's source.
         heads_path: heads directory/file overriding the registry's heads.
         dtype: weight dtype.
@@ -156,7 +183,7 @@ def load_model(
     """
     if Path(model).exists() and model not in load_registry():
         entry = ModelEntry(name=Path(model).name, description="local model", backbone={"source": "path"},
-                           heads={"source": "init", "num_heads": 4, "num_layers": 1})
+                           heads={"source": "init", "num_heads": 4, "num_layers": 1}, architecture="")
         model_path = model
     else:
         entry = get_entry(model)
@@ -168,11 +195,20 @@ def load_model(
                                            chat_template=template)
     backbone = loaded.backbone
     heads_cfg = entry.heads
+    embedded = loaded.embedded_heads
     hp = None
     if heads_path:
         hp = Path(heads_path)
         heads = load_heads(hp, backbone.lm_head)
         medusa, heads_source = MedusaModel(backbone, heads), str(heads_path)
+    elif heads_cfg["source"] == "backbone" or (heads_cfg["source"] == "init" and embedded is not None):
+        if embedded is None:
+            raise HeadsFormatError(f"{loaded.source} holds no Medusa heads (no key starts with medusa_head. or "
+                                   "medusa_heads.); give --heads")
+        heads = heads_from_tensors(embedded.tensors, backbone.lm_head, num_heads=embedded.num_heads,
+                                   num_layers=embedded.num_layers)
+        hp = Path(loaded.source)
+        medusa, heads_source = MedusaModel(backbone, heads), f"{loaded.source} ({embedded.prefix}* keys)"
     elif heads_cfg["source"] == "init":
         medusa = MedusaModel.with_initial_heads(backbone, heads_cfg["num_heads"], heads_cfg["num_layers"])
         heads_source = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
@@ -185,6 +221,9 @@ def load_model(
     else:
         raise ValueError(f"registry entry {entry.name!r}: unknown heads source {heads_cfg['source']!r}")
     medusa.heads.to(dtype)
+    notes = list(loaded.notes)
+    if not loaded.chat_template:
+        notes.append(NO_CHAT_TEMPLATE_NOTE)
     return LoadedMedusa(
         model=medusa.eval(),
         tokenizer=loaded.tokenizer,
@@ -197,4 +236,7 @@ def load_model(
         max_context=entry.max_context,
         head_accuracies=load_accuracies(hp) if hp is not None else None,
         draft_vocab=load_draft_vocab(hp),
+        quantization=loaded.quantization,
+        kept_scales=loaded.kept_scales,
+        notes=notes,
     )
