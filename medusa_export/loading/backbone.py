@@ -234,25 +234,21 @@ def _tokenizer(path: Path, trust_remote_code: bool, **kwargs):
     restore = _quiet_transformers()
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise WeightsNotFoundError(f"cannot load a tokenizer from {path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError or AttributeError here
+        raise WeightsNotFoundError(f"cannot load a tokenizer from {path}: {exc!r}") from exc
     finally:
         restore()
 
 
-def gguf_notes(header, model_type: str) -> list[str]:
-    """What a GGUF file declares that transformers drops: refuse RoPE scaling, note the sliding window.
+def check_gguf_rope(header) -> None:
+    """Refuse a GGUF file whose RoPE scaling transformers' GGUF loader would drop.
 
     Args:
         header: :func:`~medusa_export.loading.gguf_meta.read_gguf_header` of the file.
-        model_type: what transformers loaded it as.
-
-    Returns:
-        Notes for the user (empty when nothing is lost).
 
     Raises:
-        UnsupportedModelError: the file carries RoPE scaling (``rope_freqs.weight`` or a
-            ``*.rope.scaling.*`` key), which transformers' GGUF loader drops.
+        UnsupportedModelError: the file carries RoPE scaling (``rope_freqs.weight``, as llama.cpp
+            writes for Llama 3.1+, or a ``*.rope.scaling.type`` other than none).
     """
     scaling = [k for k in header.keys if ".rope.scaling." in k and k.endswith(".type")
                and header.strings.get(k, "none") != "none"]
@@ -262,6 +258,18 @@ def gguf_notes(header, model_type: str) -> list[str]:
             f"this GGUF file carries RoPE scaling ({found}, e.g. Llama 3.1+ 'llama3' scaling) that transformers' "
             "GGUF loader drops: it would run as plain RoPE. Load the Hugging Face checkpoint (config.json + "
             "safetensors) instead; supported from GGUF: models without RoPE scaling")
+
+
+def gguf_notes(header, model_type: str) -> list[str]:
+    """What a loaded GGUF model lacks that its file cannot say: the sliding window.
+
+    Args:
+        header: the file's header.
+        model_type: what transformers loaded it as.
+
+    Returns:
+        Notes for the user (empty when nothing is lost).
+    """
     name = (header.strings.get("general.name", "") + " " + header.strings.get("general.basename", "")).lower()
     if model_type == "mistral":
         return ["GGUF has no sliding-window field: transformers' Mistral default sliding_window=4096 (Mistral 7B "
@@ -276,6 +284,7 @@ def _load_gguf(path: Path, gguf_file: str, dtype: torch.dtype, trust_remote_code
     from transformers import AutoModelForCausalLM
 
     header = read_gguf_header(path / gguf_file)
+    check_gguf_rope(header)
     restore = _quiet_transformers()
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, torch_dtype=dtype,
