@@ -33,6 +33,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="allow transformers to run code shipped with the checkpoint (off by default)")
 
 
+def print_notes(lm) -> None:
+    """The loaded model's notes (GGUF limits, FP8, no chat template), one line each on stderr."""
+    for note in lm.notes:
+        print(f"[note: {note}]", file=sys.stderr, flush=True)
+
+
 def _typical(args) -> TypicalConfig | None:
     if args.temperature <= 0:
         return None
@@ -57,6 +63,7 @@ def cmd_generate(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
+    print_notes(lm)
     tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
     if args.raw:
@@ -105,6 +112,7 @@ def cmd_build(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
+    print_notes(lm)
     spec = args.tree or lm.default_tree
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
     tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
@@ -137,12 +145,19 @@ def _print_summary(path, seconds: float) -> None:
         f = m["files"][key]
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
     v = m.get("validation")
+    template = m["files"].get("chat_template")
+    no_template = not template or not (Path(path) / template).read_text().strip()
     if v:
         from ..validation.validate import validation_summary
 
         print(f"  validation: {validation_summary(v)}")
+        if no_template:
+            print("              (no chat template, a base model: the validation prompts were encoded as plain text)")
     else:
         print("  validation: skipped")
+    if no_template:
+        print("  chat template: none (a base model): `generate --artifact` continues a plain-text prompt; "
+              "`chat` needs a template")
     if readiness_line(m):
         print(readiness_line(m))
 
@@ -157,6 +172,7 @@ def cmd_verify(args) -> int:
 
     art = load_artifact(args.artifact, full_verify=True)
     lm = load_model(art.model["name"], model_path=args.model_path, heads_path=args.heads)
+    print_notes(lm)
     texts = read_prompts(args.prompts, args.limit) if args.prompts else default_prompts()[: args.limit]
     ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
     report = validate(art, lm.model, ids, texts, new_tokens=args.new_tokens, eos_token_ids=lm.eos_token_ids)
@@ -312,9 +328,14 @@ def _add_triton_parser(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    """Print the registry."""
+    """Print the registry: name, architecture (model_type and family), heads format, default tree, description."""
+    from ..loading.architectures import ARCHITECTURES
+
+    print(f"{'name':24s} {'architecture':26s} {'heads':14s} {'tree':5s} description")
     for name, e in sorted(load_registry().items()):
-        print(f"{name:14s} {e.description} (default tree: {e.default_tree})")
+        arch = f"{e.architecture} ({ARCHITECTURES.get(e.architecture, 'unsupported')})"
+        heads = e.heads.get("format", e.heads["source"])
+        print(f"{name:24s} {arch:26s} {heads:14s} {e.default_tree:5s} {e.description}")
     return 0
 
 
