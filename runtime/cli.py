@@ -13,7 +13,8 @@ from typing import TextIO
 
 from .acceptance import TypicalConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
-from .errors import ContextOverflowError, MedusaError
+from .errors import ChatTemplateError, ContextOverflowError, MedusaError
+from .tokenizer import NO_TEMPLATE_MESSAGE
 
 _TYPICAL = TypicalConfig()
 
@@ -93,6 +94,9 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     """
     out, err = out or sys.stdout, err or sys.stderr
     session = _session(args)
+    if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
+        print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
+              "the model continues it; it is not answered as a chat message]", file=err)
     if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
         print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
               "guess), so few candidates are accepted]", file=err)
@@ -114,6 +118,9 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     """
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     session = _session(args)
+    if not session.tokenizer.has_chat_template:
+        raise ChatTemplateError(f"{NO_TEMPLATE_MESSAGE}; chat needs one: use `generate --artifact "
+                                f"{args.artifact} --prompt TEXT` to continue a text")
     session.reset(args.system)
     interactive = inp.isatty()
     print(f"chat with {session.artifact.model['name']} ({_mode(session, args)}); /reset starts over, "
