@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import HeadsFormatError, UnknownModelError, WeightsNotFoundError
+from ..model.heads import MedusaHeads
 from ..model.medusa import MedusaModel
 from .accuracies import load_accuracies
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
@@ -157,6 +158,74 @@ def resolve_backbone(entry: ModelEntry, model_path: str | None) -> tuple[Path, s
     raise ValueError(f"registry entry {entry.name!r}: unknown backbone source {src['source']!r}")
 
 
+def entry_for(model: str) -> tuple[ModelEntry, str | None]:
+    """The registry entry of ``model``, or a local entry when ``model`` is an existing path.
+
+    Returns:
+        (the entry, the path when ``model`` is one, else None).
+
+    Raises:
+        UnknownModelError: neither a registered name nor an existing path.
+    """
+    if Path(model).exists() and model not in load_registry():
+        return ModelEntry(name=Path(model).name, description="local model", backbone={"source": "path"},
+                          heads={"source": "init", "num_heads": 4, "num_layers": 1}, architecture=""), model
+    return get_entry(model), None
+
+
+def load_entry_backbone(entry: ModelEntry, model_path: str | None = None, *, dtype: torch.dtype = torch.float32,
+                        trust_remote_code: bool = False) -> LoadedBackbone:
+    """The backbone and tokenizer of a registry entry (the entry's chat template file, if any, applied).
+
+    Raises:
+        WeightsNotFoundError, UnsupportedModelError: see :func:`~.backbone.load_backbone`.
+    """
+    path, _ = resolve_backbone(entry, model_path)
+    template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
+    return load_backbone(path, dtype=dtype, trust_remote_code=trust_remote_code, chat_template=template)
+
+
+def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str | None = None,
+                     lm_head: torch.nn.Linear | None = None) -> tuple[MedusaHeads | None, str, Path | None]:
+    """The Medusa heads of a registry entry (or ``heads_path``) for a loaded backbone.
+
+    Args:
+        entry: the registry entry (its ``heads`` source).
+        loaded: the loaded backbone (its lm_head; heads stored in its checkpoint).
+        heads_path: heads directory/file overriding the entry's.
+        lm_head: the LM head the heads check against and share (default: the backbone's).
+
+    Returns:
+        (the heads, or None for the entry's §2.1.1 initial heads; where they came from; the folder
+        to look for ``accuracies.json`` / ``draft_vocab.json`` in, or None).
+
+    Raises:
+        HeadsFormatError: the heads do not fit the backbone, or a "backbone" entry whose
+            checkpoint holds none.
+        WeightsNotFoundError: an HF heads repo not in the cache.
+    """
+    lm_head = lm_head if lm_head is not None else loaded.backbone.lm_head
+    source, embedded = entry.heads["source"], loaded.embedded_heads
+    if heads_path:
+        return load_heads(heads_path, lm_head), str(heads_path), Path(heads_path)
+    if source == "backbone" or (source == "init" and embedded is not None):
+        if embedded is None:
+            raise HeadsFormatError(f"{loaded.source} holds no Medusa heads (no key starts with medusa_head. or "
+                                   "medusa_heads.); give --heads")
+        heads = heads_from_tensors(embedded.tensors, lm_head, num_heads=embedded.num_heads,
+                                   num_layers=embedded.num_layers)
+        return heads, f"{loaded.source} ({embedded.prefix}* keys)", Path(loaded.source)
+    if source == "init":
+        return None, "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)", None
+    if source == "shipped":
+        hp = models_dir() / entry.heads["path"]
+        return load_heads(hp, lm_head), f"shipped:{entry.heads['path']}", hp
+    if source == "hf":
+        hp = hf_cache_snapshot(entry.heads["repo"])
+        return load_heads(hp, lm_head), entry.heads["repo"], hp
+    raise ValueError(f"registry entry {entry.name!r}: unknown heads source {source!r}")
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     *,
@@ -181,45 +250,13 @@ def load_model(
         WeightsNotFoundError: the weights are not on disk (message says what to download).
         HeadsFormatError: the heads do not fit the backbone.
     """
-    if Path(model).exists() and model not in load_registry():
-        entry = ModelEntry(name=Path(model).name, description="local model", backbone={"source": "path"},
-                           heads={"source": "init", "num_heads": 4, "num_layers": 1}, architecture="")
-        model_path = model
+    entry, local = entry_for(model)
+    loaded = load_entry_backbone(entry, local or model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    heads, heads_source, hp = load_entry_heads(entry, loaded, heads_path)
+    if heads is None:
+        medusa = MedusaModel.with_initial_heads(loaded.backbone, entry.heads["num_heads"], entry.heads["num_layers"])
     else:
-        entry = get_entry(model)
-    path, _ = resolve_backbone(entry, model_path)
-    template = None
-    if entry.chat_template:
-        template = (models_dir() / entry.chat_template).read_text()
-    loaded: LoadedBackbone = load_backbone(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                           chat_template=template)
-    backbone = loaded.backbone
-    heads_cfg = entry.heads
-    embedded = loaded.embedded_heads
-    hp = None
-    if heads_path:
-        hp = Path(heads_path)
-        heads = load_heads(hp, backbone.lm_head)
-        medusa, heads_source = MedusaModel(backbone, heads), str(heads_path)
-    elif heads_cfg["source"] == "backbone" or (heads_cfg["source"] == "init" and embedded is not None):
-        if embedded is None:
-            raise HeadsFormatError(f"{loaded.source} holds no Medusa heads (no key starts with medusa_head. or "
-                                   "medusa_heads.); give --heads")
-        heads = heads_from_tensors(embedded.tensors, backbone.lm_head, num_heads=embedded.num_heads,
-                                   num_layers=embedded.num_layers)
-        hp = Path(loaded.source)
-        medusa, heads_source = MedusaModel(backbone, heads), f"{loaded.source} ({embedded.prefix}* keys)"
-    elif heads_cfg["source"] == "init":
-        medusa = MedusaModel.with_initial_heads(backbone, heads_cfg["num_heads"], heads_cfg["num_layers"])
-        heads_source = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
-    elif heads_cfg["source"] == "shipped":
-        hp = models_dir() / heads_cfg["path"]
-        medusa, heads_source = MedusaModel(backbone, load_heads(hp, backbone.lm_head)), f"shipped:{heads_cfg['path']}"
-    elif heads_cfg["source"] == "hf":
-        hp = hf_cache_snapshot(heads_cfg["repo"])
-        medusa, heads_source = MedusaModel(backbone, load_heads(hp, backbone.lm_head)), heads_cfg["repo"]
-    else:
-        raise ValueError(f"registry entry {entry.name!r}: unknown heads source {heads_cfg['source']!r}")
+        medusa = MedusaModel(loaded.backbone, heads)
     medusa.heads.to(dtype)
     notes = list(loaded.notes)
     if not loaded.chat_template:
