@@ -171,28 +171,6 @@ def plain_greedy(hf_model, prompt_ids, max_new_tokens: int) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def hf_from_backbone(backbone):
-    """A transformers ``LlamaForCausalLM`` sharing a :class:`LlamaBackbone`'s weights (no copy):
-    an independent implementation of the same model, for reference decoding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    c = backbone.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
-                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                      max_position_embeddings=c.max_position_embeddings)
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
-    state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in backbone.state_dict().items()}
-    hf.load_state_dict(state, strict=True, assign=True)
-    hf.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # its inv_freq buffer is not in the state dict
-    if c.tie_word_embeddings:
-        hf.tie_weights()
-    return hf.eval()
-
-
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2-135M model with its registered heads (loaded once)."""
