@@ -171,7 +171,11 @@ def cmd_verify(args) -> int:
     from ..validation.validate import default_prompts, read_prompts, validate
 
     art = load_artifact(args.artifact, full_verify=True)
-    lm = load_model(art.model["name"], model_path=args.model_path, heads_path=args.heads)
+    name = art.model["name"]
+    if args.model_path and name not in load_registry():  # built from a local folder: load that folder
+        lm = load_model(args.model_path, heads_path=args.heads)
+    else:
+        lm = load_model(name, model_path=args.model_path, heads_path=args.heads)
     print_notes(lm)
     texts = read_prompts(args.prompts, args.limit) if args.prompts else default_prompts()[: args.limit]
     ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
@@ -283,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="use only the first N prompts")
     p.add_argument("--new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
-    p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name)")
+    p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name; needed for "
+                                        "an artifact built from a local folder)")
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
     p.set_defaults(func=cmd_verify)
