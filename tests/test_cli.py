@@ -95,6 +95,7 @@ def test_base_model_build_summary(tmp_path, base_model, capsys):
                  "--max-context", "128", "--new-tokens", "4"]) == 0
     captured = capsys.readouterr()
     assert (tmp_path / "a" / "chat_template.jinja").read_text() == ""
+    assert "  architecture: llama (rope_scaling=llama3)\n" in captured.out
     assert "[note: the model has no chat template (a base model): prompts are encoded as plain text" in captured.err
     assert "(no chat template, a base model: the validation prompts were encoded as plain text)" in captured.out
     assert "chat template: none (a base model): `generate --artifact` continues a plain-text prompt" in captured.out

@@ -10,6 +10,8 @@ longer than the window. The portable graph must pass the TensorRT readiness chec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -42,9 +44,16 @@ def artifacts(family_dirs, tmp_path_factory):
     def get(family: str, graph: str):
         if (family, graph) not in built:
             out = root / f"{family}-{graph}"
-            rc = main(["build", "--model", str(family_dirs[family][1]), "--tree", "16", "--graph", graph,
-                       "--out", str(out), "--max-context", "128", "--new-tokens", "16"])
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                rc = main(["build", "--model", str(family_dirs[family][1]), "--tree", "16", "--graph", graph,
+                           "--out", str(out), "--max-context", "128", "--new-tokens", "16"])
             assert rc == 0, f"build of {family} ({graph}) failed"
+            summary = buf.getvalue()
+            if family in ("mistral", "qwen2"):  # the window, said in the summary
+                layers = "2 of 2" if family == "mistral" else "2 of 3"
+                assert (f"sliding window of 8 tokens on {layers} layers, applied in the attention mask by position: "
+                        "exact at any context") in summary
             built[family, graph] = out
         return built[family, graph]
 

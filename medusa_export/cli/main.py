@@ -121,11 +121,26 @@ def cmd_build(args) -> int:
     out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
     prompts = read_prompts(args.prompts) if args.prompts else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
-    _print_summary(path, time.perf_counter() - t0)
+    _print_summary(path, time.perf_counter() - t0, lm)
     return after_build(args, path)
 
 
-def _print_summary(path, seconds: float) -> None:
+def architecture_line(lm) -> str:
+    """The build summary's line on the backbone's family and switches (the sliding window said plainly)."""
+    c = lm.model.config
+    text = f"  architecture: {c.model_type}"
+    if c.features:
+        text += f" ({', '.join(c.features)})"
+    windows = [c.window(i) for i in range(c.num_hidden_layers)]
+    if any(w is not None for w in windows):
+        text += (f"; sliding window of {c.sliding_window} tokens on {sum(w is not None for w in windows)} of "
+                 f"{len(windows)} layers, applied in the attention mask by position: exact at any context")
+    if lm.quantization:
+        text += f"; checkpoint {lm.quantization}"
+    return text
+
+
+def _print_summary(path, seconds: float, lm=None) -> None:
     import json
     from pathlib import Path
 
@@ -134,6 +149,8 @@ def _print_summary(path, seconds: float) -> None:
     print(f"\nartifact: {path}  ({size / 1e6:.1f} MB, built in {seconds:.0f}s)")
     print(f"  model: {m['model']['name']} ({m['model']['num_layers']} layers, {m['model']['medusa_heads']} Medusa heads), "
           f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
+    if lm is not None:
+        print(architecture_line(lm))
     print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)")
     sel = m["tree"].get("selection")
     if sel:
