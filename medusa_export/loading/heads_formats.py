@@ -24,14 +24,16 @@ Formats:
   written by :func:`~medusa_export.model.heads.save_heads`).
 
 Loading is strict: counts are inferred from the keys, every key must be one the structure
-expects and every expected key must be there (the error names the key), shapes must match the
-backbone, and a count a config states must agree with the weights.
+expects and every expected key must be there (the error names the key), and shapes must match
+the backbone. A count our ``heads.json`` states must agree with the weights; one a third-party
+``config.json`` states is only checked with a warning (they have been wrong).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -196,11 +198,21 @@ def heads_from_tensors(
     *,
     num_heads: int | None = None,
     num_layers: int | None = None,
+    counts_from: str | None = None,
 ) -> MedusaHeads:
     """Build :class:`MedusaHeads` from the heads' tensors (strict: every key used, shapes equal).
 
     FP8 weights (modelopt) are dequantized with their ``weight_scale``; activation scales are
     dropped (the loader of a full checkpoint keeps them, see :mod:`.fp8`).
+
+    Args:
+        tensors: the heads' tensors (no prefix).
+        lm_head: the backbone's LM head [V, d].
+        num_heads, num_layers: the counts a config states (None: not stated).
+        counts_from: None when the counts come from our own ``heads.json`` (a disagreement is an
+            error); else the third-party file they come from (e.g. ``config.json``), whose counts
+            are known to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads
+            for its 5): the weights' counts are used and a disagreement is a warning.
 
     Raises:
         HeadsFormatError: see :func:`infer_heads_config`; a malformed FP8 scale.
@@ -211,7 +223,14 @@ def heads_from_tensors(
         except MedusaError as exc:
             raise HeadsFormatError(f"FP8 heads: {exc}") from None
     vocab, hidden = lm_head.weight.shape
-    cfg = infer_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers)
+    strict = counts_from is None
+    cfg = infer_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads if strict else None,
+                             num_layers=num_layers if strict else None)
+    stated = {"heads": (num_heads, cfg.num_heads), "layers per head": (num_layers, cfg.num_layers)}
+    for what, (said, held) in stated.items():
+        if not strict and said is not None and said != held:
+            warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
+                          "used", stacklevel=2)
     heads = MedusaHeads(cfg, lm_head)
     dtype = lm_head.weight.dtype
     state = {f"heads.{k}": v.to(dtype) for k, v in tensors.items()}
@@ -220,14 +239,14 @@ def heads_from_tensors(
     return heads
 
 
-def _config_counts(folder: Path) -> tuple[int | None, int | None]:
-    """The head counts stated beside the heads: ours (``heads.json``), else ``config.json``'s."""
+def _config_counts(folder: Path) -> tuple[int | None, int | None, str | None]:
+    """The head counts stated beside the heads and where: ours (``heads.json``: None), else ``config.json``'s."""
     if (folder / HEADS_CONFIG).is_file():
         meta = json.loads((folder / HEADS_CONFIG).read_text())
-        return meta.get("num_heads"), meta.get("num_layers")
+        return meta.get("num_heads"), meta.get("num_layers"), None
     if (folder / "config.json").is_file():
-        return config_head_counts(json.loads((folder / "config.json").read_text()))
-    return None, None
+        return (*config_head_counts(json.loads((folder / "config.json").read_text())), str(folder / "config.json"))
+    return None, None, None
 
 
 def _heads_in_model_folder(folder: Path) -> dict[str, torch.Tensor]:
@@ -266,5 +285,5 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
     else:
         folder = path.parent
         tensors = read_head_tensors(path)
-    num_heads, num_layers = _config_counts(folder)
-    return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers)
+    num_heads, num_layers, counts_from = _config_counts(folder)
+    return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers, counts_from=counts_from)

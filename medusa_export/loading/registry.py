@@ -213,7 +213,7 @@ def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str 
             raise HeadsFormatError(f"{loaded.source} holds no Medusa heads (no key starts with medusa_head. or "
                                    "medusa_heads.); give --heads")
         heads = heads_from_tensors(embedded.tensors, lm_head, num_heads=embedded.num_heads,
-                                   num_layers=embedded.num_layers)
+                                   num_layers=embedded.num_layers, counts_from=f"{loaded.source}/config.json")
         return heads, f"{loaded.source} ({embedded.prefix}* keys)", Path(loaded.source)
     if source == "init":
         return None, "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)", None
