@@ -5,14 +5,27 @@ from __future__ import annotations
 from typing import TextIO
 
 
+def has_chat_template(tokenizer, template: str | None) -> bool:
+    """True when ``template`` or the tokenizer's own chat template is set (base models have none)."""
+    return bool(template or getattr(tokenizer, "chat_template", None))
+
+
 def apply_chat_template(tokenizer, template: str | None, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template plus the assistant prompt.
+
+    A model without a chat template (a base model; transformers would raise "Cannot use chat
+    template functions because tokenizer.chat_template is not set") gets its messages' contents
+    as plain text, joined by blank lines, encoded as ``tokenizer.encode`` does (with BOS where the
+    tokenizer adds one): the model continues the text. For one user message these are the ids of
+    ``generate --raw`` and of the runtime's ``generate`` on such an artifact.
 
     Args:
         tokenizer: a transformers tokenizer.
         template: a Jinja chat template, or None for the tokenizer's own.
         messages: ``[{"role": "user"|"assistant"|"system", "content": str}, ...]``.
     """
+    if not has_chat_template(tokenizer, template):
+        return [int(i) for i in tokenizer.encode("\n\n".join(m["content"] for m in messages))]
     ids = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
                                         tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):

@@ -13,7 +13,8 @@ from typing import TextIO
 
 from .acceptance import ACCEPTANCES, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
-from .errors import EXIT_CODES_HELP, EXIT_INTERRUPTED, ContextOverflowError, MedusaError
+from .errors import EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, MedusaError
+from .tokenizer import NO_TEMPLATE_MESSAGE
 
 _S = SamplingConfig  # every default below is read from it
 
@@ -123,6 +124,9 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     out, err = out or sys.stdout, err or sys.stderr
     sampling_from_args(args)  # bad values fail before the artifact is loaded
     session = _session(args)
+    if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
+        print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
+              "the model continues it; it is not answered as a chat message]", file=err)
     kwargs = _gen_kwargs(args, session)  # and settings this artifact cannot sample exactly, before any work
     if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
         print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
@@ -146,6 +150,9 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     sampling_from_args(args)
     session = _session(args)
+    if not session.tokenizer.has_chat_template:
+        raise ChatTemplateError(f"{NO_TEMPLATE_MESSAGE}; chat needs one: use `generate --artifact "
+                                f"{args.artifact} --prompt TEXT` to continue a text")
     kwargs = _gen_kwargs(args, session)
     session.reset(args.system)
     interactive = inp.isatty()

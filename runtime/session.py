@@ -25,9 +25,9 @@ from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
 from .autotree import TreeTiming, auto_tree, is_auto
 from .engines import DEFAULT_BACKEND, create_engine
-from .errors import MedusaError
+from .errors import ChatTemplateError, MedusaError
 from .loop import GenerationResult, KVCache, engine_sampling_route, generate
-from .tokenizer import RuntimeTokenizer
+from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
 from .tree import Tree, make_tree, tree_from_spec
 
 #: Reply budget when none is given (generate, the CLIs, Triton requests).
@@ -143,9 +143,13 @@ class MedusaSession:
         return self.tokenizer.eos_token_ids
 
     def encode(self, prompt: str | Sequence[dict], raw: bool = False) -> list[int]:
-        """Prompt ids: a user message (or a message list) through the chat template, or ``raw`` text."""
+        """Prompt ids: a user message (or a message list) through the chat template, or ``raw`` text.
+
+        Without a chat template (a base model's artifact) a string prompt is encoded as plain
+        text, as with ``raw``; a message list raises :class:`ChatTemplateError`.
+        """
         if isinstance(prompt, str):
-            if raw:
+            if raw or not self.tokenizer.has_chat_template:
                 return self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
         return self.tokenizer.apply_chat_template(list(prompt))
@@ -268,7 +272,10 @@ class MedusaSession:
 
         Raises:
             ContextOverflowError: the conversation no longer fits the context (call :meth:`reset`).
+            ChatTemplateError: the artifact has no chat template (a base model).
         """
+        if not self.tokenizer.has_chat_template:
+            raise ChatTemplateError(NO_TEMPLATE_MESSAGE)
         chat = self._chat
         messages = chat.messages + [{"role": "user", "content": message}]
         ids = self.tokenizer.apply_chat_template(messages)

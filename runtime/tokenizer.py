@@ -29,6 +29,9 @@ from .stops import find_stop_string
 #: transformers' ``clean_up_tokenization`` replacements, in its order.
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+#: What a template-less artifact cannot do (a base model: no chat roles).
+NO_TEMPLATE_MESSAGE = ("this artifact has no chat template (a base model): it cannot render chat messages; give a "
+                       "plain-text prompt (generate encodes it as is and the model continues it)")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -123,6 +126,11 @@ class RuntimeTokenizer:
         return cls(artifact.file("tokenizer"), template, tok.get("eos_token_ids", []))
 
     @property
+    def has_chat_template(self) -> bool:
+        """False for a base model's artifact: prompts are plain text, continued rather than answered."""
+        return self._template is not None
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
@@ -144,7 +152,7 @@ class RuntimeTokenizer:
         import jinja2
 
         if self._template is None:
-            raise ChatTemplateError("this artifact has no chat template: give a raw prompt instead of messages")
+            raise ChatTemplateError(NO_TEMPLATE_MESSAGE)
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self.special_tokens)

@@ -84,6 +84,59 @@ def make_tiny_medusa(*, vocab=1001, hidden=64, layers=2, heads=4, kv_heads=2, me
     return hf, model.eval()
 
 
+# One tiny random model per family, made with transformers' own config class (hidden 64, GQA 4/2),
+# its distinguishing feature switched on: RoPE scaling, a sliding window smaller than the test
+# context (8 tokens), biases, q/k norms, an explicit head_dim, tied embeddings.
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}  # all three bands of inv_freq exercised at D = 16
+FAMILIES = {
+    "llama3": ("LlamaConfig", dict(num_hidden_layers=2, rope_theta=1e4, rope_scaling=_LLAMA3_ROPE)),
+    "llama-linear-bias": ("LlamaConfig", dict(num_hidden_layers=2, rope_scaling={"type": "linear", "factor": 2.0},
+                                              attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
+                                  max_window_layers=1, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, attention_bias=True)),
+}
+
+
+def make_family_hf(family: str, *, vocab=320, seed=0):
+    """A tiny random transformers model of ``family`` (see :data:`FAMILIES`), eval mode.
+
+    transformers initialises every Linear bias to 0 and every RMSNorm weight to 1, which would
+    leave the biases and q/k norms untested: they are randomised here."""
+    import transformers
+
+    cls_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=512, initializer_range=0.2, **kw)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    return hf
+
+
+def make_family_medusa(family: str, *, vocab=320, seed=0, medusa_heads=3, head_noise=0.02):
+    """(hf_model, MedusaModel) of ``family``: our reference loaded strictly from the transformers
+    model's state dict (shared tensors), with §2.1.1 initial heads plus noise."""
+    from medusa_export.loading.backbone import backbone_from_hf_model
+    from medusa_export.model.medusa import MedusaModel
+
+    hf = make_family_hf(family, vocab=vocab, seed=seed)
+    model = MedusaModel.with_initial_heads(backbone_from_hf_model(hf), medusa_heads)
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.add_(torch.randn_like(p) * head_noise)
+    return hf, model.eval()
+
+
 def tiny_loaded(model, *, name="tiny", tree="16", max_context=512):
     """Wrap a tiny MedusaModel as a registry LoadedMedusa with the tiny tokenizer."""
     from medusa_export.loading.registry import LoadedMedusa
@@ -129,28 +182,6 @@ def plain_greedy(hf_model, prompt_ids, max_new_tokens: int) -> list[int]:
     out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
-
-
-def hf_from_backbone(backbone):
-    """A transformers ``LlamaForCausalLM`` sharing a :class:`LlamaBackbone`'s weights (no copy):
-    an independent implementation of the same model, for reference decoding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    c = backbone.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
-                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                      max_position_embeddings=c.max_position_embeddings)
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(cfg)
-    state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in backbone.state_dict().items()}
-    hf.load_state_dict(state, strict=True, assign=True)
-    hf.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # its inv_freq buffer is not in the state dict
-    if c.tie_word_embeddings:
-        hf.tie_weights()
-    return hf.eval()
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,8 @@ def test_unknown_model_exits_2_listing_known_models(capsys):
 
 def test_models_lists_the_registry_and_marks_the_default(capsys):
     assert main(["models"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split()[:3] == ["name", "architecture", "heads"]
     assert sorted(line.split()[0] for line in lines) == sorted(load_registry())
     assert [line.split()[0] for line in lines if line.endswith("[default]")] == [DEFAULT_MODEL]
 
@@ -251,3 +252,60 @@ def test_every_command_documents_the_exit_codes(capsys):
             main([*argv, "--help"])
         assert exc.value.code == 0
         assert "exit codes: 0 success; 1 the artifact disagrees" in " ".join(capsys.readouterr().out.split())
+
+
+# --- a base model: no chat template ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """A tiny Llama 3.x folder whose tokenizer has no chat template, and its built fp32 artifact."""
+    from checkpoints import save_family_dir
+
+    root = tmp_path_factory.mktemp("base")
+    hf = save_family_dir(root / "base-llama", "llama3", chat_template=False)
+    rc = main(["build", "--model", str(root / "base-llama"), "--tree", "4", "--out", str(root / "art"),
+               "--max-context", "128", "--new-tokens", "12"])
+    assert rc == 0
+    return hf, root / "base-llama", root / "art"
+
+
+def test_base_model_build_summary(tmp_path, base_model, capsys):
+    """Built with validation (the fixture's build passed it); the summary says what the missing template means."""
+    _, folder, _ = base_model
+    assert main(["build", "--model", str(folder), "--tree", "chain", "--out", str(tmp_path / "a"),
+                 "--max-context", "128", "--new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert (tmp_path / "a" / "chat_template.jinja").read_text() == ""
+    assert "  architecture: llama (rope_scaling=llama3)\n" in captured.out
+    assert "[note: the model has no chat template (a base model): prompts are encoded as plain text" in captured.err
+    assert "(no chat template, a base model: the validation prompts were encoded as plain text)" in captured.out
+    assert "chat template: none (a base model): `generate --artifact` continues a plain-text prompt" in captured.out
+
+
+def test_base_model_generate_continues_plain_text(base_model, capsys):
+    from conftest import plain_greedy
+
+    hf, folder, art = base_model
+    assert main(["generate", "--artifact", str(art), "--prompt", "Write a poem about", "--max-new-tokens", "10",
+                 "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "[note: this artifact has no chat template (a base model): the prompt is encoded as plain text" in captured.err
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    expected = tok.decode(plain_greedy(hf, tok.encode("Write a poem about"), 10), skip_special_tokens=True)
+    assert captured.out == expected + "\n"
+    # the PyTorch reference says the same and prints the same text
+    assert main(["generate", "--model", str(folder), "--prompt", "Write a poem about", "--max-new-tokens", "10"]) == 0
+    captured = capsys.readouterr()
+    assert "[note: the model has no chat template (a base model)" in captured.err
+    assert captured.out == expected + "\n"
+
+
+def test_base_model_chat_is_refused_plainly(base_model, capsys):
+    _, _, art = base_model
+    assert main(["chat", "--artifact", str(art)]) == 2
+    err = capsys.readouterr().err
+    assert "this artifact has no chat template (a base model): it cannot render chat messages" in err
+    assert f"use `generate --artifact {art} --prompt TEXT` to continue a text" in err

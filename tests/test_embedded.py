@@ -2,15 +2,16 @@
 
 Independent of which heads are registered (initial or trained): greedy output must equal plain
 greedy decoding whatever the heads propose. Reference: transformers' LlamaForCausalLM sharing the
-same weights (:func:`conftest.hf_from_backbone`).
+same weights (:func:`medusa_export.loading.transformers_twin.transformers_twin`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import hf_from_backbone, mt_bench_prompts, plain_greedy
+from conftest import mt_bench_prompts, plain_greedy
 from medusa_export.chat import apply_chat_template
+from medusa_export.loading.transformers_twin import transformers_twin
 from medusa_export.model.decode import medusa_generate
 from medusa_runtime.tree import tree_from_spec
 
@@ -34,7 +35,7 @@ def smollm_prompts(smollm):
 @pytest.fixture(scope="module")
 def smollm_reference(smollm, smollm_prompts):
     """name -> transformers' plain greedy continuation (N_NEW tokens, EOS ignored), memoised."""
-    hf = hf_from_backbone(smollm.model.backbone)
+    hf = transformers_twin(smollm.model.backbone)
     memo = {}
 
     def ref(name: str) -> list[int]:

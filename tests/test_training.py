@@ -261,3 +261,80 @@ def test_simulated_acceptance_matches_the_decode_loop(tiny, tiny_gen):
         steps = simulate_steps(toks, heads_topk(model.heads, hidden.float(), tree.topk).numpy(), tree,
                                max_new_tokens=20)
         assert steps == ref.step_tokens
+
+
+# --- every family and layout: the generator, train-heads and calibrate ------------------------------------
+
+
+LAYOUTS = {  # name -> (writer, family): what train-heads / calibrate read for each
+    "llama3": ("family", "llama3"), "mistral": ("family", "mistral"), "qwen2": ("family", "qwen2"),
+    "qwen3": ("family", "qwen3"), "medusa-1.0": ("medusa-1.0", "mistral"), "modelopt-fp8": ("fp8", "llama3"),
+}
+
+
+def _write_layout(path, layout):
+    from checkpoints import save_family_dir, write_medusa_1_0, write_modelopt_fp8
+
+    writer, family = LAYOUTS[layout]
+    if writer == "family":
+        return save_family_dir(path, family)
+    if writer == "medusa-1.0":
+        return write_medusa_1_0(path, family, fmt="safetensors")[0]
+    return write_modelopt_fp8(path, family)[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generator_of_every_layout_equals_transformers_greedy(tmp_path, layout):
+    """The generator is the family's transformers model on the strictly loaded tensors: its batched,
+    left-padded replies equal plain greedy decoding of the original model, past the window of 8."""
+    from conftest import plain_greedy
+    from medusa_export.training.distill import load_generator
+
+    hf = _write_layout(tmp_path, layout)
+    gen = load_generator(str(tmp_path))
+    assert type(gen.hf_model) is type(hf)
+    prompts = [[5, 17, 42, 7, 99, 3], [8, 1, 2, 250, 12, 64, 9, 9, 31, 4, 77]]  # different lengths: left padding
+    out = generate_batch(gen.hf_model, gen.tokenizer, prompts, max_new_tokens=14, eos_token_ids=[],
+                         pad_token_id=gen.pad_token_id)
+    for p, (toks, hidden) in zip(prompts, out):
+        assert toks == plain_greedy(hf, p, 14)
+        assert hidden.shape == (14, 64)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"id": i, "prompt": p.messages[0]["content"]}) for i, p in enumerate(PROMPTS)))
+    return f
+
+
+@pytest.mark.parametrize("layout", ["llama3", "mistral", "qwen2", "qwen3", "medusa-1.0", "modelopt-fp8"])
+def test_train_heads_and_calibrate_on_every_layout(tmp_path, prompt_file, layout, capsys):
+    from medusa_export.cli.main import main
+    from medusa_export.loading.registry import load_model
+
+    _write_layout(tmp_path / "model", layout)
+    model, out, cache = str(tmp_path / "model"), tmp_path / "heads", str(tmp_path / "cache")
+    assert main(["train-heads", "--model", model, "--data", str(prompt_file), "--holdout", "2", "--out", str(out),
+                 "--cache", cache, "--max-new-tokens", "12", "--batch-size", "4", "--num-heads", "2",
+                 "--epochs", "3", "--batch-tokens", "16", "--soft-topk", "4"]) == 0
+    meta = json.loads((out / "heads.json").read_text())
+    assert (meta["num_heads"], meta["own_projection"]) == (2, False) and meta["recipe"]["train_prompts"] == 4
+    assert load_accuracies(out).shape == (2, 10)  # from the held-out replies
+    lm = load_model(model, heads_path=str(out))
+    assert lm.model.num_heads == 2
+    assert main(["calibrate", "--model", model, "--heads", str(out), "--data", str(prompt_file), "--cache", cache,
+                 "--max-new-tokens", "12", "--budgets", "4"]) == 0
+    assert "top-1 accuracy per head" in capsys.readouterr().out
+    acc = load_accuracies(out)
+    assert acc.shape == (2, 10) and np.all(acc >= 0) and np.all(acc.sum(1) <= 1 + 1e-9)
+
+
+def test_calibrate_reads_heads_stored_in_the_checkpoint(tmp_path, prompt_file, capsys):
+    """A medusa-1.0 folder's own heads are calibrated without --heads; accuracies.json goes beside them."""
+    from medusa_export.cli.main import main
+
+    _write_layout(tmp_path / "m", "medusa-1.0")
+    assert main(["calibrate", "--model", str(tmp_path / "m"), "--data", str(prompt_file), "--cache",
+                 str(tmp_path / "c"), "--max-new-tokens", "10", "--limit", "3", "--budgets", "4"]) == 0
+    assert load_accuracies(tmp_path / "m").shape == (3, 10)

@@ -165,23 +165,23 @@ def cmd_calibrate(args) -> int:
     """Measure a_k^(i) on held-out prompts, save accuracies.json beside the heads, print trees."""
     from medusa_runtime.tree import expected_accept_length, greedy_tree
 
-    from ..loading.heads_formats import load_heads
-    from ..loading.registry import get_entry, models_dir
+    from ..loading.registry import entry_for, load_entry_heads
     from ..training.calibrate import calibrate, save_accuracies, simulate_acceptance
     from ..training.distill import load_generator
 
-    prompts = _prompts(require(args.prompt_file, "--prompt-file"))[: args.limit or None]
-    heads_dir = args.heads
-    if heads_dir is None:
-        entry = get_entry(args.model)
-        if entry.heads.get("source") != "shipped":
-            raise MedusaError(f"give --heads DIR ({args.model} has no shipped heads)")
-        heads_dir = str(models_dir() / entry.heads["path"])
     gen = load_generator(args.model, model_path=args.model_path)
-    heads = load_heads(heads_dir, gen.lm_head)
+    entry, _ = entry_for(args.model)
+    heads, source, heads_dir = load_entry_heads(entry, gen.loaded, args.heads, lm_head=gen.lm_head)
+    if heads is None:
+        raise MedusaError(f"{args.model} has no trained heads to calibrate (its heads would be the untrained "
+                          "initial ones); give --heads DIR")
+    if args.out is None and entry.heads["source"] in ("hf", "backbone") and not args.heads:
+        raise MedusaError(f"the heads of {args.model} come from {source}; give --out DIR for accuracies.json "
+                          "(the Hugging Face cache is not written to)")
+    prompts = _prompts(require(args.prompt_file, "--prompt-file"))[: args.limit or None]
     res = calibrate(gen, heads, prompts, Path(args.cache) / "calibrate", max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, topk=args.topk)
-    out = args.out or heads_dir
+    out = args.out or (heads_dir if heads_dir.is_dir() else heads_dir.parent)
     save_accuracies(res.accuracies, out, source=", ".join(args.prompt_file), positions=res.positions)
     print("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in res.accuracies[:, 0]))
     print(f"{'nodes':>6} {'depth':>5} {'expected':>9} {'simulated':>9}")
@@ -248,11 +248,13 @@ def add_heads_commands(sub) -> None:
                                    "is written to accuracies.json beside the heads, where --tree N finds it.")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model or path (default: {DEFAULT_MODEL})")
     p.add_argument("--model-path", help="local backbone weights instead of the registry's source")
-    p.add_argument("--heads", help="heads directory (default: the model's shipped heads)")
+    p.add_argument("--heads", help="heads directory or file (default: the model's registered heads, or those "
+                                   "stored in its checkpoint)")
     add_prompt_file_arg(p, "held-out prompts (required)", aliases=("--data",), repeatable=True,
                         formats=DISTILL_PROMPT_FORMAT)
     p.add_argument("--limit", type=int, help="use only the first N prompts")
-    p.add_argument("--out", help="where accuracies.json goes (default: the heads directory)")
+    p.add_argument("--out", help="where accuracies.json goes (default: the heads directory; required for heads "
+                                 "read from the Hugging Face cache)")
     p.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache directory (default: {DEFAULT_CACHE})")
     p.add_argument("--max-new-tokens", type=int, default=133, help="reply length (default: 133)")
     p.add_argument("--batch-size", type=int, default=32, help="generation batch (default: 32)")

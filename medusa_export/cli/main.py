@@ -45,6 +45,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, runtime_alternative: bool = F
                    help="allow transformers to run code shipped with the checkpoint (off by default)")
 
 
+def print_notes(lm) -> None:
+    """The loaded model's notes (GGUF limits, FP8, no chat template), one line each on stderr."""
+    for note in lm.notes:
+        print(f"[note: {note}]", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args) -> int:
     """One prompt, streamed to stdout: the runtime over ``--artifact``, else the PyTorch reference."""
     if args.artifact:
@@ -70,6 +76,7 @@ def cmd_generate(args) -> int:
     print(f"loading {model} ...", file=sys.stderr, flush=True)
     lm = load_model(model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
+    print_notes(lm)
     tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
     if args.raw:
@@ -120,6 +127,7 @@ def cmd_build(args) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
+    print_notes(lm)
     spec = args.tree or lm.default_tree
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
     tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
@@ -128,11 +136,26 @@ def cmd_build(args) -> int:
     out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
-    _print_summary(path, time.perf_counter() - t0)
+    _print_summary(path, time.perf_counter() - t0, lm)
     return after_build(args, path)
 
 
-def _print_summary(path, seconds: float) -> None:
+def architecture_line(lm) -> str:
+    """The build summary's line on the backbone's family and switches (the sliding window said plainly)."""
+    c = lm.model.config
+    text = f"  architecture: {c.model_type}"
+    if c.features:
+        text += f" ({', '.join(c.features)})"
+    windows = [c.window(i) for i in range(c.num_hidden_layers)]
+    if any(w is not None for w in windows):
+        text += (f"; sliding window of {c.sliding_window} tokens on {sum(w is not None for w in windows)} of "
+                 f"{len(windows)} layers, applied in the attention mask by position: exact at any context")
+    if lm.quantization:
+        text += f"; checkpoint {lm.quantization}"
+    return text
+
+
+def _print_summary(path, seconds: float, lm=None) -> None:
     import json
     from pathlib import Path
 
@@ -143,6 +166,8 @@ def _print_summary(path, seconds: float) -> None:
     print(f"\nartifact: {path}  ({size / 1e6:.1f} MB, built in {seconds:.0f}s)")
     print(f"  model: {m['model']['name']} ({m['model']['num_layers']} layers, {m['model']['medusa_heads']} Medusa heads), "
           f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
+    if lm is not None:
+        print(architecture_line(lm))
     print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)")
     sel = m["tree"].get("selection")
     if sel:
@@ -154,12 +179,19 @@ def _print_summary(path, seconds: float) -> None:
         f = m["files"][key]
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
     v = m.get("validation")
+    template = m["files"].get("chat_template")
+    no_template = not template or not (Path(path) / template).read_text().strip()
     if v:
         from ..validation.validate import validation_summary
 
         print(f"  validation: {validation_summary(v)}")
+        if no_template:
+            print("              (no chat template, a base model: the validation prompts were encoded as plain text)")
     else:
         print("  validation: skipped")
+    if no_template:
+        print("  chat template: none (a base model): `generate --artifact` continues a plain-text prompt; "
+              "`chat` needs a template")
     if readiness_line(m):
         print(readiness_line(m))
 
@@ -181,6 +213,7 @@ def cmd_verify(args) -> int:
     else:
         raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
                           "--model-path (an HF model dir or .gguf file)")
+    print_notes(lm)
     texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
     report = validate(art, lm.model, ids, texts, new_tokens=args.max_new_tokens, eos_token_ids=lm.eos_token_ids)
@@ -315,7 +348,8 @@ def _add_verify_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
-    p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name)")
+    p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name; needed for "
+                                        "an artifact built from a local folder)")
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
     p.set_defaults(func=cmd_verify)
@@ -375,12 +409,17 @@ def _add_models_parser(sub) -> None:
 
 
 def cmd_models(args) -> int:
-    """Print the registry; the default model is marked."""
+    """Print the registry: name, architecture (model_type and family), heads format, default tree, description;
+    the default model is marked."""
+    from ..loading.architectures import ARCHITECTURES
     from ..loading.registry import DEFAULT_MODEL, load_registry
 
+    print(f"{'name':24s} {'architecture':26s} {'heads':14s} {'tree':5s} description")
     for name, e in sorted(load_registry().items()):
+        arch = f"{e.architecture} ({ARCHITECTURES.get(e.architecture, 'unsupported')})"
+        heads = e.heads.get("format", e.heads["source"])
         mark = " [default]" if name == DEFAULT_MODEL else ""
-        print(f"{name:14s} {e.description} (default tree: {e.default_tree}){mark}")
+        print(f"{name:24s} {arch:26s} {heads:14s} {e.default_tree:5s} {e.description}{mark}")
     return 0
 
 

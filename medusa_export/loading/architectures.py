@@ -1,9 +1,15 @@
-"""Checkpoint ``config.json`` -> :class:`~medusa_export.model.config.BackboneConfig`, per family.
+"""Checkpoint ``config.json`` <-> :class:`~medusa_export.model.config.BackboneConfig`, per family.
 
 Each supported ``model_type`` maps its transformers config fields onto the backbone's feature
 switches (see the table in :mod:`medusa_export.model.config`); anything the reference and the
 graphs do not implement is refused by name, with the supported choices in the message.
 Field semantics: transformers 4.57 ``models/{llama,mistral,qwen2,qwen3}/configuration_*.py``.
+
+A ``config.json`` is first read through the family's transformers config class, so a field the
+file leaves out takes that class's default, as transformers' own model would (Qwen3: ``head_dim``
+128; Mistral: ``sliding_window`` 4096 and 8 KV heads; Qwen2/Qwen3: ``layer_types`` derived from
+``use_sliding_window`` / ``max_window_layers``). :func:`transformers_config` is the inverse: the
+transformers config of a backbone (for a transformers model that shares its weights).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 from ..errors import UnsupportedModelError
 from ..model.config import ROPE_TYPES, BackboneConfig, RopeScaling
 
-#: model_type -> family name (what ``medusa-export models`` and the README table call it).
+#: model_type -> family name (what ``medusa-export models`` and docs/models.md call it).
 ARCHITECTURES = {"llama": "Llama 1/2/3.x", "mistral": "Mistral", "qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3"}
 
 
@@ -34,16 +40,48 @@ def _rope_scaling(cfg: dict) -> RopeScaling | None:
         raise UnsupportedModelError(f"rope_scaling 'llama3' lacks the field {exc.args[0]!r}") from None
 
 
+def _with_family_defaults(cfg: dict) -> dict:
+    """``cfg`` read through its family's transformers config class (its defaults filled in).
+
+    Raises:
+        UnsupportedModelError: transformers rejects the config (e.g. a rope_scaling without
+            its required fields); its message is kept.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**cfg).to_dict()
+    except (KeyError, ValueError, TypeError) as exc:
+        reason = exc.args[0] if exc.args else exc
+        raise UnsupportedModelError(f"{cfg['model_type']} config rejected: {reason}") from None
+
+
 def backbone_config(cfg: dict) -> BackboneConfig:
     """The backbone config of a checkpoint's ``config.json`` (as a dict).
 
     Raises:
         UnsupportedModelError: an unsupported ``model_type``, RoPE type or feature (named, with
-            the supported choices).
+            the supported choices), or inconsistent sizes.
     """
+    try:
+        return _backbone_config(cfg)
+    except UnsupportedModelError:
+        raise
+    except ValueError as exc:  # BackboneConfig's own checks (head counts, layer types, window)
+        raise UnsupportedModelError(f"{cfg.get('model_type')} config: {exc}") from None
+
+
+def _backbone_config(cfg: dict) -> BackboneConfig:
     mt = cfg.get("model_type")
     if mt not in ARCHITECTURES:
         raise UnsupportedModelError(f"model_type {mt!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    rope_scaling = _rope_scaling(cfg)  # our message names the RoPE type before transformers' validation does
+    cfg = _with_family_defaults(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported; supported: silu")
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported; "
+                                    "supported: 1.0 (RoPE on the whole head)")
     heads = cfg["num_attention_heads"]
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
@@ -52,10 +90,8 @@ def backbone_config(cfg: dict) -> BackboneConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), model_type=mt,
-        rope_scaling=_rope_scaling(cfg),
+        rope_scaling=rope_scaling,
     )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported; supported: silu")
     if mt == "llama":
         bias = bool(cfg.get("attention_bias", False))
         return BackboneConfig(**common, qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
@@ -74,3 +110,55 @@ def backbone_config(cfg: dict) -> BackboneConfig:
     bias = bool(cfg.get("attention_bias", False))
     return BackboneConfig(**common, qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window,
                           layer_types=layer_types)
+
+
+def transformers_config(cfg: BackboneConfig):
+    """The transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config`` or ``Qwen3Config``)
+    whose model computes what :class:`~medusa_export.model.backbone.Backbone` computes with ``cfg``.
+
+    Raises:
+        UnsupportedModelError: a combination of switches the family's transformers model has no
+            field for (e.g. Llama with q/k/v biases but none on o_proj).
+    """
+    from transformers import AutoConfig
+
+    mt = cfg.model_type
+    rs = cfg.rope_scaling
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
+        rope_scaling=None if rs is None else {k: v for k, v in (
+            ("rope_type", rs.rope_type), ("factor", rs.factor), ("low_freq_factor", rs.low_freq_factor),
+            ("high_freq_factor", rs.high_freq_factor),
+            ("original_max_position_embeddings", rs.original_max_position_embeddings))
+            if rs.rope_type == "llama3" or k in ("rope_type", "factor")},
+    )
+    switches = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias, "qk_norm": cfg.qk_norm}
+    expressible = {
+        "llama": dict(qkv_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, qk_norm=False),
+        "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+        "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
+        "qwen3": dict(qkv_bias=cfg.o_bias, mlp_bias=False, qk_norm=True),
+    }[mt]
+    bad = [f"{k}={switches[k]}" for k, v in expressible.items() if switches[k] != v]
+    if bad:
+        raise UnsupportedModelError(f"a {mt} model has no transformers field for {', '.join(bad)}")
+    sliding = [cfg.window(i) is not None for i in range(cfg.num_hidden_layers)]
+    if mt == "llama":
+        if any(sliding):
+            raise UnsupportedModelError("a llama model has no transformers field for a sliding window")
+        extra = dict(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, head_dim=cfg.head_dim)
+    elif mt == "mistral":
+        if any(sliding) and not all(sliding):
+            raise UnsupportedModelError("a mistral model slides on every layer or none")
+        extra = dict(sliding_window=cfg.sliding_window if any(sliding) else None, head_dim=cfg.head_dim)
+    else:
+        extra = dict(use_sliding_window=any(sliding), sliding_window=cfg.sliding_window if any(sliding) else None,
+                     layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
+        if mt == "qwen3":
+            extra.update(attention_bias=cfg.o_bias, head_dim=cfg.head_dim)
+        elif cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+            extra["head_dim"] = cfg.head_dim  # Qwen2Config has no field; the model reads the attribute
+    return AutoConfig.for_model(mt, **common, **extra)

@@ -1,29 +1,54 @@
 """Loaders of the Medusa heads' public file formats, and files kept beside the heads.
 
-File formats (key layout shared by all three, h = head, l = block, N = blocks):
+Key layout shared by every format (h = head, l = block, N = blocks per head):
     ``{h}.{l}.linear.weight`` [d, d], ``{h}.{l}.linear.bias`` [d], optional ``{h}.{N}.weight`` [V, d]
+(the head's own vocab projection; without it the backbone's ``lm_head`` projects).
 
-* FasterDecoding ``medusa_lm_head.pt`` (loaded with ``torch.load(weights_only=True)``);
-* the same tensors as ``medusa_lm_head.safetensors``;
+Formats:
+
+* FasterDecoding Medusa-1 ``medusa_lm_head.pt`` (``torch.load(weights_only=True)``) or the same
+  tensors as ``medusa_lm_head.safetensors``, with a ``config.json`` whose ``medusa_num_heads`` may
+  be wrong (FasterDecoding/Medusa ``medusa/model/medusa_model.py``: "fix the uploaded config");
+* the community "version 2" layout of the same file (``medusa_lm_head.safetensors``, e.g.
+  philschmid/llama-3-1-8b-instruct-medusa: 3 heads x 1 block, bf16, no own projection; written
+  by Medusa's ``medusa/train/train_legacy.py``; TGI ``layers/medusa.py`` ``MedusaHeadV2``);
+* heads INSIDE a full model folder, with a prefix: FasterDecoding's medusa-1.0 repositories
+  (``medusa_head.`` prefix, fp16 ``pytorch_model-*.bin`` shards, e.g. the ``weight_map`` of
+  FasterDecoding/medusa-v1.0-vicuna-7b-v1.5 ``pytorch_model.bin.index.json``; counts in
+  config.json ``medusa_num_heads`` / ``medusa_num_layers``, absent from some) and NVIDIA
+  TensorRT Model Optimizer checkpoints (``medusa_heads.`` prefix, FP8 weights with per-tensor
+  ``weight_scale``, e.g. nvidia/Llama-3.1-8B-Medusa-FP8; TensorRT-LLM
+  ``models/medusa/weight.py`` ``load_medusa_hf(is_modelopt_ckpt=True)``; counts in config.json
+  ``"medusa": {"num_medusa_heads", "num_medusa_layers"}``);
 * ours: ``heads.safetensors`` + ``heads.json`` (:data:`~medusa_export.model.heads.HEADS_FORMAT`,
   written by :func:`~medusa_export.model.heads.save_heads`).
 
-Every key and shape is checked against the backbone (strict loading, no key left over).
+Loading is strict: counts are inferred from the keys, every key must be one the structure
+expects and every expected key must be there (the error names the key), and shapes must match
+the backbone. A count our ``heads.json`` states must agree with the weights; one a third-party
+``config.json`` states is only checked with a warning (they have been wrong).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..errors import HeadsFormatError
+from ..errors import HeadsFormatError, MedusaError
 from ..model.heads import HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
+from . import fp8, hf_folder
 
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
+#: Prefixes of heads stored inside a full model's state dict: FasterDecoding medusa-1.0, modelopt.
+HEAD_PREFIXES = ("medusa_head.", "medusa_heads.")
+#: Heads-only files, in the order a folder is searched.
+HEAD_FILES = (HEADS_FILE, "medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
 
 def file_beside_heads(heads: str | Path, name: str) -> Path | None:
@@ -43,17 +68,60 @@ def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise HeadsFormatError(f"heads file {path} does not exist")
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+        return hf_folder.read_file(path)
+    except MedusaError as exc:
+        raise HeadsFormatError(str(exc).replace("weights file", "heads file")) from exc
 
-            tensors = load_file(str(path))
-        else:
-            tensors = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is a format error here
-        raise HeadsFormatError(f"cannot read heads file {path}: {exc}") from exc
-    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-        raise HeadsFormatError(f"heads file {path} is not a flat dict of tensors")
-    return tensors
+
+def split_heads(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str | None]:
+    """Separate the Medusa heads from a full model's state dict.
+
+    Args:
+        tensors: a checkpoint's state dict.
+
+    Returns:
+        (the other tensors, the heads' tensors with the prefix removed, the prefix found or None).
+
+    Raises:
+        HeadsFormatError: keys with both prefixes (two sets of heads).
+    """
+    found = {p for p in HEAD_PREFIXES if any(k.startswith(p) for k in tensors)}
+    if len(found) > 1:
+        raise HeadsFormatError(f"checkpoint holds keys with both {' and '.join(sorted(found))} prefixes")
+    if not found:
+        return tensors, {}, None
+    prefix = found.pop()
+    rest = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    heads = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+    return rest, heads, prefix
+
+
+def config_head_counts(config: dict) -> tuple[int | None, int | None]:
+    """(num_heads, num_layers) a ``config.json`` beside (or of) the heads states, or None for what it does not.
+
+    Reads FasterDecoding's ``medusa_num_heads`` / ``medusa_num_layers`` and modelopt's
+    ``"medusa": {"num_medusa_heads", "num_medusa_layers"}``.
+    """
+    nested = config.get("medusa") if isinstance(config.get("medusa"), dict) else {}
+    return (config.get("medusa_num_heads", nested.get("num_medusa_heads")),
+            config.get("medusa_num_layers", nested.get("num_medusa_layers")))
+
+
+def _expected_keys(h: int, layers: int, own: bool) -> list[str]:
+    keys = [f"{h}.{lay}.linear.{n}" for lay in range(layers) for n in ("weight", "bias")]
+    return keys + ([f"{h}.{layers}.weight"] if own else [])
+
+
+def _head_structure(h: int, keys: set[str]) -> tuple[int, bool]:
+    """(blocks, own projection) that head ``h``'s keys suggest."""
+    blocks = {int(k.split(".")[1]) for k in keys}
+    n = max(blocks) + 1
+    own = f"{h}.{n - 1}.weight" in keys and f"{h}.{n - 1}.linear.weight" not in keys
+    return (n - 1 if own else n), own
+
+
+def _describe(layers: int, own: bool) -> str:
+    return f"{layers} block(s) and {'its own projection' if own else 'no own projection'}"
 
 
 def infer_heads_config(
@@ -66,17 +134,19 @@ def infer_heads_config(
 ) -> HeadsConfig:
     """Infer and check the head structure from tensor keys and shapes.
 
+    The structure (blocks per head, own projection or not) is the one most heads have (head 0's
+    on a tie); a key another head has beyond it is unexpected, a key it lacks is missing.
+
     Args:
-        tensors: the file's tensors (FasterDecoding layout).
+        tensors: the heads' tensors (FasterDecoding layout, no prefix).
         hidden_size, vocab_size: the backbone's d and V.
         num_heads, num_layers: what a config file claims, if anything (checked).
 
     Raises:
-        HeadsFormatError: an unexpected key, a missing key, inconsistent head/layer counts,
-            a shape that does not match the backbone, or a count that contradicts the config.
-            The message names the key.
+        HeadsFormatError: an unexpected key, a missing key, a missing head, a shape that does
+            not match the backbone, or a count that contradicts the config. The message names the key.
     """
-    found: dict[int, dict[int, set[str]]] = {}
+    by_head: dict[int, set[str]] = {}
     for key in tensors:
         m = _KEY.match(key)
         if not m:
@@ -84,48 +154,41 @@ def infer_heads_config(
                 f"unexpected key {key!r} in heads file; expected '{{h}}.{{l}}.linear.weight|bias' "
                 "and optionally '{h}.{N}.weight'"
             )
-        found.setdefault(int(m[1]), {}).setdefault(int(m[2]), set()).add(m[3])
-    if not found:
+        by_head.setdefault(int(m[1]), set()).add(key)
+    if not by_head:
         raise HeadsFormatError("heads file holds no tensors")
-    k = max(found) + 1
-    if sorted(found) != list(range(k)):
-        raise HeadsFormatError(f"heads file has heads {sorted(found)}; expected 0..{k - 1}")
-    shapes = set()
-    for h, layers in found.items():
-        n = max(layers) + 1
-        if sorted(layers) != list(range(n)):
-            raise HeadsFormatError(f"head {h} has blocks {sorted(layers)}; expected 0..{n - 1}")
-        last = layers[n - 1]
-        own = last == {"weight"} and f"{h}.{n - 1}.weight" in tensors and f"{h}.{n - 1}.linear.weight" not in tensors
-        shapes.add((n - 1 if own else n, own))
-    if len(shapes) != 1:
-        raise HeadsFormatError(f"heads differ in structure (blocks, own projection): {sorted(shapes)}")
-    layers_n, own = shapes.pop()
+    k = max(by_head) + 1
+    if sorted(by_head) != list(range(k)):
+        absent = sorted(set(range(k)) - set(by_head))
+        raise HeadsFormatError(f"heads file has heads {sorted(by_head)}; expected 0..{k - 1} "
+                               f"(missing key {f'{absent[0]}.0.linear.weight'!r})")
+    votes = Counter(_head_structure(h, keys) for h, keys in sorted(by_head.items()))
+    best = max(votes.values())
+    layers_n, own = next(s for s in (_head_structure(h, by_head[h]) for h in range(k)) if votes[s] == best)
     if layers_n < 1:
-        raise HeadsFormatError("heads have no residual block (key '{h}.0.linear.weight' missing)")
+        raise HeadsFormatError("heads have no residual block (key '0.0.linear.weight' missing)")
+    for h in range(k):
+        expected = _expected_keys(h, layers_n, own)
+        extra = sorted(by_head[h] - set(expected))
+        if extra:
+            raise HeadsFormatError(f"unexpected key {extra[0]!r} in heads file: the heads have "
+                                   f"{_describe(layers_n, own)} each")
+        missing = [key for key in expected if key not in by_head[h]]
+        if missing:
+            raise HeadsFormatError(f"heads file is missing key {missing[0]!r} (the heads have "
+                                   f"{_describe(layers_n, own)} each)")
     if num_heads is not None and num_heads != k:
         raise HeadsFormatError(f"config says {num_heads} heads but the weights hold {k}")
     if num_layers is not None and num_layers != layers_n:
         raise HeadsFormatError(f"config says {num_layers} layers per head but the weights hold {layers_n}")
     d, v = hidden_size, vocab_size
     for h in range(k):
-        for lay in range(layers_n):
-            for name, shape in (("weight", (d, d)), ("bias", (d,))):
-                key = f"{h}.{lay}.linear.{name}"
-                if key not in tensors:
-                    raise HeadsFormatError(f"heads file is missing key {key!r}")
-                if tuple(tensors[key].shape) != shape:
-                    raise HeadsFormatError(
-                        f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {shape} "
-                        f"(backbone hidden size {d})"
-                    )
-        if own:
-            key = f"{h}.{layers_n}.weight"
-            if tuple(tensors[key].shape) != (v, d):
-                raise HeadsFormatError(
-                    f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {(v, d)} "
-                    f"(backbone vocab {v}, hidden {d})"
-                )
+        for key in _expected_keys(h, layers_n, own):
+            shape = (v, d) if key.endswith(f".{layers_n}.weight") else (d, d) if key.endswith("weight") else (d,)
+            if tuple(tensors[key].shape) != shape:
+                backbone = f"backbone vocab {v}, hidden {d}" if shape == (v, d) else f"backbone hidden size {d}"
+                raise HeadsFormatError(f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {shape} "
+                                       f"({backbone})")
     return HeadsConfig(k, layers_n, d, v, own)
 
 
@@ -135,14 +198,39 @@ def heads_from_tensors(
     *,
     num_heads: int | None = None,
     num_layers: int | None = None,
+    counts_from: str | None = None,
 ) -> MedusaHeads:
-    """Build :class:`MedusaHeads` from checked tensors (strict: every key used, shapes equal).
+    """Build :class:`MedusaHeads` from the heads' tensors (strict: every key used, shapes equal).
+
+    FP8 weights (modelopt) are dequantized with their ``weight_scale``; activation scales are
+    dropped (the loader of a full checkpoint keeps them, see :mod:`.fp8`).
+
+    Args:
+        tensors: the heads' tensors (no prefix).
+        lm_head: the backbone's LM head [V, d].
+        num_heads, num_layers: the counts a config states (None: not stated).
+        counts_from: None when the counts come from our own ``heads.json`` (a disagreement is an
+            error); else the third-party file they come from (e.g. ``config.json``), whose counts
+            are known to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads
+            for its 5): the weights' counts are used and a disagreement is a warning.
 
     Raises:
-        HeadsFormatError: see :func:`infer_heads_config`.
+        HeadsFormatError: see :func:`infer_heads_config`; a malformed FP8 scale.
     """
+    if any(fp8.is_fp8(t) for t in tensors.values()) or any(k.endswith("_scale") for k in tensors):
+        try:
+            tensors = fp8.dequantize_state(tensors).tensors
+        except MedusaError as exc:
+            raise HeadsFormatError(f"FP8 heads: {exc}") from None
     vocab, hidden = lm_head.weight.shape
-    cfg = infer_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers)
+    strict = counts_from is None
+    cfg = infer_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads if strict else None,
+                             num_layers=num_layers if strict else None)
+    stated = {"heads": (num_heads, cfg.num_heads), "layers per head": (num_layers, cfg.num_layers)}
+    for what, (said, held) in stated.items():
+        if not strict and said is not None and said != held:
+            warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
+                          "used", stacklevel=2)
     heads = MedusaHeads(cfg, lm_head)
     dtype = lm_head.weight.dtype
     state = {f"heads.{k}": v.to(dtype) for k, v in tensors.items()}
@@ -151,14 +239,38 @@ def heads_from_tensors(
     return heads
 
 
+def _config_counts(folder: Path) -> tuple[int | None, int | None, str | None]:
+    """The head counts stated beside the heads and where: ours (``heads.json``: None), else ``config.json``'s."""
+    if (folder / HEADS_CONFIG).is_file():
+        meta = json.loads((folder / HEADS_CONFIG).read_text())
+        return meta.get("num_heads"), meta.get("num_layers"), None
+    if (folder / "config.json").is_file():
+        return (*config_head_counts(json.loads((folder / "config.json").read_text())), str(folder / "config.json"))
+    return None, None, None
+
+
+def _heads_in_model_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """The prefixed heads' tensors of a full model folder (prefix removed); only their shards are read."""
+    try:
+        tensors = hf_folder.read_tensors(folder, keep=lambda k: k.startswith(HEAD_PREFIXES))
+    except MedusaError as exc:
+        raise HeadsFormatError(f"no heads file in {folder}: expected {', '.join(HEAD_FILES)} or a model folder "
+                               f"with {' / '.join(HEAD_PREFIXES)} keys ({exc})") from None
+    _, heads, prefix = split_heads(tensors)
+    if prefix is None:
+        raise HeadsFormatError(f"no Medusa heads in the model folder {folder}: no key starts with "
+                               f"{' or '.join(HEAD_PREFIXES)}")
+    return heads
+
+
 def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
     """Load heads from a directory or file in any supported format.
 
     Args:
         path: a directory holding ``heads.safetensors`` (+ ``heads.json``),
-            ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` (+ optional
-            ``config.json`` with ``medusa_num_heads`` / ``medusa_num_layers``), or one of
-            those files directly.
+            ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` (+ optional ``config.json``),
+            or a full model folder with ``medusa_head.`` / ``medusa_heads.`` keys (medusa-1.0,
+            modelopt; only the shards holding heads are read); or a heads file directly.
         lm_head: the backbone's LM head [V, d]; used for checks and, for heads without
             their own projection, for the projection itself.
 
@@ -167,23 +279,11 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
     """
     path = Path(path)
     if path.is_dir():
-        for name in (HEADS_FILE, "medusa_lm_head.safetensors", "medusa_lm_head.pt"):
-            if (path / name).is_file():
-                file = path / name
-                break
-        else:
-            raise HeadsFormatError(
-                f"no heads file in {path}: expected {HEADS_FILE}, medusa_lm_head.safetensors "
-                "or medusa_lm_head.pt"
-            )
+        file = next((path / n for n in HEAD_FILES if (path / n).is_file()), None)
+        folder = path
+        tensors = read_head_tensors(file) if file else _heads_in_model_folder(path)
     else:
-        file = path
-    num_heads = num_layers = None
-    for cfg_name in (HEADS_CONFIG, "config.json"):
-        cfg_path = file.parent / cfg_name
-        if cfg_path.is_file():
-            meta = json.loads(cfg_path.read_text())
-            num_heads = meta.get("num_heads", meta.get("medusa_num_heads"))
-            num_layers = meta.get("num_layers", meta.get("medusa_num_layers"))
-            break
-    return heads_from_tensors(read_head_tensors(file), lm_head, num_heads=num_heads, num_layers=num_layers)
+        folder = path.parent
+        tensors = read_head_tensors(path)
+    num_heads, num_layers, counts_from = _config_counts(folder)
+    return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers, counts_from=counts_from)

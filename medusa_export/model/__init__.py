@@ -1,6 +1,7 @@
-"""The PyTorch reference model: the Llama backbone, the Medusa heads, their step and decode loop.
+"""The PyTorch reference model: the backbone (Llama, Mistral, Qwen2, Qwen3), the Medusa heads,
+their step and decode loop.
 
-Modules: ``backbone`` (Llama backbone), ``heads`` (Medusa heads, seeds/001 §2.1.1), ``medusa``
-(:class:`~medusa_export.model.medusa.MedusaModel` and its tree step), ``decode`` (the PyTorch
-engine for ``medusa_runtime.loop``).
+Modules: ``config`` (the backbone's geometry and feature switches), ``backbone`` (the decoder),
+``heads`` (Medusa heads, seeds/001 §2.1.1), ``medusa`` (:class:`~medusa_export.model.medusa.MedusaModel`
+and its tree step), ``decode`` (the PyTorch engine for ``medusa_runtime.loop``).
 """

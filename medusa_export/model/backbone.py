@@ -1,17 +1,30 @@
-"""A Llama-architecture backbone written for tree verification and export.
+"""The decoder backbone (Llama, Mistral, Qwen2, Qwen3) written for tree verification and export.
 
-One readable file in the spirit of gpt-fast / nanoGPT ``model.py``. It differs from
-transformers' ``LlamaForCausalLM`` only in its interface, which is the export contract:
+One readable file in the spirit of gpt-fast / nanoGPT ``model.py``, one code path for every
+family: the features that tell them apart are switches of
+:class:`~medusa_export.model.config.BackboneConfig` (RoPE scaling, q/k/v/o/MLP biases, per-head
+q/k RMSNorm, explicit head width, per-layer sliding window, tied embeddings). It computes what
+transformers' ``{Llama,Mistral,Qwen2,Qwen3}ForCausalLM`` compute (transformers 4.57
+``models/*/modeling_*.py``) and differs only in its interface, which is the export contract:
 
 * past K/V are explicit tensors ``[1, P, H_kv, D]`` (P = valid past length, may be 0),
   sequence-major so that the valid prefix of a runtime-owned ``[1, capacity, H_kv, D]``
-  buffer is a contiguous view (no host copy per step);
+  buffer is a contiguous view (no host copy per step); past slot p holds the token at
+  position p (the runtime compacts accepted nodes into consecutive slots);
 * the step returns only the *new* K/V of its S tokens ``[1, S, H_kv, D]``; the caller
   owns the cache and decides which of them to keep (KV compaction);
 * attention over the new tokens uses a bool mask ``[S, S]`` (True = may attend), so the
-  same graph runs the causal prefill and a tree step; the past is always fully visible;
+  same graph runs the causal prefill and a tree step; the past is fully visible except
+  where a layer's sliding window hides it;
 * position ids are an input, so RoPE is computed from them (never frozen to a traced
   length) and a tree node's position is past length + depth (seeds/001 §2.1.2).
+
+Sliding window (Mistral; Qwen2/Qwen3 layers that ``layer_types`` marks): a query at position
+q sees a key at position p iff q - W < p <= q (transformers ``masking_utils``:
+``sliding_window_overlay`` on the causal mask). It is applied by *positions*: past slot p
+is at position p and a new token at its ``position_ids`` entry, so a tree node (position
+P + depth) sees exactly the keys its linear-decoding twin would, and the reference stays
+exact beyond the window.
 
 Attention scores for the past and for the new tokens are computed separately and
 softmaxed together, so the past K/V are read, never concatenated (no per-step copy of
@@ -20,37 +33,19 @@ the cache). RMSNorm variance and softmax run in float32 whatever the weight dtyp
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .config import BackboneConfig, rope_cos_sin as _rope_cos_sin
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Backbone hyper-parameters (names follow transformers' LlamaConfig)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 2048
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+#: Additive bias of a masked score (applied to float32 scores, so it cannot overflow in fp16).
+MASKED = torch.finfo(torch.float32).min
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the variance in float32 (transformers ``LlamaRMSNorm`` / ``Qwen3RMSNorm``)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -63,51 +58,56 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin for rotary embeddings: [1, 1, S, D] each, computed from position ids [1, S]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = position_ids[0].float()[:, None] * inv_freq[None, :]  # [S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-    return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, GPT-NeoX "rotate half" convention (transformers ``apply_rotary_pos_emb``)."""
     return x * cos + _rotate_half(x) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Grouped-query attention with the family switches: q/k/v and o biases, per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: BackboneConfig):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over D on every head, before RoPE (modeling_qwen3 Qwen3Attention)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, bias, past_k, past_v):
-        # x: [1, S, d]; bias: [S, S] float32 additive (0 or -inf-safe); past_*: [1, P, Hkv, D]
+    def forward(self, x, cos, sin, bias_past, bias_new, past_k, past_v):
+        # x: [1, S, d]; bias_past: [S, P] or None (whole past visible) and bias_new: [S, S], float32
+        # additive (0 or MASKED); past_*: [1, P, Hkv, D]
         s = x.shape[1]
         g = self.n_heads // self.n_kv
-        q = self.q_proj(x).view(1, s, self.n_heads, self.head_dim).transpose(1, 2)  # [1, H, S, D]
+        q = self.q_proj(x).view(1, s, self.n_heads, self.head_dim)  # [1, S, H, D]
         k_new = self.k_proj(x).view(1, s, self.n_kv, self.head_dim)  # [1, S, Hkv, D]
         v_new = self.v_proj(x).view(1, s, self.n_kv, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        if self.q_norm is not None:
+            q, k_new = self.q_norm(q), self.k_norm(k_new)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, H, S, D]
         k_new = apply_rope(k_new, cos.transpose(1, 2), sin.transpose(1, 2))
         # Group queries by KV head: [1, Hkv, G*S, D]; no repeat of K/V.
         qg = q.reshape(1, self.n_kv, g * s, self.head_dim) * (self.head_dim**-0.5)
-        s_past = torch.matmul(qg, past_k.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, P]
-        s_new = torch.matmul(qg, k_new.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, S]
-        s_new = (s_new.view(1, self.n_kv, g, s, s) + bias).view(1, self.n_kv, g * s, s)
-        probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(x.dtype)
         p_len = past_k.shape[1]
+        s_past = torch.matmul(qg, past_k.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, P]
+        if bias_past is not None:
+            s_past = (s_past.view(1, self.n_kv, g, s, p_len) + bias_past).view(1, self.n_kv, g * s, p_len)
+        s_new = torch.matmul(qg, k_new.permute(0, 2, 3, 1)).float()  # [1, Hkv, G*S, S]
+        s_new = (s_new.view(1, self.n_kv, g, s, s) + bias_new).view(1, self.n_kv, g * s, s)
+        probs = torch.softmax(torch.cat([s_past, s_new], dim=-1), dim=-1).to(x.dtype)
         out = torch.matmul(probs[..., :p_len], past_v.transpose(1, 2)) + torch.matmul(
             probs[..., p_len:], v_new.transpose(1, 2)
         )  # [1, Hkv, G*S, D]
@@ -116,26 +116,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """SwiGLU: down(SiLU(gate(x)) * up(x)), biases when ``mlp_bias``."""
+
+    def __init__(self, cfg: BackboneConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: BackboneConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, bias, past_k, past_v):
-        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, bias, past_k, past_v)
+    def forward(self, x, cos, sin, bias_past, bias_new, past_k, past_v):
+        a, k, v = self.self_attn(self.input_layernorm(x), cos, sin, bias_past, bias_new, past_k, past_v)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -146,17 +148,40 @@ def mask_to_bias(mask: torch.Tensor) -> torch.Tensor:
     The bias is applied to float32 scores, so it cannot overflow in an fp16 graph; every
     row attends at least to itself, so no row is fully masked.
     """
-    return torch.where(mask, 0.0, torch.finfo(torch.float32).min).to(torch.float32)
+    return torch.where(mask, 0.0, MASKED).to(torch.float32)
 
 
-class LlamaBackbone(nn.Module):
-    """Llama decoder with explicit past K/V and a new-token attention mask.
+def window_biases(position_ids: torch.Tensor, mask: torch.Tensor, past_len: int, window: int | None):
+    """Additive attention biases of one layer: over the past and over the new tokens.
 
-    Parameter names match transformers' ``LlamaForCausalLM`` state dict (``model.`` prefix
+    Args:
+        position_ids: int64 [1, S], the new tokens' positions.
+        mask: bool [S, S], True where new token i may attend new token j.
+        past_len: P; past slot p holds position p.
+        window: the layer's sliding window W, or None (the whole past is visible).
+
+    Returns:
+        (bias_past float32 [S, P] or None when the whole past is visible, bias_new float32
+        [S, S]): 0 where attention is allowed, ``MASKED`` elsewhere. With a window, key position p is visible from query position q
+        only when p > q - W (transformers ``masking_utils.sliding_window_overlay``); the
+        query itself (p = q) always is, so no row is fully masked.
+    """
+    if window is None:
+        return None, mask_to_bias(mask)
+    q = position_ids[0][:, None]  # [S, 1]
+    past_visible = torch.arange(past_len)[None, :] > q - window  # [S, P]
+    new_visible = mask & (position_ids[0][None, :] > q - window)  # [S, S]
+    return mask_to_bias(past_visible), mask_to_bias(new_visible)
+
+
+class Backbone(nn.Module):
+    """Decoder with explicit past K/V and a new-token attention mask, for every supported family.
+
+    Parameter names match transformers' ``*ForCausalLM`` state dicts (``model.`` prefix
     dropped for the decoder), so weights load key-for-key.
     """
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: BackboneConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -179,17 +204,21 @@ class LlamaBackbone(nn.Module):
             input_ids: int64 [1, S].
             position_ids: int64 [1, S]; for a tree node, past length + depth.
             mask: bool [S, S]; ``mask[i, j]`` True when new token i may attend new token j.
-            past: per layer (key, value), each [1, P, H_kv, D] in the weight dtype.
+            past: per layer (key, value), each [1, P, H_kv, D] in the weight dtype; slot p
+                holds position p.
 
         Returns:
             (hidden [1, S, d] after the final norm, new_kv: per layer (key, value) [1, S, H_kv, D]).
         """
+        cfg = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        bias = mask_to_bias(mask)
+        cos, sin = _rope_cos_sin(position_ids, cfg, x.dtype)
+        past_len = past[0][0].shape[1] if past else 0
+        biases = {w: window_biases(position_ids, mask, past_len, w)
+                  for w in {cfg.window(i) for i in range(cfg.num_hidden_layers)}}
         new_kv = []
-        for layer, (pk, pv) in zip(self.layers, past):
-            x, k, v = layer(x, cos, sin, bias, pk, pv)
+        for i, (layer, (pk, pv)) in enumerate(zip(self.layers, past)):
+            x, k, v = layer(x, cos, sin, *biases[cfg.window(i)], pk, pv)
             new_kv.append((k, v))
         return self.norm(x), new_kv
 
@@ -199,3 +228,20 @@ class LlamaBackbone(nn.Module):
         p = self.embed_tokens.weight
         shape = (1, length, c.num_key_value_heads, c.head_dim)
         return [(p.new_zeros(shape), p.new_zeros(shape)) for _ in range(c.num_hidden_layers)]
+
+
+# --- names export/ imports until issue 13's export rewrite lands (then removed) ------------------
+#: The previous name of :class:`~medusa_export.model.config.BackboneConfig`.
+LlamaConfig = BackboneConfig
+#: The previous name of :class:`Backbone`.
+LlamaBackbone = Backbone
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Plain (unscaled) RoPE cos/sin [1, 1, S, D] in the old signature that ``export/fused.py``
+    calls; the model uses :func:`medusa_export.model.config.rope_cos_sin`, which applies
+    ``rope_scaling``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = position_ids[0].float()[:, None] * inv_freq[None, :]  # [S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+    return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]

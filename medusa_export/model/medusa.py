@@ -1,4 +1,4 @@
-"""The PyTorch reference Medusa model: a Llama backbone plus K Medusa heads.
+"""The PyTorch reference Medusa model: a backbone (any supported family) plus K Medusa heads.
 
 :meth:`MedusaModel.step` is the exported backbone graph: besides the new K/V and the
 hidden states (for the heads) it returns only what acceptance needs, not [S, V] logits:
@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .backbone import LlamaBackbone, LlamaConfig
+from .backbone import Backbone
+from .config import BackboneConfig
 from .heads import HeadsConfig, MedusaHeads
 
 
@@ -60,7 +61,7 @@ def acceptance_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperatur
 class MedusaModel(nn.Module):
     """Backbone + heads. The backbone's lm_head gives head 0 (the next token)."""
 
-    def __init__(self, backbone: LlamaBackbone, heads: MedusaHeads):
+    def __init__(self, backbone: Backbone, heads: MedusaHeads):
         super().__init__()
         if heads.config.hidden_size != backbone.config.hidden_size:
             raise ValueError("heads and backbone hidden sizes differ")
@@ -68,7 +69,7 @@ class MedusaModel(nn.Module):
         self.heads = heads
 
     @property
-    def config(self) -> LlamaConfig:
+    def config(self) -> BackboneConfig:
         return self.backbone.config
 
     @property
@@ -77,7 +78,7 @@ class MedusaModel(nn.Module):
 
     @classmethod
     def with_initial_heads(
-        cls, backbone: LlamaBackbone, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False
+        cls, backbone: Backbone, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False
     ) -> "MedusaModel":
         """Heads initialised as in seeds/001 §2.1.1 (they reproduce the base next-token prediction)."""
         c = backbone.config
@@ -85,7 +86,7 @@ class MedusaModel(nn.Module):
         return cls(backbone, MedusaHeads(cfg, backbone.lm_head))
 
     def forward(self, input_ids, position_ids, mask, past):
-        """Backbone forward with full logits (for tests and checks): see :meth:`LlamaBackbone.forward`.
+        """Backbone forward with full logits (for tests and checks): see :meth:`Backbone.forward`.
 
         Returns:
             (logits [1, S, V] of the backbone, hidden [1, S, d], new_kv per layer [1, S, H_kv, D]).
@@ -97,7 +98,7 @@ class MedusaModel(nn.Module):
         """The exported backbone step: forward + :func:`acceptance_outputs`.
 
         Args:
-            input_ids, position_ids, mask, past: as :meth:`LlamaBackbone.forward`.
+            input_ids, position_ids, mask, past: as :meth:`Backbone.forward`.
             temperature: float32 [1] (default 1.0).
             k: top-k width of the outputs.
         """

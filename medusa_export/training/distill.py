@@ -375,7 +375,17 @@ def load_hidden(cache_dir: str | Path, replies: Sequence[Reply]) -> list[torch.T
 
 @dataclass
 class Generator:
-    """A transformers causal LM with what batched self-distillation needs."""
+    """A transformers causal LM with what batched self-distillation needs.
+
+    Attributes:
+        hf_model: the transformers model (eval mode, no grad).
+        tokenizer, chat_template: to render prompts (None: the tokenizer's own, or plain text
+            for a base model).
+        eos_token_ids, pad_token_id: stop tokens and the left-padding token.
+        source: where the weights came from.
+        loaded: the registry's loaded backbone it shares its tensors with (its heads stored in
+            the checkpoint, notes), or None for a model made in a test.
+    """
 
     hf_model: object
     tokenizer: object
@@ -383,6 +393,7 @@ class Generator:
     eos_token_ids: list[int]
     pad_token_id: int
     source: str
+    loaded: object = None
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -393,38 +404,28 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
                    device: str = "cpu") -> Generator:
     """Load a registered model (or a path) as a transformers LM for batched generation.
 
+    The checkpoint is read by the registry's strict loader (every family and layout it reads:
+    medusa-1.0 folders, modelopt FP8, GGUF) and handed to the family's transformers model
+    without a copy (:func:`~medusa_export.loading.transformers_twin.transformers_twin`).
+
     Args:
         device: where it runs (``cpu``, ``cuda``, ``cuda:1``): generation, teacher targets and
             head training all follow it.
 
     Raises:
-        UnknownModelError, WeightsNotFoundError: as :func:`medusa_export.loading.registry.load_model`.
+        UnknownModelError, WeightsNotFoundError, UnsupportedModelError: as
+            :func:`medusa_export.loading.registry.load_model`.
     """
-    import logging
+    from ..loading.registry import entry_for, load_entry_backbone
+    from ..loading.transformers_twin import transformers_twin
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from ..loading.backbone import eos_ids
-    from ..loading.registry import ModelEntry, get_entry, load_registry, models_dir, resolve_backbone
-
-    if Path(model).exists() and model not in load_registry():
-        entry, model_path = ModelEntry(Path(model).name, "local", {"source": "path"}, {"source": "init"}), model
-    else:
-        entry = get_entry(model)
-    path, _ = resolve_backbone(entry, model_path)
-    kwargs = {}
-    if path.is_file() and path.suffix == ".gguf":
-        path, kwargs = path.parent, {"gguf_file": path.name}
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=dtype, **kwargs).eval().to(device)
-    tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
-    template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
-    eos = eos_ids(hf_model, tokenizer)
+    entry, local = entry_for(model)
+    loaded = load_entry_backbone(entry, local or model_path, dtype=dtype)
+    hf_model = transformers_twin(loaded.backbone).to(device)
+    tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     hf_model.requires_grad_(False)
-    return Generator(hf_model, tokenizer, template, eos, int(pad), str(path / kwargs.get("gguf_file", "")))
+    return Generator(hf_model, tokenizer, loaded.chat_template, eos, int(pad), loaded.source, loaded)
 
 
 # ---------------------------------------------------------------------------

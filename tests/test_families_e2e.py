@@ -1,0 +1,110 @@
+"""Every family end to end: a tiny checkpoint folder -> ``build`` -> ``verify`` -> ``generate --artifact``.
+
+For each family (conftest.FAMILIES: Llama 3.x with rope scaling llama3 or linear + biases, Mistral
+with a sliding window of 8, Qwen2 with biases and a per-layer window, Qwen3 with q/k norms) and
+each step graph (portable, fused) one artifact is built with a 16-node tree and validated; the
+runtime's greedy output with that tree and with a chain (``--tree chain``: the tree is an input of
+the same graph) must equal transformers' greedy ``generate`` on the original model, over a context
+longer than the window. The portable graph must pass the TensorRT readiness check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from checkpoints import save_family_dir
+from conftest import FAMILIES, plain_greedy
+from medusa_export.cli.main import main
+
+# The fused graph implements the family switches in issue 13 (wt-i13); until it lands here, its
+# validation refuses these models and no artifact is written.
+GRAPHS = ("portable", pytest.param("fused", marks=pytest.mark.xfail(
+    run=False, reason="fused graph: family switches come with issue 13's export")))
+PROMPT = "Write a poem about the sea."
+N_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """family -> (transformers model, its checkpoint folder), written once."""
+    root = tmp_path_factory.mktemp("families")
+    return {f: (save_family_dir(root / f, f), root / f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def artifacts(family_dirs, tmp_path_factory):
+    """(family, graph) -> artifact folder, built (with validation) on first use."""
+    root = tmp_path_factory.mktemp("artifacts")
+    built = {}
+
+    def get(family: str, graph: str):
+        if (family, graph) not in built:
+            out = root / f"{family}-{graph}"
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                rc = main(["build", "--model", str(family_dirs[family][1]), "--tree", "16", "--graph", graph,
+                           "--out", str(out), "--max-context", "128", "--new-tokens", "16"])
+            assert rc == 0, f"build of {family} ({graph}) failed"
+            summary = buf.getvalue()
+            if family in ("mistral", "qwen2"):  # the window, said in the summary
+                layers = "2 of 2" if family == "mistral" else "2 of 3"
+                assert (f"sliding window of 8 tokens on {layers} layers, applied in the attention mask by position: "
+                        "exact at any context") in summary
+            built[family, graph] = out
+        return built[family, graph]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(family_dirs):
+    """family -> transformers' greedy reply ids to PROMPT (chat template applied), cut at EOS."""
+    from transformers import AutoTokenizer
+
+    out = {}
+    for family, (hf, folder) in family_dirs.items():
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+        ref = plain_greedy(hf, ids, N_NEW)
+        if tok.eos_token_id in ref:
+            ref = ref[:ref.index(tok.eos_token_id)]
+        assert len(ids) + len(ref) > 8 + 8, "the context must run well past the sliding window"
+        out[family] = (ids, ref, tok.decode(ref, skip_special_tokens=True))
+    return out
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_build_verify_generate(family_dirs, artifacts, references, family, graph, capsys):
+    art = artifacts(family, graph)
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["tree"]["size"] == 16 and m["validation"]
+    if graph == "portable":
+        assert m["trt_readiness"]["passed"], m["trt_readiness"]["errors"]
+    assert main(["verify", str(art), "--model-path", str(family_dirs[family][1]), "--new-tokens", "24"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    ids, ref, text = references[family]
+    for tree in ("16", "chain"):
+        assert main(["generate", "--artifact", str(art), "--prompt", PROMPT, "--max-new-tokens", str(N_NEW),
+                     "--tree", tree, "--threads", "1"]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == text + "\n", (family, graph, tree)
+        nodes = "16 nodes" if tree == "16" else "5 nodes"
+        assert f"Medusa tree of {nodes}" in captured.err
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])
+def test_runtime_token_ids_equal_transformers(artifacts, references, family, graph):
+    """Token for token (not only the text), with the session the CLI uses."""
+    from medusa_runtime.session import MedusaSession
+
+    ids, ref, _ = references[family]
+    for tree in ("16", "chain"):
+        s = MedusaSession(artifacts(family, graph), threads=1, tree=tree)
+        c = s.generate(prompt_ids=ids, max_new_tokens=N_NEW)
+        assert c.token_ids == ref, (family, graph, tree)
