@@ -248,3 +248,107 @@ def test_batch_engine_wraps_batch1_engines(counter):
     assert isinstance(looped, LoopedBatchEngine) and looped.row_by_row
     assert batch_engine(looped) is looped
     assert looped.num_layers == counter.engine.num_layers and looped.max_context == CONTEXT
+
+
+# ---------------------------------------------------------------------------------------
+# MedusaSession.generate_batch and generate --prompt-file
+# ---------------------------------------------------------------------------------------
+
+TEXTS = ["hello there", "Compose an engaging travel blog post", "a", "isn't it ?", "Name three colors."]
+
+
+def test_generate_batch_equals_generate(counter):
+    """Text, ids, finish reason, steps and streamed pieces of each prompt: those of generate() alone."""
+    stop = ["xyz"]
+    seeds = [SamplingConfig(temperature=1.0, seed=s) for s in range(len(TEXTS))]
+    pieces: dict[int, list[str]] = {}
+    done = []
+    got = counter.generate_batch(TEXTS, max_new_tokens=[20, 9, 30, 4, 16], sampling=seeds, stop=stop, batch_size=3,
+                                 stream=lambda i, p: pieces.setdefault(i, []).append(p),
+                                 on_done=lambda i, c: done.append(i))
+    assert sorted(done) == list(range(len(TEXTS))) and done != list(range(len(TEXTS)))  # finish order != input order
+    for i, (text, c) in enumerate(zip(TEXTS, got)):
+        ref = counter.generate(text, max_new_tokens=[20, 9, 30, 4, 16][i], sampling=seeds[i], stop=stop)
+        assert (c.token_ids, c.text, c.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), text
+        assert c.result.step_tokens == ref.result.step_tokens
+        assert "".join(pieces.get(i, [])) == c.text
+        assert c.prompt_tokens == ref.prompt_tokens and c.seconds > 0
+    greedy = counter.generate_batch(prompt_ids=[[100], [7, 8]], max_new_tokens=6, vanilla=True)
+    assert [c.token_ids for c in greedy] == [list(range(101, 107)), list(range(9, 15))]
+    assert greedy[0].result.step_tokens == [1] * 5
+
+
+def test_generate_batch_refuses_bad_input_before_any_work(counter):
+    with pytest.raises(InvalidSettingError, match="prompt 1: max_new_tokens must be an integer >= 0, got -2"):
+        counter.generate_batch(prompt_ids=[[1], [2]], max_new_tokens=[3, -2])
+    with pytest.raises(ValueError, match="max_new_tokens has 3 values for 2 prompts"):
+        counter.generate_batch(prompt_ids=[[1], [2]], max_new_tokens=[3, 4, 5])
+    with pytest.raises(InvalidSettingError, match="prompt 0: the prompt is empty"):
+        counter.generate_batch(prompt_ids=[[], [2]])
+    with pytest.raises(InvalidSettingError, match="top_p must be in"):
+        counter.generate_batch(["a"], temperature=0.5, top_p=2.0)
+    with pytest.raises(InvalidSettingError, match="batch size must be an integer >= 1"):
+        counter.generate_batch(["a"], batch_size=0)
+
+
+def _prompt_file(path):
+    lines = [{"prompt": TEXTS[0]}, {"messages": [{"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": TEXTS[1]}], "id": "x"},
+             {"turns": [TEXTS[2], "second turn"], "question_id": 81}, {"prompt": TEXTS[3], "seed": 5},
+             {"prompt": TEXTS[4], "max_new_tokens": 3}]
+    path.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]))
+    return path
+
+
+@pytest.mark.parametrize("entry", ["medusa_runtime", "medusa-export"])
+def test_cli_prompt_file(counter_artifact, counter, tmp_path, capsys, entry):
+    from medusa_export.cli.main import main as export_main
+    from medusa_runtime.cli import main as runtime_main
+
+    main = runtime_main if entry == "medusa_runtime" else export_main
+    argv = ["generate", "--artifact", str(counter_artifact), "--prompt-file", str(_prompt_file(tmp_path / "p.jsonl")),
+            "--batch-size", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "1", "--threads", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [x["index"] for x in lines] == list(range(5))
+    prompts = [TEXTS[0], [{"role": "system", "content": "be brief"}, {"role": "user", "content": TEXTS[1]}],
+               TEXTS[2], TEXTS[3], TEXTS[4]]
+    for i, (x, prompt) in enumerate(zip(lines, prompts)):
+        ref = counter.generate(prompt, max_new_tokens=3 if i == 4 else 12, temperature=0.8, seed=5 if i == 3 else 1)
+        assert (x["token_ids"], x["text"], x["finish_reason"]) == (ref.token_ids, ref.text, ref.finish_reason), i
+        assert x["tokens_per_step"] == round(ref.tokens_per_step, 4) and x["prompt_tokens"] == ref.prompt_tokens
+    assert "5 prompts, batch size 2:" in err and "tokens/s in all" in err and "tokens/s per sequence" in err
+
+
+@pytest.mark.parametrize("content, argv, message", [
+    (None, [], "prompt file {f} does not exist"),
+    ("{\"prompt\": \"a\"}\n{not json\n", [], "{f}:2: not valid JSON"),
+    ("[1, 2]\n", [], "{f}:1: expected a JSON object, got list"),
+    ("{\"text\": \"a\"}\n", [], "{f}:1: expected a 'prompt' string, a non-empty 'messages' list or a 'turns' list of "
+                                "strings; the line has keys ['text']"),
+    ("{\"prompt\": \"a\", \"seed\": -1}\n", [], "{f}:1: seed must be an integer >= 0, got -1"),
+    ("\n\n", [], "prompt file {f} holds no prompts"),
+    ("{\"prompt\": \"a\"}\n", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+])
+def test_cli_bad_prompt_files_are_one_line_errors(counter_artifact, tmp_path, capsys, content, argv, message):
+    from medusa_runtime.cli import main
+
+    f = tmp_path / "p.jsonl"
+    if content is not None:
+        f.write_text(content)
+    assert main(["generate", "--artifact", str(counter_artifact), "--prompt-file", str(f), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message.format(f=f) in err and err.count("\n") == 1, err
+
+
+def test_cli_batch_size_needs_a_prompt_file(counter_artifact, capsys):
+    from medusa_export.cli.main import main
+
+    assert main(["generate", "--artifact", str(counter_artifact), "--prompt", "a", "--batch-size", "2"]) == 2
+    assert "--batch-size needs --prompt-file" in capsys.readouterr().err
+    assert main(["generate", "--prompt-file", "x.jsonl"]) == 2
+    assert "--prompt-file and --batch-size need --artifact" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--artifact", str(counter_artifact), "--prompt", "a", "--prompt-file", "x.jsonl"])
+    assert "not allowed with argument" in capsys.readouterr().err
