@@ -81,39 +81,55 @@ class Completion:
                 "host_seconds": r.host_seconds}
 
 
-class _TextOut:
-    """The text side of one reply: stop strings cut it, ``stream`` receives each printable piece.
+class ReplyText:
+    """The text side of one reply: stop strings cut it, ``on_step`` receives each step's ids and text.
 
     Args:
         tokenizer: the session's tokenizer.
         stop: stop strings.
-        stream: called with each newly printable piece of text, or None.
+        on_step: called after each step that emitted something with the step's token ids (EOS
+            excluded, cut at a stop string) and the newly printable text; a last call with no
+            ids may carry text held back until the end. None: not called.
     """
 
-    def __init__(self, tokenizer: RuntimeTokenizer, stop: Sequence[str], stream: Callable[[str], None] | None):
-        self.tokenizer, self.stream = tokenizer, stream
+    def __init__(self, tokenizer: RuntimeTokenizer, stop: Sequence[str],
+                 on_step: Callable[[list[int], str], None] | None = None):
+        self.tokenizer, self.on_step = tokenizer, on_step
         self.decoder = tokenizer.stream(stop)
-        self.on_tokens = self._on_tokens if (stop or stream) else None  # the loop's callback (None: not needed)
+        self.fed = False
 
-    def _on_tokens(self, tokens: list[int]) -> int | None:
+    @property
+    def on_tokens(self) -> Callable[[list[int]], int | None] | None:
+        """The decode loop's callback (:meth:`feed`), or None when neither stops nor ``on_step`` need it."""
+        return self.feed if (self.decoder.stop_strings or self.on_step) else None
+
+    def feed(self, tokens: list[int]) -> int | None:
+        """A step's emitted tokens; returns how many to keep when a stop string completed, else None."""
+        self.fed = True
+        start = len(self.decoder.tokens)
         kept = self.decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
-        if self.stream is not None:
-            piece = self.decoder.take()
-            if piece:
-                self.stream(piece)
+        if self.on_step is not None:
+            ids, piece = self.decoder.tokens[start:], self.decoder.take()
+            if ids or piece:
+                self.on_step(ids, piece)
         return kept
 
-    def completion(self, res: GenerationResult, prompt_tokens: int, reused: int, seconds: float) -> "Completion":
-        """The :class:`Completion` of a finished generation (flushes the text held back)."""
-        if self.on_tokens is None:
-            return Completion(self.tokenizer.decode(res.tokens), list(res.tokens), res.finish_reason, res,
-                              prompt_tokens, reused, seconds)
-        if self.stream is not None:
-            piece = self.decoder.finish()
-            if piece:
-                self.stream(piece)
-        return Completion(self.decoder.text, list(self.decoder.tokens), res.finish_reason, res, prompt_tokens, reused,
-                          seconds)
+    def completion(self, res: GenerationResult, prompt_tokens: int, reused: int = 0, seconds: float = 0.0,
+                   finish_reason: str | None = None) -> "Completion":
+        """The :class:`Completion` of a finished generation (hands the text held back to ``on_step``)."""
+        reason = finish_reason or res.finish_reason
+        if not self.fed:
+            return Completion(self.tokenizer.decode(res.tokens), list(res.tokens), reason, res, prompt_tokens, reused,
+                              seconds)
+        tail = self.decoder.finish()
+        if tail and self.on_step is not None:
+            self.on_step([], tail)
+        return Completion(self.decoder.text, list(self.decoder.tokens), reason, res, prompt_tokens, reused, seconds)
+
+
+def _text_stream(stream: Callable[[str], None] | None) -> Callable[[list[int], str], None] | None:
+    """``stream(text)`` as an ``on_step(ids, text)`` callback (text pieces only)."""
+    return None if stream is None else (lambda ids, piece: stream(piece) if piece else None)
 
 
 def _per_prompt(value, n: int, name: str, kind: type) -> list:
@@ -277,7 +293,7 @@ class MedusaSession:
         cfg = self.sampling(sampling, temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, raw=raw)
-        text = _TextOut(self.tokenizer, stop, stream)
+        text = ReplyText(self.tokenizer, stop, _text_stream(stream))
         reused = cache.length if cache is not None else 0
         t = time.perf_counter()
         res = generate(self.engine, ids, self.vanilla_tree if vanilla else self.tree,
@@ -355,7 +371,7 @@ class MedusaSession:
             try:
                 cfg = self.sampling(bases[i], **overrides)
                 ids = list(prompt_ids[i]) if prompt_ids is not None else self.encode(prompts[i], raw=raw)
-                text = _TextOut(self.tokenizer, stop, (lambda piece, i=i: stream(i, piece)) if stream else None)
+                text = ReplyText(self.tokenizer, stop, _text_stream(stream and (lambda piece, i=i: stream(i, piece))))
                 states.append(sched.submit(SequenceRequest(ids, budgets[i], cfg, text.on_tokens,
                                                            self.vanilla_tree if vanilla else None, tag=i)))
             except MedusaError as exc:

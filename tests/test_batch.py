@@ -352,3 +352,76 @@ def test_cli_batch_size_needs_a_prompt_file(counter_artifact, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--artifact", str(counter_artifact), "--prompt", "a", "--prompt-file", "x.jsonl"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# BatchServer: requests from many threads share steps (what the Triton model runs)
+# ---------------------------------------------------------------------------------------
+
+
+def test_batch_server_serves_threads_together(counter):
+    import threading
+
+    from medusa_runtime.serving import BatchServer, parse_request, serve
+
+    fields = [{"text_input": t, "max_new_tokens": 10 + 3 * i, "stream": True} for i, t in enumerate(TEXTS)]
+    fields[1].update(temperature=0.9, seed=4)
+    fields[2].update(temperature=2.0, acceptance="typical", seed=1)
+    fields[3]["stop"] = ["zz"]
+    reqs = [parse_request(f, counter) for f in fields]
+    want = [serve(counter, r) for r in reqs]
+    logs: list[str] = []
+    server = BatchServer(counter, batch_size=3, log=logs.append)
+    results: dict[int, tuple] = {}
+    barrier = threading.Barrier(len(reqs) + 2)
+
+    def client(i, req, on_step=None):
+        steps, done = [], threading.Event()
+
+        def on_done(out, exc):
+            results[i] = (out, exc, steps)
+            done.set()
+
+        barrier.wait(timeout=30)
+        server.submit(req, on_step or (lambda ids, text: steps.append((ids, text))), on_done)
+        assert done.wait(timeout=120)
+
+    def broken(ids, text):
+        raise BrokenPipeError("client gone")
+
+    threads = [threading.Thread(target=client, args=(i, r)) for i, r in enumerate(reqs)]
+    threads.append(threading.Thread(target=client, args=("broken", reqs[0], broken)))
+    for t in threads:
+        t.start()
+    barrier.wait(timeout=30)
+    for t in threads:
+        t.join(timeout=180)
+    server.close()
+    for i, ref in enumerate(want):
+        out, exc, steps = results[i]
+        assert exc is None, exc
+        assert (out.token_ids, out.text, out.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), i
+        assert sum((ids for ids, _ in steps), []) == ref.token_ids and "".join(t for _, t in steps) == ref.text
+    out, exc, _ = results["broken"]
+    assert out is None and isinstance(exc, BrokenPipeError)
+    assert server.max_batch_seen == 3 and logs[-1] == "medusa: 3 sequences share a step (the most so far)"
+    with pytest.raises(RuntimeError, match="closed"):
+        server.submit(reqs[0], None, lambda out, exc: None)
+
+
+def test_batch_server_cancels_at_a_step_boundary(counter):
+    import threading
+
+    from medusa_runtime.serving import BatchServer, parse_request
+
+    server = BatchServer(counter, batch_size=2)
+    req = parse_request({"input_ids": [10], "max_new_tokens": 100}, counter)
+    stop_now = threading.Event()
+    got: list = []
+    done = threading.Event()
+    server.submit(req, lambda ids, text: stop_now.set(), lambda out, exc: (got.append((out, exc)), done.set()),
+                  cancelled=stop_now.is_set)
+    assert done.wait(timeout=60)
+    server.close()
+    (out, exc), = got
+    assert exc is None and out.finish_reason == "cancelled" and 0 < len(out.token_ids) < 100

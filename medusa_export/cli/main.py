@@ -206,7 +206,8 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for an artifact."""
     from ..triton.repository import TritonConfig, write_repository
 
-    cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances, threads=args.threads,
+    cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances,
+                       batch_size=args.batch_size, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
                        engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit)
     repo = write_repository(args.artifact, args.out, cfg)
@@ -347,7 +348,11 @@ def _add_triton_parser(sub) -> None:
                    help="copy: an independent copy inside the repository (default); link: hard links (no space, "
                         "but shared with the artifact); reference: the artifact's absolute path, nothing copied")
     p.add_argument("--instances", type=int, default=TritonConfig.instances,
-                   help=f"instances of the generation model, each with its own session (default: {TritonConfig.instances})")
+                   help=f"instances of the generation model, each with its own session and batch "
+                        f"(default: {TritonConfig.instances})")
+    p.add_argument("--batch-size", type=int, default=TritonConfig.batch_size,
+                   help=f"concurrent requests that share each step in one instance (in-flight batching) "
+                        f"(default: {TritonConfig.batch_size})")
     p.add_argument("--threads", type=int, help="CPU threads per instance (default: ONNX Runtime's choice)")
     p.add_argument("--backend", choices=sorted(BACKENDS),
                    help="medusa_runtime backend (default: tensorrt with built plans, else onnxruntime)")
