@@ -425,3 +425,20 @@ def test_batch_server_cancels_at_a_step_boundary(counter):
     server.close()
     (out, exc), = got
     assert exc is None and out.finish_reason == "cancelled" and 0 < len(out.token_ids) < 100
+
+
+@pytest.mark.slow
+def test_embedded_model_batch_equals_batch1(smollm_artifact):
+    """The embedded SmolLM2 artifact: four MT-Bench prompts of different lengths, three sharing each step,
+    greedy and exact sampling: every reply (ids, finish reason, tokens per step) is its batch-1 reply."""
+    from conftest import mt_bench_prompts
+
+    session = MedusaSession(smollm_artifact, threads=2)
+    prompts = mt_bench_prompts(4)
+    for settings in (dict(), dict(temperature=0.7, seed=3)):
+        got = session.generate_batch(prompts, max_new_tokens=[40, 24, 40, 32], batch_size=3, **settings)
+        for prompt, n, c in zip(prompts, [40, 24, 40, 32], got):
+            ref = session.generate(prompt, max_new_tokens=n, **settings)
+            assert (c.token_ids, c.finish_reason) == (ref.token_ids, ref.finish_reason), prompt
+            assert c.result.step_tokens == ref.result.step_tokens
+        assert max(c.tokens_per_step for c in got) > 1.2  # the heads do accept
