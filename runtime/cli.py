@@ -8,12 +8,17 @@ dependencies (numpy, onnxruntime, tokenizers, jinja2) are installed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import TextIO
+import time
+from pathlib import Path
+from typing import NamedTuple, TextIO
 
 from .acceptance import ACCEPTANCES, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
-from .errors import EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, MedusaError
+from .batch import DEFAULT_BATCH_SIZE
+from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
+                     MedusaError, PromptFileError)
 from .tokenizer import NO_TEMPLATE_MESSAGE
 
 _S = SamplingConfig  # every default below is read from it
@@ -115,6 +120,113 @@ def _mode(session, args) -> str:
             f"{sampling_from_args(args).describe()}")
 
 
+#: What ``generate --prompt-file`` reads, for help texts and errors.
+PROMPT_FILE_FORMAT = ("JSONL, one object a line with 'prompt' (a user message), 'messages' (a conversation) or "
+                      "'turns' (MT-Bench: the first turn); optional 'max_new_tokens' and 'seed' per line")
+
+
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """``--prompt`` or ``--prompt-file`` (one of them required) and ``--batch-size`` (generate)."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="the user message")
+    group.add_argument("--prompt-file", metavar="FILE",
+                       help=f"generate a reply to every prompt of FILE, printed as one JSON line each in the file's "
+                            f"order (index, token_ids, text, finish_reason, tokens_per_step, ...); {PROMPT_FILE_FORMAT}")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"with --prompt-file: at most B sequences share each step (in-flight batching) "
+                        f"(default: {DEFAULT_BATCH_SIZE})")
+
+
+class PromptRecord(NamedTuple):
+    """One line of a prompt file."""
+
+    prompt: str | list  # a user message, or a list of {"role", "content"} messages
+    max_new_tokens: int | None  # the line's own budget, or None
+    seed: int | None  # the line's own seed, or None
+
+
+def _record_int(rec: dict, key: str, where: str) -> int | None:
+    value = rec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PromptFileError(f"{where}: {key} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def read_prompt_file(path: str | Path) -> list[PromptRecord]:
+    """The prompts of a JSONL file (:data:`PROMPT_FILE_FORMAT`); blank lines are skipped, other keys ignored.
+
+    Raises:
+        PromptFileError: the file is missing, empty, or a line is not a JSON object with a usable
+            prompt (the message names the file and the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompt file {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise PromptFileError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(rec, dict):
+            raise PromptFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        if isinstance(rec.get("prompt"), str):
+            prompt = rec["prompt"]
+        elif isinstance(rec.get("messages"), list) and rec["messages"]:
+            prompt = rec["messages"]
+        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+            prompt = rec["turns"][0]
+        else:
+            raise PromptFileError(f"{where}: expected a 'prompt' string, a non-empty 'messages' list or a 'turns' "
+                                  f"list of strings; the line has keys {sorted(rec)}")
+        out.append(PromptRecord(prompt, _record_int(rec, "max_new_tokens", where), _record_int(rec, "seed", where)))
+    if not out:
+        raise PromptFileError(f"prompt file {path} holds no prompts")
+    return out
+
+
+def run_generate_batch(args, out: TextIO, err: TextIO) -> int:
+    """``generate --artifact A --prompt-file F [--batch-size B]``: one JSON line per prompt, in the file's order."""
+    batch = DEFAULT_BATCH_SIZE if args.batch_size is None else args.batch_size
+    if batch < 1:
+        raise InvalidSettingError(f"--batch-size must be >= 1, got {batch}")
+    records = read_prompt_file(args.prompt_file)
+    base = sampling_from_args(args)
+    session = _session(args)
+    samplings = [session.sampling(base, seed=r.seed) for r in records]  # before any work
+    budgets = [args.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records]
+    ready: dict[int, dict] = {}
+    printed = 0
+
+    def on_done(i: int, c) -> None:
+        nonlocal printed
+        ready[i] = {"index": i, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                    "tokens_per_step": round(c.tokens_per_step, 4), "prompt_tokens": c.prompt_tokens,
+                    "steps": c.result.steps}
+        while printed in ready:  # in the file's order, each line as soon as the ones before it are out
+            out.write(json.dumps(ready.pop(printed), ensure_ascii=False) + "\n")
+            out.flush()
+            printed += 1
+
+    t = time.perf_counter()
+    done = session.generate_batch([r.prompt for r in records], max_new_tokens=budgets, sampling=samplings,
+                                  stop=args.stop, vanilla=args.vanilla, raw=getattr(args, "raw", False),
+                                  batch_size=batch, on_done=on_done)
+    wall = time.perf_counter() - t
+    tokens = sum(len(c.token_ids) for c in done)
+    steps = [n for c in done for n in c.result.step_tokens]
+    per_seq = [c.tokens_per_second for c in done if c.seconds > 0]
+    print(f"[{len(done)} prompts, batch size {batch}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tokens/s "
+          f"in all, {sum(per_seq) / max(len(per_seq), 1):.1f} tokens/s per sequence; "
+          f"{(sum(steps) / len(steps)) if steps else 0.0:.2f} tokens/step ({_mode(session, args)})]", file=err)
+    return 0
+
+
 def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """``generate --artifact``: one prompt, streamed to ``out``; the summary to ``err``.
 
@@ -123,6 +235,10 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     """
     out, err = out or sys.stdout, err or sys.stderr
     sampling_from_args(args)  # bad values fail before the artifact is loaded
+    if getattr(args, "prompt_file", None):
+        return run_generate_batch(args, out, err)
+    if getattr(args, "batch_size", None) is not None:
+        raise InvalidSettingError("--batch-size needs --prompt-file (a single --prompt runs alone)")
     session = _session(args)
     if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
         print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
@@ -192,9 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Run a medusa-export artifact without torch or transformers.",
                                      epilog=EXIT_CODES_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("generate", help="generate a reply to one prompt")
+    p = sub.add_parser("generate", help="generate a reply to one prompt, or to every prompt of a file (batched)")
     add_runtime_args(p, artifact_required=True)
-    p.add_argument("--prompt", required=True, help="the user message")
+    add_prompt_args(p)
     p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
     p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the artifact's)")
     add_sampling_args(p)

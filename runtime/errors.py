@@ -63,3 +63,7 @@ class InvalidSettingError(MedusaError, ValueError):
 class UnsupportedSamplingError(InvalidSettingError):
     """Sampling settings the engine cannot sample exactly (e.g. the whole vocabulary from a step
     graph that returns only its top-k); the message names the settings that are exact there."""
+
+
+class PromptFileError(MedusaError, ValueError):
+    """A prompt file (JSONL) is missing or has a malformed line; the message names the file and the line."""

@@ -289,6 +289,202 @@ def engine_sampling_route(engine: Engine, sampling: SamplingConfig, step_topk: i
                           graph_sampler=bool(getattr(engine, "has_sampler", False)))
 
 
+class RowInputs(NamedTuple):
+    """One sequence's part of an engine call, batch dimension dropped (:meth:`Decoding.inputs`)."""
+
+    tokens: np.ndarray  # int64 [S]: the prompt (prefill) or the tree's candidates
+    positions: np.ndarray  # int64 [S]: position ids (past length + depth)
+    mask: np.ndarray  # bool [S, S]: which new tokens each new token sees (the whole valid past is seen)
+    temperature: float  # the step's softmax temperature (1.0 when greedy)
+    sampling: SamplerInputs | None  # the in-graph sampler's inputs, or None (sampler off)
+
+
+def engine_step(engine: Engine, inputs: RowInputs, past) -> StepResult:
+    """``engine.step`` on one sequence's :class:`RowInputs` (adds the batch dimension of one)."""
+    kwargs = {"sampling": inputs.sampling} if inputs.sampling is not None else {}
+    return engine.step(inputs.tokens[None], inputs.positions[None], inputs.mask, inputs.temperature, past, **kwargs)
+
+
+def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree, max_new_tokens: int) -> np.ndarray:
+    """The prompt as int64 [n] after checking a generation's settings against the engine.
+
+    Raises:
+        InvalidSettingError: empty prompt, max_new_tokens not an integer >= 0.
+        InvalidTreeError: a tree deeper than the engine's heads.
+    """
+    prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
+    if prompt.size == 0:
+        raise InvalidSettingError("the prompt is empty: give at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+        raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if tree.max_depth > engine.num_heads:
+        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
+    return prompt
+
+
+class Decoding:
+    """One sequence's decode loop, one engine call at a time: what :func:`generate` runs, and what
+    the batch scheduler (:mod:`medusa_runtime.batch`) runs for each of its sequences.
+
+    The driver asks :meth:`inputs` for the next call (the prefill first, then tree steps), runs
+    the engine on them over :attr:`cache`'s past, hands the result to :meth:`advance`
+    (drawing, acceptance, KV compaction, stops and the ``on_tokens`` callback happen there),
+    then, when :attr:`heads_row` is set, runs the heads on it and hands their best tokens to
+    :meth:`set_heads`; until :meth:`inputs` returns None. Everything that depends on the
+    sequence (its sampling stream, stops, cache) lives here, so sequences never share state.
+
+    Args: as :func:`generate`, plus ``cache``: the sequence's KV cache (its valid prefix precedes
+        ``prompt_ids``).
+
+    Raises:
+        InvalidSettingError, InvalidTreeError: as :func:`check_request`.
+        UnsupportedSamplingError: sampling settings this engine cannot sample exactly.
+        ContextOverflowError: the prompt does not fit the cache.
+    """
+
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], tree: Tree, *, max_new_tokens: int, cache,
+                 eos_token_ids: Sequence[int] = (), sampling: SamplingConfig | None = None,
+                 on_tokens: Callable[[list[int]], bool | int | None] | None = None):
+        self.sampling = sampling if sampling is not None else SamplingConfig()
+        self.prompt = check_request(engine, prompt_ids, tree, max_new_tokens)
+        if cache.length + self.prompt.size > cache.capacity:
+            raise ContextOverflowError(
+                f"the prompt has {self.prompt.size} tokens but only {cache.capacity - cache.length} of the "
+                f"{cache.capacity}-token context are free"
+            )
+        self.engine, self.tree, self.cache = engine, tree, cache
+        self.max_new_tokens, self.eos_token_ids, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
+        self.route = engine_sampling_route(engine, self.sampling) if getattr(engine, "step_topk", None) else None
+        self.result = GenerationResult([], "length", prompt_tokens=int(self.prompt.size))
+        self.done = max_new_tokens == 0
+        self.root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
+        self.mode = self.sampling.mode
+        self.typical = self.sampling.typical if self.mode == "typical" else None
+        self.temperature = self.sampling.temperature if self.mode != "greedy" else 1.0
+        self.uniforms = PositionUniforms(self.sampling.seed)
+        self.heads_row = None  # the [1, d] hidden row whose heads the next step needs (set by advance)
+        self._root: int | None = None  # the next step's root (None: not prefilled yet)
+        self._heads: np.ndarray | None = None
+        self._pending: tuple | None = None  # (step tree or None for the prefill, tokens, draw positions)
+
+    @property
+    def prefilled(self) -> bool:
+        return self._root is not None
+
+    def _row_inputs(self, tokens, positions, mask, draw_positions) -> RowInputs:
+        sampling = None
+        if self.route == "graph":
+            u = np.full(len(tokens), -1.0, np.float32)  # < 0: the graph does not sample the row
+            rows = draw_positions >= 0
+            u[rows] = self.uniforms.at(draw_positions[rows])
+            sampling = SamplerInputs(u, self.sampling.top_k, self.sampling.top_p)
+        return RowInputs(tokens, positions, mask, self.temperature, sampling)
+
+    def inputs(self) -> RowInputs | None:
+        """The next engine call's inputs, or None when the sequence is finished.
+
+        Ends the sequence ("length") when not even a one-token step fits the cache; a tree
+        that no longer fits falls back to the root alone.
+
+        Raises:
+            RuntimeError: the previous call's result was not handed to :meth:`advance`, or
+                :attr:`heads_row` is waiting for :meth:`set_heads`.
+        """
+        if self._pending is not None or self.heads_row is not None:
+            raise RuntimeError("advance() / set_heads() must follow each call's inputs()")
+        if self.done:
+            return None
+        cache = self.cache
+        if not self.prefilled:  # the prompt with a causal mask; its last row draws generated position 0
+            n = int(self.prompt.size)
+            draws = np.full(n, -1, np.int64)
+            draws[-1] = 0
+            self._pending = (None, self.prompt, draws)
+            return self._row_inputs(self.prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n), draws)
+        tree = self.tree if fits(cache.length, self.tree.size, cache.capacity) else self.root_tree
+        if not fits(cache.length, tree.size, cache.capacity):
+            self.result.finish_reason = "length"  # the context is full
+            self.done = True
+            return None
+        b = tree.buffers()
+        root = self._root
+        tokens = gather_candidates(root, self._heads, tree) if tree.size > 1 else np.array([root], np.int64)
+        draws = len(self.result.tokens) + b.depth  # generated position each node draws (the root is the last emitted)
+        self._pending = (tree, tokens, draws)
+        return self._row_inputs(tokens, cache.length + b.depth, b.attention_mask, draws)
+
+    def _draw(self, out: StepResult, rows, positions) -> np.ndarray:
+        """int64 [len(rows)] the token drawn at each row, with the uniform of its generated position."""
+        if self.route == "greedy":
+            return np.asarray(out.topk_ids[rows, 0], dtype=np.int64)
+        if self.route == "graph":
+            return np.asarray(out.sampled_ids[rows], dtype=np.int64)
+        return draw_tokens(out.topk_ids[rows], out.topk_logprobs[rows], self.uniforms.at(positions),
+                           self.sampling.top_k, self.sampling.top_p)
+
+    def _emit(self, step_tokens: list[int]) -> int:
+        """Emit a step's tokens up to a stop; returns how many were emitted (sets :attr:`done`)."""
+        result = self.result
+        stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=self.max_new_tokens,
+                           eos_token_ids=self.eos_token_ids)
+        kept = stop.tokens
+        if self.on_tokens and kept:
+            ret = self.on_tokens(kept)
+            if ret is not None and ret is not False:
+                n = len(kept) if ret is True else int(ret)
+                if not 0 <= n <= len(kept):
+                    raise ValueError(f"on_tokens returned {n} for {len(kept)} tokens")
+                result.tokens.extend(kept[:n])
+                result.finish_reason = "stop"
+                self.done = True
+                return n
+        result.tokens.extend(kept)
+        if stop.finish_reason is not None:
+            result.finish_reason = stop.finish_reason
+            self.done = True
+        return len(kept)
+
+    def advance(self, out: StepResult) -> None:
+        """Take the engine's result for the last :meth:`inputs`: draw, accept, compact the KV cache, emit.
+
+        Sets :attr:`done` when the sequence ends, else :attr:`heads_row` when the next step's
+        candidates need the heads.
+        """
+        if self._pending is None:
+            raise RuntimeError("advance() without inputs()")
+        tree, tokens, draws = self._pending
+        self._pending = None
+        if tree is None:  # the prefill: all of its K/V are kept
+            n = int(tokens.size)
+            if self.route is None:  # the engine does not say its k: the prefill's outputs do
+                self.route = engine_sampling_route(self.engine, self.sampling, step_topk=out.topk_ids.shape[-1])
+            self.cache.keep(out.new_kv, np.arange(n), tokens)
+            self._root = int(self._draw(out, [n - 1], [0])[0])
+            self._emit([self._root])
+            last = n - 1
+        else:
+            drawn = self._draw(out, np.arange(tree.size), draws)
+            if self.mode == "greedy":
+                acc = accept_greedy(tree, tokens, drawn)
+            elif self.mode == "sample":
+                acc = accept_sample(tree, tokens, drawn)
+            else:
+                acc = accept_typical(tree, tokens, out.token_logprobs, out.entropy, self.typical, drawn)
+            self.cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
+            emitted = self._emit([int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token])
+            self.result.step_tokens.append(emitted)
+            self.result.accept_depths.append(acc.accept_length)
+            self._root = acc.next_token
+            last = int(acc.accepted[-1])
+        if not self.done and self.tree.size > 1:
+            self.heads_row = out.hidden[last : last + 1]
+
+    def set_heads(self, topk_ids: np.ndarray) -> None:
+        """The heads' best tokens for :attr:`heads_row`: int [K, >=topk] (``engine.heads(row, topk)[0]``)."""
+        self._heads = topk_ids
+        self.heads_row = None
+
+
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
@@ -307,6 +503,7 @@ def generate(
     position m with the m-th uniform of one generator seeded with ``sampling.seed``, from the
     step's top-k outputs on the host, or by the in-graph sampler (``sampled_ids``) when the
     settings need the whole vocabulary and the engine has it (:func:`engine_sampling_route`).
+    The loop body is :class:`Decoding`; this function drives it with batch-1 engine calls.
 
     Args:
         engine: the backend.
@@ -331,121 +528,24 @@ def generate(
         InvalidTreeError: a tree deeper than the engine's heads.
         ContextOverflowError: the prompt does not fit the context, or ``max_context`` exceeds the engine's.
     """
-    sampling = sampling if sampling is not None else SamplingConfig()
-    prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
-    if prompt.size == 0:
-        raise InvalidSettingError("the prompt is empty: give at least one token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-        raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if tree.max_depth > engine.num_heads:
-        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
+    check_request(engine, prompt_ids, tree, max_new_tokens)
     if cache is None:
         cache = KVCache.for_engine(engine, context_capacity(engine, max_context))
-    if cache.length + prompt.size > cache.capacity:
-        raise ContextOverflowError(
-            f"the prompt has {prompt.size} tokens but only {cache.capacity - cache.length} of the "
-            f"{cache.capacity}-token context are free"
-        )
-    route = engine_sampling_route(engine, sampling) if getattr(engine, "step_topk", None) else None
-    result = GenerationResult([], "length", prompt_tokens=int(prompt.size))
-    if max_new_tokens == 0:
-        return result
-    root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
-    mode = sampling.mode
-    typical = sampling.typical if mode == "typical" else None
-    temperature = sampling.temperature if mode != "greedy" else 1.0
-    uniforms = PositionUniforms(sampling.seed)
+    dec = Decoding(engine, prompt_ids, tree, max_new_tokens=max_new_tokens, cache=cache, eos_token_ids=eos_token_ids,
+                   sampling=sampling, on_tokens=on_tokens)
+    result = dec.result
     t_start = time.perf_counter()
-
-    def run(tokens, positions, mask, draw_positions) -> StepResult:
-        """One engine call; ``draw_positions`` int [S]: the generated position each row draws (-1: none)."""
-        kwargs = {}
-        if route == "graph":
-            u = np.full(len(tokens), -1.0, np.float32)  # < 0: the graph does not sample the row
-            rows = draw_positions >= 0
-            u[rows] = uniforms.at(draw_positions[rows])
-            kwargs["sampling"] = SamplerInputs(u, sampling.top_k, sampling.top_p)
+    while (inputs := dec.inputs()) is not None:
         t = time.perf_counter()
-        out = engine.step(tokens[None], positions[None], mask, temperature, cache.past(), **kwargs)
+        out = engine_step(engine, inputs, cache.past())
         result.engine_seconds += time.perf_counter() - t
-        return out
-
-    def draw(out: StepResult, rows, positions) -> np.ndarray:
-        """int64 [len(rows)] the token drawn at each row, with the uniform of its generated position."""
-        if route == "greedy":
-            return np.asarray(out.topk_ids[rows, 0], dtype=np.int64)
-        if route == "graph":
-            return np.asarray(out.sampled_ids[rows], dtype=np.int64)
-        return draw_tokens(out.topk_ids[rows], out.topk_logprobs[rows], uniforms.at(positions), sampling.top_k,
-                           sampling.top_p)
-
-    def heads_topk(hidden_row) -> np.ndarray:  # hidden_row: a [1, d] slice of StepResult.hidden
-        t = time.perf_counter()
-        out = engine.heads(hidden_row, tree.topk)[0]
-        result.engine_seconds += time.perf_counter() - t
-        return out
-
-    def emit(step_tokens: list[int]) -> tuple[int, bool]:
-        """Emit a step's tokens up to a stop; returns (tokens emitted, whether generation ends)."""
-        stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=max_new_tokens,
-                           eos_token_ids=eos_token_ids)
-        kept, done = stop.tokens, stop.finish_reason is not None
-        if on_tokens and kept:
-            ret = on_tokens(kept)
-            if ret is not None and ret is not False:
-                n = len(kept) if ret is True else int(ret)
-                if not 0 <= n <= len(kept):
-                    raise ValueError(f"on_tokens returned {n} for {len(kept)} tokens")
-                result.tokens.extend(kept[:n])
-                result.finish_reason = "stop"
-                return n, True
-        result.tokens.extend(kept)
-        if done:
-            result.finish_reason = stop.finish_reason
-        return len(kept), done
-
-    def finish() -> GenerationResult:
-        total = time.perf_counter() - t_start
-        result.host_seconds = total - result.engine_seconds
-        return result
-
-    # Prefill: the prompt with a causal mask; all of its K/V are kept. Its last row draws position 0.
-    n = int(prompt.size)
-    last_row = np.full(n, -1, np.int64)
-    last_row[-1] = 0
-    out = run(prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n), last_row)
-    result.prefill_seconds = result.engine_seconds
-    if route is None:  # the engine does not say its k: the prefill's outputs do
-        route = engine_sampling_route(engine, sampling, step_topk=out.topk_ids.shape[-1])
-    cache.keep(out.new_kv, np.arange(n), prompt)
-    root = int(draw(out, [n - 1], [0])[0])
-    if emit([root])[1]:
-        return finish()
-    heads = heads_topk(out.hidden[n - 1 : n]) if tree.size > 1 else None
-    while True:
-        step_tree = tree if fits(cache.length, tree.size, cache.capacity) else root_tree
-        if not fits(cache.length, step_tree.size, cache.capacity):
-            result.finish_reason = "length"  # the context is full
-            return finish()
-        b = step_tree.buffers()
-        tokens = gather_candidates(root, heads, step_tree) if step_tree.size > 1 else np.array([root], np.int64)
-        positions = len(result.tokens) + b.depth  # generated position each node draws (the root is the last emitted)
-        out = run(tokens, cache.length + b.depth, b.attention_mask, positions)
-        drawn = draw(out, np.arange(step_tree.size), positions)
-        if mode == "greedy":
-            acc = accept_greedy(step_tree, tokens, drawn)
-        elif mode == "sample":
-            acc = accept_sample(step_tree, tokens, drawn)
-        else:
-            acc = accept_typical(step_tree, tokens, out.token_logprobs, out.entropy, typical, drawn)
-        cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
-        step_tokens = [int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token]
-        emitted, done = emit(step_tokens)
-        result.step_tokens.append(emitted)
-        result.accept_depths.append(acc.accept_length)
-        if done:
-            return finish()
-        root = acc.next_token
-        if tree.size > 1:
-            last = int(acc.accepted[-1])
-            heads = heads_topk(out.hidden[last : last + 1])
+        if not dec.prefilled:
+            result.prefill_seconds = result.engine_seconds
+        dec.advance(out)
+        if dec.heads_row is not None:
+            t = time.perf_counter()
+            dec.set_heads(engine.heads(dec.heads_row, tree.topk)[0])
+            result.engine_seconds += time.perf_counter() - t
+    if max_new_tokens > 0:
+        result.host_seconds = time.perf_counter() - t_start - result.engine_seconds
+    return result

@@ -4,7 +4,9 @@ A server (the Triton Python-backend model written by ``medusa-export triton``, o
 other) hands over the request's fields as plain values; :func:`merge_fields` joins the
 ones given as tensors and as request parameters, :func:`parse_request` checks them and
 encodes the prompt, and :func:`serve` runs the Medusa loop, calling back once per tree
-step with that step's token ids and newly printable text. Every malformed field raises
+step with that step's token ids and newly printable text; :class:`BatchServer` serves
+requests from many threads together, up to ``batch_size`` of them sharing each step
+(in-flight batching), each with the tokens :func:`serve` would give it alone. Every malformed field raises
 :class:`RequestError` naming the field, so a server can answer with an error and keep
 serving. Torch-free (numpy + the session's engine and tokenizer).
 
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import json
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -50,8 +54,9 @@ import numpy as np
 
 from .acceptance import SamplingConfig
 from .errors import ChatTemplateError, InvalidSettingError, MedusaError
+from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest
 from .loop import generate
-from .session import DEFAULT_MAX_NEW_TOKENS, Completion, MedusaSession
+from .session import DEFAULT_MAX_NEW_TOKENS, Completion, MedusaSession, ReplyText
 
 PROMPT_FIELDS = ("text_input", "messages", "input_ids")
 #: The request fields that are :class:`SamplingConfig` settings (same names).
@@ -264,7 +269,7 @@ def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
 def serve(session: MedusaSession, req: GenerationRequest,
           on_step: Callable[[list[int], str], None] | None = None,
           cancelled: Callable[[], bool] | None = None) -> Completion:
-    """Generate the reply to one checked request.
+    """Generate the reply to one checked request, alone (batch size 1; :class:`BatchServer` batches).
 
     Args:
         session: the loaded session (engine, tree, tokenizer, context).
@@ -278,16 +283,11 @@ def serve(session: MedusaSession, req: GenerationRequest,
         The :class:`Completion`, as :meth:`MedusaSession.generate` returns it (same tokens
         for the same request).
     """
-    decoder = session.tokenizer.stream(req.stop)
+    reply = ReplyText(session.tokenizer, req.stop, on_step)
     state = {"cancelled": False}
 
     def on_tokens(tokens: list[int]) -> bool | int | None:
-        start = len(decoder.tokens)
-        kept = decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
-        if on_step is not None:
-            ids, piece = decoder.tokens[start:], decoder.take()
-            if ids or piece:
-                on_step(ids, piece)
+        kept = reply.feed(tokens)
         if kept is not None:
             return kept
         if cancelled is not None and cancelled():
@@ -299,9 +299,142 @@ def serve(session: MedusaSession, req: GenerationRequest,
     res = generate(session.engine, req.prompt_ids, session.tree, max_new_tokens=req.max_new_tokens,
                    eos_token_ids=session.eos_token_ids, max_context=session.max_context, sampling=req.sampling,
                    on_tokens=on_tokens)
-    seconds = time.perf_counter() - t
-    tail = decoder.finish()
-    if on_step is not None and tail:
-        on_step([], tail)
-    reason = "cancelled" if state["cancelled"] else res.finish_reason
-    return Completion(decoder.text, list(decoder.tokens), reason, res, len(req.prompt_ids), 0, seconds)
+    return reply.completion(res, len(req.prompt_ids), 0, time.perf_counter() - t,
+                            "cancelled" if state["cancelled"] else None)
+
+
+@dataclass(eq=False)
+class _Job:
+    """A request handed to :class:`BatchServer`, with its callbacks."""
+
+    req: GenerationRequest
+    reply: ReplyText
+    on_done: Callable[[Completion | None, BaseException | None], None]
+    cancelled: Callable[[], bool] | None
+
+
+class BatchServer:
+    """Checked requests from any thread, served together: one :class:`~medusa_runtime.batch.Scheduler`
+    on a background thread runs up to ``batch_size`` of them in each step (in-flight batching).
+
+    Each request decodes exactly as :func:`serve` decodes it alone (its own seed, stops and KV
+    row). Every callback runs on the background thread; one that raises ends its own request
+    (``on_done`` gets the exception), never the others.
+
+    Args:
+        session: the loaded session (its batch engine, tree, tokenizer, context).
+        batch_size: at most this many requests share a step (>= 1).
+        log: called with a line when more requests than ever before share a step (default: silent).
+
+    Raises:
+        InvalidSettingError: ``batch_size`` < 1.
+    """
+
+    def __init__(self, session: MedusaSession, batch_size: int = DEFAULT_BATCH_SIZE,
+                 log: Callable[[str], None] | None = None):
+        self.session = session
+        self.scheduler = Scheduler(session.batch_engine, session.tree, max_batch=batch_size,
+                                   capacity=session.max_context, eos_token_ids=session.eos_token_ids)
+        self.max_batch_seen = 0
+        self._log = log
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="medusa-batch", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerationRequest, on_step: Callable[[list[int], str], None] | None,
+               on_done: Callable[[Completion | None, BaseException | None], None],
+               cancelled: Callable[[], bool] | None = None) -> None:
+        """Queue a checked request; it joins the next step with a free row.
+
+        Args:
+            req: the request (:func:`parse_request`).
+            on_step: as :func:`serve`'s (each step's ids and text), or None.
+            on_done: called once at the end with (the :class:`Completion`, None), its finish
+                reason "cancelled" when ``cancelled`` said so; or (None, the exception) when the
+                request failed (a :class:`~medusa_runtime.errors.MedusaError` for a request the
+                scheduler refused, anything a callback raised).
+            cancelled: polled at each step boundary; True ends the request.
+
+        Raises:
+            RuntimeError: the server is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the batch server is closed")
+        self._queue.put(_Job(req, ReplyText(self.session.tokenizer, req.stop, on_step), on_done, cancelled))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the background thread after the current step; requests not finished get
+        ``on_done(None, RuntimeError)``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    # -- the background thread ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            jobs = [self._queue.get()] if sched.idle else []  # block only when there is nothing to do
+            while True:
+                try:
+                    jobs.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in jobs or self._closed:
+                self._abort([j for j in jobs if j is not None])
+                return
+            for job in jobs:
+                self._admit(job)
+            for s in list(sched.running) + list(sched.waiting):
+                job = s.request.tag
+                if job.cancelled is not None and self._safe(job, job.cancelled):
+                    s.cancel()
+            n = len(sched.running) + min(len(sched.waiting), sched.max_batch - len(sched.running))
+            if n > self.max_batch_seen:
+                self.max_batch_seen = n
+                if self._log is not None and n > 1:
+                    self._log(f"medusa: {n} sequences share a step (the most so far)")
+            for s in sched.step():
+                self._finish(s)
+
+    def _admit(self, job: _Job) -> None:
+        req = job.req
+        try:
+            self.scheduler.submit(SequenceRequest(req.prompt_ids, req.max_new_tokens, req.sampling,
+                                                  job.reply.feed, tag=job))
+        except MedusaError as exc:
+            self._done(job, None, exc)
+
+    def _finish(self, s) -> None:
+        job: _Job = s.request.tag
+        if s.error is not None:
+            self._done(job, None, s.error)
+            return
+        try:
+            out = job.reply.completion(s.result, len(job.req.prompt_ids), 0, s.seconds)
+        except Exception as exc:  # noqa: BLE001 - on_step raised on the last piece
+            self._done(job, None, exc)
+            return
+        self._done(job, out, None)
+
+    @staticmethod
+    def _done(job: _Job, out: Completion | None, exc: BaseException | None) -> None:
+        try:
+            job.on_done(out, exc)
+        except Exception:  # noqa: BLE001 - the client is gone: nothing left to tell it
+            pass
+
+    def _safe(self, job: _Job, fn: Callable[[], bool]) -> bool:
+        try:
+            return bool(fn())
+        except Exception:  # noqa: BLE001 - cannot ask: treat as cancelled
+            return True
+
+    def _abort(self, jobs: list[_Job]) -> None:
+        sched = self.scheduler
+        pending = jobs + [s.request.tag for s in list(sched.running) + list(sched.waiting)]
+        for job in pending:
+            self._done(job, None, RuntimeError("the server is shutting down"))

@@ -8,6 +8,9 @@ engine on the chosen backend and the tokenizer, and offers:
   (plain sampling's law) or typical acceptance (:class:`SamplingConfig`), stop strings,
   ``vanilla=True`` for one token per step through the same engine (the root-only tree), and
   a streaming callback that receives text deltas;
+* :meth:`MedusaSession.generate_batch`: many prompts, up to ``batch_size`` sequences sharing
+  each step (in-flight batching, :mod:`medusa_runtime.batch`), each decoded exactly as
+  :meth:`~MedusaSession.generate` decodes it alone;
 * :meth:`MedusaSession.chat`: multi-turn chat with the chat template. The KV cache is
   kept between turns and reused for the longest prefix of token ids that the new
   conversation shares with what the cache holds (K/V at a slot depend only on the tokens
@@ -16,6 +19,7 @@ engine on the chosen backend and the tokenizer, and offers:
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +28,7 @@ from typing import Callable, Sequence
 from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
 from .autotree import TreeTiming, auto_tree, is_auto
+from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import ChatTemplateError, MedusaError
 from .loop import GenerationResult, KVCache, engine_sampling_route, generate
@@ -76,6 +81,71 @@ class Completion:
                 "host_seconds": r.host_seconds}
 
 
+class ReplyText:
+    """The text side of one reply: stop strings cut it, ``on_step`` receives each step's ids and text.
+
+    Args:
+        tokenizer: the session's tokenizer.
+        stop: stop strings.
+        on_step: called after each step that emitted something with the step's token ids (EOS
+            excluded, cut at a stop string) and the newly printable text; a last call with no
+            ids may carry text held back until the end. None: not called.
+    """
+
+    def __init__(self, tokenizer: RuntimeTokenizer, stop: Sequence[str],
+                 on_step: Callable[[list[int], str], None] | None = None):
+        self.tokenizer, self.on_step = tokenizer, on_step
+        self.decoder = tokenizer.stream(stop)
+        self.fed = False
+
+    @property
+    def on_tokens(self) -> Callable[[list[int]], int | None] | None:
+        """The decode loop's callback (:meth:`feed`), or None when neither stops nor ``on_step`` need it."""
+        return self.feed if (self.decoder.stop_strings or self.on_step) else None
+
+    def feed(self, tokens: list[int]) -> int | None:
+        """A step's emitted tokens; returns how many to keep when a stop string completed, else None."""
+        self.fed = True
+        start = len(self.decoder.tokens)
+        kept = self.decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
+        if self.on_step is not None:
+            ids, piece = self.decoder.tokens[start:], self.decoder.take()
+            if ids or piece:
+                self.on_step(ids, piece)
+        return kept
+
+    def completion(self, res: GenerationResult, prompt_tokens: int, reused: int = 0, seconds: float = 0.0,
+                   finish_reason: str | None = None) -> "Completion":
+        """The :class:`Completion` of a finished generation (hands the text held back to ``on_step``)."""
+        reason = finish_reason or res.finish_reason
+        if not self.fed:
+            return Completion(self.tokenizer.decode(res.tokens), list(res.tokens), reason, res, prompt_tokens, reused,
+                              seconds)
+        tail = self.decoder.finish()
+        if tail and self.on_step is not None:
+            self.on_step([], tail)
+        return Completion(self.decoder.text, list(self.decoder.tokens), reason, res, prompt_tokens, reused, seconds)
+
+
+def _text_stream(stream: Callable[[str], None] | None) -> Callable[[list[int], str], None] | None:
+    """``stream(text)`` as an ``on_step(ids, text)`` callback (text pieces only)."""
+    return None if stream is None else (lambda ids, piece: stream(piece) if piece else None)
+
+
+def _per_prompt(value, n: int, name: str, kind: type) -> list:
+    """``value`` for each of n prompts: a single value repeated, or a list of n values.
+
+    Raises:
+        ValueError: a list whose length is not n.
+    """
+    if value is None or isinstance(value, kind):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: give one, or one per prompt")
+    return values
+
+
 @dataclass
 class _Chat:
     messages: list[dict] = field(default_factory=list)
@@ -121,6 +191,7 @@ class MedusaSession:
         self.tree = self._resolve_tree(tree)
         self.vanilla_tree = make_tree([], num_heads=self.engine.num_heads, topk=self.tree.topk)
         self._chat = _Chat()
+        self._batch_engine = None
 
     def _resolve_tree(self, tree: Tree | str | None) -> Tree:
         base = self.artifact.tree
@@ -226,32 +297,108 @@ class MedusaSession:
         cfg = self.sampling(sampling, temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, raw=raw)
-        decoder = self.tokenizer.stream(stop)
-
-        def on_tokens(tokens: list[int]) -> int | None:
-            kept = decoder.add_all(tokens)  # stops the loop after the token that completed a stop string
-            if stream is not None:
-                piece = decoder.take()
-                if piece:
-                    stream(piece)
-            return kept
-
+        text = ReplyText(self.tokenizer, stop, _text_stream(stream))
         reused = cache.length if cache is not None else 0
         t = time.perf_counter()
         res = generate(self.engine, ids, self.vanilla_tree if vanilla else self.tree,
                        max_new_tokens=max_new_tokens, eos_token_ids=self.eos_token_ids,
-                       max_context=self.max_context, sampling=cfg,
-                       on_tokens=on_tokens if (stop or stream) else None, cache=cache)
+                       max_context=self.max_context, sampling=cfg, on_tokens=text.on_tokens, cache=cache)
         seconds = time.perf_counter() - t
-        if stream is not None:
-            piece = decoder.finish()
-            if piece:
-                stream(piece)
-        if stop or stream:
-            text, tokens = decoder.text, list(decoder.tokens)
-        else:
-            text, tokens = self.tokenizer.decode(res.tokens), list(res.tokens)
-        return Completion(text, tokens, res.finish_reason, res, reused + len(ids), reused, seconds)
+        return text.completion(res, reused + len(ids), reused, seconds)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[dict]] | None = None,
+        *,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        max_new_tokens: int | Sequence[int] = DEFAULT_MAX_NEW_TOKENS,
+        sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
+        temperature: float | None = None,
+        acceptance: str | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        posterior_threshold: float | None = None,
+        posterior_alpha: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        vanilla: bool = False,
+        raw: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        stream: Callable[[int, str], None] | None = None,
+        on_done: Callable[[int, Completion], None] | None = None,
+    ) -> list[Completion]:
+        """Generate replies to many prompts, up to ``batch_size`` sequences sharing each step.
+
+        Sequences join as rows free up and leave when they finish (in-flight batching,
+        :class:`~medusa_runtime.batch.Scheduler`). Each sequence decodes exactly as
+        :meth:`generate` would decode it alone (its own seed, stops and KV row): the same
+        tokens for the same prompt and settings.
+
+        Args:
+            prompts: user messages (chat template applied unless ``raw``) or message lists; or
+                None with ``prompt_ids``.
+            prompt_ids: token id lists, used as they are.
+            max_new_tokens: one budget for all, or one per prompt.
+            sampling: one :class:`SamplingConfig` for all, or one per prompt (e.g. per-prompt
+                seeds); the keyword arguments below override fields of each.
+            temperature, acceptance, top_k, top_p, posterior_threshold, posterior_alpha, seed:
+                as :meth:`generate`.
+            stop: stop strings (every prompt).
+            vanilla: one token per step (root-only tree) through the same engine.
+            raw: encode string prompts without the chat template.
+            batch_size: at most this many sequences run at once (>= 1).
+            stream: called with (prompt index, newly printable text).
+            on_done: called with (prompt index, its :class:`Completion`) as each one finishes.
+
+        Returns:
+            One :class:`Completion` per prompt, in the prompts' order (``seconds``: from the
+            sequence's prefill to its end).
+
+        Raises:
+            InvalidSettingError, UnsupportedSamplingError, ContextOverflowError, ChatTemplateError:
+                a bad prompt or setting (the message names the prompt's index), before any work.
+            ValueError: neither or both of ``prompts`` and ``prompt_ids``, or a per-prompt list of
+                the wrong length.
+            Exception: whatever a callback (``stream``, ``on_done``) raised.
+        """
+        if (prompts is None) == (prompt_ids is None):
+            raise ValueError("give exactly one of prompts and prompt_ids")
+        n = len(prompts if prompts is not None else prompt_ids)
+        budgets = _per_prompt(max_new_tokens, n, "max_new_tokens", numbers.Integral)
+        bases = _per_prompt(sampling, n, "sampling", SamplingConfig)
+        overrides = dict(temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
+                         posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
+        sched = Scheduler(self.batch_engine, self.tree, max_batch=batch_size, capacity=self.max_context,
+                          eos_token_ids=self.eos_token_ids)
+        texts, states = [], []
+        for i in range(n):
+            try:
+                cfg = self.sampling(bases[i], **overrides)
+                ids = list(prompt_ids[i]) if prompt_ids is not None else self.encode(prompts[i], raw=raw)
+                text = ReplyText(self.tokenizer, stop, _text_stream(stream and (lambda piece, i=i: stream(i, piece))))
+                states.append(sched.submit(SequenceRequest(ids, budgets[i], cfg, text.on_tokens,
+                                                           self.vanilla_tree if vanilla else None, tag=i)))
+            except MedusaError as exc:
+                raise type(exc)(f"prompt {i}: {exc}") from None
+            texts.append(text)
+        out: list[Completion | None] = [None] * n
+        while not sched.idle:
+            for s in sched.step():
+                if s.error is not None:
+                    raise s.error
+                i = s.request.tag
+                out[i] = texts[i].completion(s.result, len(s.request.prompt_ids), 0, s.seconds)
+                if on_done is not None:
+                    on_done(i, out[i])
+        return out
+
+    @property
+    def batch_engine(self):
+        """The engine as a :class:`~medusa_runtime.batch.BatchEngine` (one batch-1 call per row for
+        artifacts whose step graphs take one sequence)."""
+        if self._batch_engine is None:
+            self._batch_engine = batch_engine(self.engine)
+        return self._batch_engine
 
     # -- multi-turn chat ----------------------------------------------------------------
 

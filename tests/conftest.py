@@ -137,6 +137,36 @@ def make_family_medusa(family: str, *, vocab=320, seed=0, medusa_heads=3, head_n
     return hf, model.eval()
 
 
+def make_counter_medusa(scale: float = 6.0, vocab: int = 300, miss_every: int = 0):
+    """A MedusaModel whose greedy next token after t is t+1 mod V, head k's top guess t+1+k.
+
+    Layers' residual outputs are scaled down (they still run and perturb the logits a
+    little, so the K/V matter); lm_head row j is scale * E[j-1] and head k's own projection
+    row j is scale * E[j-1-k] (E the embeddings), so after the final norm the logit of
+    t+1 (head k: t+1+k) is ~scale * 1.3 against ~N(0, scale * 0.16) for the others.
+
+    ``miss_every`` m > 0 ((V / 2) % m == 0): after a token t with t % m == 0 every head guesses
+    t+1+k+V/2 instead (a permutation of the rows), so a step whose last accepted token is a
+    multiple of m accepts nothing and the others accept a whole path: sequences at different
+    tokens accept different lengths in the same step.
+    """
+    _, model = make_tiny_medusa(vocab=vocab, medusa_heads=3, own_projection=True)
+    with torch.no_grad():
+        for block in model.backbone.layers:
+            block.self_attn.o_proj.weight.mul_(0.05)
+            block.mlp.down_proj.weight.mul_(0.05)
+        emb = model.backbone.embed_tokens.weight
+        model.backbone.lm_head.weight.copy_(scale * torch.roll(emb, 1, dims=0))
+        for k, head in enumerate(model.heads.heads, start=1):
+            src = (torch.arange(vocab) - 1 - k) % vocab  # row j guessed after token src[j]
+            if miss_every:
+                assert (vocab // 2) % miss_every == 0
+                miss = src % miss_every == 0
+                src[miss] = (src[miss] - vocab // 2) % vocab
+            head[-1].weight.copy_(scale * emb[src])
+    return model
+
+
 def tiny_loaded(model, *, name="tiny", tree="16", max_context=512):
     """Wrap a tiny MedusaModel as a registry LoadedMedusa with the tiny tokenizer."""
     from medusa_export.loading.registry import LoadedMedusa

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MT_BENCH, make_tiny_medusa, mt_bench_prompts, tiny_loaded
+from conftest import MT_BENCH, make_counter_medusa, mt_bench_prompts, tiny_loaded
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
 from medusa_runtime.loop import KVCache, generate
@@ -31,26 +31,6 @@ from medusa_runtime.tokenizer import RuntimeTokenizer
 VOCAB = 300
 CONTEXT = 128
 EOS = 2  # the tiny tokenizer's "</s>"
-
-
-def make_counter_medusa(scale: float = 6.0):
-    """A MedusaModel whose greedy next token after t is t+1 mod V, head k's top guess t+1+k.
-
-    Layers' residual outputs are scaled down (they still run and perturb the logits a
-    little, so the K/V matter); lm_head row j is scale * E[j-1] and head k's own projection
-    row j is scale * E[j-1-k] (E the embeddings), so after the final norm the logit of
-    t+1 (head k: t+1+k) is ~scale * 1.3 against ~N(0, scale * 0.16) for the others.
-    """
-    _, model = make_tiny_medusa(vocab=VOCAB, medusa_heads=3, own_projection=True)
-    with torch.no_grad():
-        for block in model.backbone.layers:
-            block.self_attn.o_proj.weight.mul_(0.05)
-            block.mlp.down_proj.weight.mul_(0.05)
-        emb = model.backbone.embed_tokens.weight
-        model.backbone.lm_head.weight.copy_(scale * torch.roll(emb, 1, dims=0))
-        for k, head in enumerate(model.heads.heads, start=1):
-            head[-1].weight.copy_(scale * torch.roll(emb, 1 + k, dims=0))
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -174,6 +174,7 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
     assert _pbtxt_tensors(gen, "input") == {n: (t, d) for n, t, d in GENERATION_INPUTS}
     assert _pbtxt_tensors(gen, "output") == {n: (t, d) for n, t, d in GENERATION_OUTPUTS}
     assert 'key: "artifact_dir" value: { string_value: "artifact" }' in gen
+    assert 'key: "batch_size" value: { string_value: "8" }' in gen
     copied = repo / "medusa" / "1" / "artifact"
     for rel in manifest["checksums"]:
         assert (copied / rel).read_bytes() == (Path(tiny_trt_artifact) / rel).read_bytes(), rel
@@ -369,32 +370,47 @@ def test_served_ids_params_stop_and_sampling(server, session):
     assert "Exact here: top_k 1..10" in err
 
 
-def test_concurrent_requests(server, session):
-    """Eight requests at once (threads, one stream each) on 2 model instances: every reply is the runtime's."""
+def test_concurrent_requests_share_steps(server, session):
+    """Ten requests at once (threads, one stream each) on 2 model instances, each batching the requests
+    it holds: every reply is that prompt's batch-1 output (greedy and sampled), and the malformed
+    requests among them fail alone."""
     srv, grpc = server
-    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + 4 * (i % 3), i % 2 == 0) for i in range(8)]
-    want = {i: session.generate(p, max_new_tokens=n).token_ids for i, (p, n, _) in enumerate(jobs)}
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + 4 * (i % 3), i % 2 == 0, 0.7 if i % 3 == 1 else 0.0) for i in range(8)]
+    want = {i: session.generate(p, max_new_tokens=n, temperature=float(np.float32(t)), seed=i).token_ids
+            for i, (p, n, _, t) in enumerate(jobs)}
+    bad = {8: (dict(text="", max_new_tokens=4), "text_input is empty"),
+           9: (dict(text="hi", max_new_tokens=0), "max_new_tokens must be in 1..256, got 0")}
     results: dict[int, tuple] = {}
-    start = threading.Barrier(len(jobs))
+    start = threading.Barrier(len(jobs) + len(bad))
 
-    def run(i, prompt, n, stream):
+    def run(i):
+        if i in bad:
+            inputs = _inputs(grpc, **bad[i][0])
+        else:
+            prompt, n, stream, t = jobs[i]
+            temp = grpc.InferInput("temperature", [1], "FP32")
+            temp.set_data_from_numpy(np.array([t], np.float32))
+            inputs = _inputs(grpc, text=prompt, max_new_tokens=n, stream=stream) + [temp]
         start.wait(timeout=30)
-        t = time.perf_counter()
-        results[i] = (*_request(srv, grpc, _inputs(grpc, text=prompt, max_new_tokens=n, stream=stream)),
-                      time.perf_counter() - t)
+        t0 = time.perf_counter()
+        results[i] = (*_request(srv, grpc, inputs, parameters={"seed": i}), time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=run, args=(i, *job)) for i, job in enumerate(jobs)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs) + len(bad))]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=240)
     wall = time.perf_counter() - t0
-    assert sorted(results) == list(range(len(jobs)))
+    assert sorted(results) == list(range(len(jobs) + len(bad)))
     for i, (chunks, err, _) in results.items():
+        if i in bad:
+            assert chunks == [] and err is not None and bad[i][1] in err, (i, err)
+            continue
         assert err is None, (i, err)
         assert sum((c[0] for c in chunks), []) == want[i], i
-    print(f"\n[triton] {len(jobs)} concurrent requests in {wall:.2f}s "
+    assert "sequences share a step" in srv.log_tail(200000)
+    print(f"\n[triton] {len(results)} concurrent requests in {wall:.2f}s "
           f"(latency max {max(r[2] for r in results.values()):.2f}s)")
 
 

@@ -12,7 +12,8 @@ import argparse
 import sys
 import time
 
-from medusa_runtime.cli import add_chat_args, add_runtime_args, add_sampling_args, run_command, sampling_from_args
+from medusa_runtime.cli import (add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args, run_command,
+                                sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg
@@ -64,6 +65,9 @@ def cmd_generate(args) -> int:
         return run_generate(args)
     if args.stop:
         raise MedusaError("--stop needs --artifact (the runtime); the PyTorch reference stops at EOS and length only")
+    if args.prompt_file or args.batch_size is not None:
+        raise MedusaError("--prompt-file and --batch-size need --artifact (the runtime's batch scheduler); the PyTorch "
+                          "reference answers one --prompt")
     sampling = sampling_from_args(args)  # bad values fail before the model is loaded
     from medusa_runtime.tree import tree_from_spec
 
@@ -235,7 +239,8 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for an artifact."""
     from ..triton.repository import TritonConfig, write_repository
 
-    cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances, threads=args.threads,
+    cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances,
+                       batch_size=args.batch_size, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
                        engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit)
     repo = write_repository(args.artifact, args.out, cfg)
@@ -263,11 +268,13 @@ def _add_generate_parser(sub) -> None:
                        description="Apply the chat template to --prompt, decode with Medusa (greedy by default; "
                                    "--temperature > 0 samples, exactly as plain sampling with --acceptance sample) "
                                    "and print the reply, the mean accepted tokens per step and tokens/s. With "
-                                   "--artifact the torch-free runtime runs the artifact (--model is not needed); "
-                                   "otherwise the PyTorch reference loop runs --model.", epilog=EXIT_CODES_HELP)
+                                   "--artifact the torch-free runtime runs the artifact (--model is not needed), and "
+                                   "--prompt-file answers every prompt of a JSONL file, up to --batch-size sequences "
+                                   "sharing each step, one JSON line per prompt; otherwise the PyTorch reference loop "
+                                   "runs --model.", epilog=EXIT_CODES_HELP)
     _add_model_args(p, runtime_alternative=True)
     add_runtime_args(p, artifact_required=False)
-    p.add_argument("--prompt", required=True, help="the user message")
+    add_prompt_args(p)
     p.add_argument("--max-context", type=int, help="KV capacity in tokens (default: the model's or the artifact's)")
     p.add_argument("--raw", action="store_true", help="encode --prompt as is, without the chat template")
     add_sampling_args(p)
@@ -375,7 +382,11 @@ def _add_triton_parser(sub) -> None:
                    help="copy: an independent copy inside the repository (default); link: hard links (no space, "
                         "but shared with the artifact); reference: the artifact's absolute path, nothing copied")
     p.add_argument("--instances", type=int, default=TritonConfig.instances,
-                   help=f"instances of the generation model, each with its own session (default: {TritonConfig.instances})")
+                   help=f"instances of the generation model, each with its own session and batch "
+                        f"(default: {TritonConfig.instances})")
+    p.add_argument("--batch-size", type=int, default=TritonConfig.batch_size,
+                   help=f"concurrent requests that share each step in one instance (in-flight batching) "
+                        f"(default: {TritonConfig.batch_size})")
     p.add_argument("--threads", type=int, help="CPU threads per instance (default: ONNX Runtime's choice)")
     p.add_argument("--backend", choices=sorted(BACKENDS),
                    help="medusa_runtime backend (default: tensorrt with built plans, else onnxruntime)")

@@ -8,9 +8,13 @@ onnxruntime, tokenizers, jinja2), not torch. It is never imported by medusa_expo
 The model is decoupled: a request gets one response (``stream`` false) or one response
 per tree step followed by a final one carrying the finish reason (``stream`` true); the
 last response has the FINAL flag. A malformed request gets one response with a
-``TritonError`` (INVALID_ARG) and the model goes on serving. Each model instance owns one
-:class:`MedusaSession` (engine and KV cache, batch size 1) and serves its requests in turn;
-more instances (``instance_group.count``) serve requests side by side.
+``TritonError`` (INVALID_ARG) at once and the model goes on serving. Each model instance
+owns one :class:`MedusaSession` and one :class:`~medusa_runtime.serving.BatchServer`: a
+background thread whose scheduler runs up to ``batch_size`` requests in each step
+(in-flight batching: a request joins at the next step boundary and leaves when it ends,
+each with the tokens it would get alone). ``execute`` only checks and queues requests and
+returns; the responses are sent from that thread. More instances (``instance_group.count``)
+serve side by side, each with its own batch.
 
 Inputs (all optional but one prompt; also accepted as request parameters, see
 medusa_runtime/serving.py): text_input, messages, input_ids, max_new_tokens, temperature,
@@ -19,7 +23,8 @@ num_input_tokens, tokens_per_step.
 
 Model parameters (config.pbtxt): artifact_dir (absolute, or relative to this file's
 folder), backend (medusa_runtime engine backend), precision (for tensorrt), threads,
-max_context, max_new_tokens_limit.
+max_context, max_new_tokens_limit, batch_size (requests sharing a step; default
+medusa_runtime.batch.DEFAULT_BATCH_SIZE).
 """
 
 import json
@@ -33,7 +38,9 @@ if sys.path[:1] != [_HERE]:
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from medusa_runtime.serving import FIELDS, RequestError, merge_fields, parse_request, serve  # noqa: E402
+from medusa_runtime.batch import DEFAULT_BATCH_SIZE  # noqa: E402
+from medusa_runtime.errors import MedusaError  # noqa: E402
+from medusa_runtime.serving import FIELDS, BatchServer, RequestError, merge_fields, parse_request  # noqa: E402
 from medusa_runtime.session import MedusaSession  # noqa: E402
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -76,15 +83,17 @@ class TritonPythonModel:
                                      threads=int(params.get("threads") or 0) or None,
                                      max_context=int(params.get("max_context") or 0) or None, **options)
         self.limit = int(params.get("max_new_tokens_limit") or 0) or None
+        batch = int(params.get("batch_size") or 0) or DEFAULT_BATCH_SIZE
+        self.server = BatchServer(self.session, batch_size=batch, log=pb_utils.Logger.log_info)
         pb_utils.Logger.log_info(f"medusa: {artifact} on {self.session.backend}, tree of {self.session.tree.size} "
-                                 f"nodes, context {self.session.max_context}")
+                                 f"nodes, context {self.session.max_context}, up to {batch} requests per step")
 
     def execute(self, requests):
         for request in requests:
-            self._handle(request)
-        return None
+            self._submit(request)
+        return None  # decoupled: the responses come from the batch server's thread
 
-    def _handle(self, request):
+    def _submit(self, request):
         sender = request.get_response_sender()
         try:
             inputs = {}
@@ -97,22 +106,24 @@ class TritonPythonModel:
         except RequestError as exc:
             sender.send(_error(str(exc), "INVALID_ARG"), flags=_FINAL)
             return
-        is_cancelled = getattr(request, "is_cancelled", None)
-        try:
-            on_step = (lambda ids, text: sender.send(_response(ids, text))) if req.stream else None
-            out = serve(self.session, req, on_step, is_cancelled)
-        except Exception as exc:  # report it on this request and keep serving the others
-            pb_utils.Logger.log_error(f"medusa: generation failed: {exc!r}")
-            try:
+
+        def on_done(out, exc):
+            if exc is not None:
+                if isinstance(exc, MedusaError):
+                    sender.send(_error(str(exc), "INVALID_ARG"), flags=_FINAL)
+                    return
+                pb_utils.Logger.log_error(f"medusa: generation failed: {exc!r}")
                 sender.send(_error(f"generation failed: {exc}", "INTERNAL"), flags=_FINAL)
-            except Exception:  # the client is gone (a cancelled stream): nothing to answer
-                pass
-            return
-        if out.finish_reason == "cancelled":
-            sender.send(_error("the request was cancelled", "CANCELLED"), flags=_FINAL)
-            return
-        ids, text = ([], "") if req.stream else (out.token_ids, out.text)
-        sender.send(_response(ids, text, out.finish_reason, out.prompt_tokens, out.tokens_per_step), flags=_FINAL)
+            elif out.finish_reason == "cancelled":
+                sender.send(_error("the request was cancelled", "CANCELLED"), flags=_FINAL)
+            else:
+                ids, text = ([], "") if req.stream else (out.token_ids, out.text)
+                sender.send(_response(ids, text, out.finish_reason, out.prompt_tokens, out.tokens_per_step),
+                            flags=_FINAL)
+
+        on_step = (lambda ids, text: sender.send(_response(ids, text))) if req.stream else None
+        self.server.submit(req, on_step, on_done, getattr(request, "is_cancelled", None))
 
     def finalize(self):
+        self.server.close()
         self.session = None

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
+from medusa_runtime.batch import DEFAULT_BATCH_SIZE
 
 from .. import __version__
 from ..errors import ArtifactError, MedusaError
@@ -83,7 +84,9 @@ class TritonConfig:
     Attributes:
         model_name: name of the generation model; the engine models are NAME_step and NAME_heads.
         artifact_mode: "copy", "link" (hard links) or "reference" (absolute path); see the module docstring.
-        instances: model instances of the generation model (each owns a session and a KV cache).
+        instances: model instances of the generation model (each owns a session and its own batch).
+        batch_size: requests that share a step in one instance (in-flight batching; the model
+            parameter ``batch_size``).
         threads: CPU threads per instance (None: ONNX Runtime's default).
         backend: medusa_runtime backend of the generation model (None: tensorrt when the
             artifact holds built plans, else onnxruntime).
@@ -95,6 +98,7 @@ class TritonConfig:
     model_name: str = "medusa"
     artifact_mode: str = "copy"
     instances: int = 1
+    batch_size: int = DEFAULT_BATCH_SIZE
     threads: int | None = None
     backend: str | None = None
     engine_precision: str | None = None
@@ -108,6 +112,8 @@ class TritonConfig:
             raise MedusaError(f"unknown artifact mode {self.artifact_mode!r}; choose one of {', '.join(ARTIFACT_MODES)}")
         if self.instances < 1:
             raise MedusaError(f"--instances must be >= 1, got {self.instances}")
+        if self.batch_size < 1:
+            raise MedusaError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.threads is not None and self.threads < 1:
             raise MedusaError(f"--threads must be >= 1, got {self.threads}")
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
@@ -137,7 +143,8 @@ def _parameters(params: dict[str, str]) -> str:
 
 
 def generation_config(name: str, params: dict[str, str], instances: int, gpu: bool) -> str:
-    """config.pbtxt of the Python-backend generation model (decoupled, batch size 1)."""
+    """config.pbtxt of the Python-backend generation model (decoupled; Triton's ``max_batch_size`` 0: the
+    model batches concurrent requests itself, see ``batch_size`` in ``params``)."""
     return (
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
@@ -262,8 +269,10 @@ def _readme(cfg: TritonConfig, engine_models: list[str]) -> str:
                "Triton's onnxruntime or tensorrt backend.\n" if engine_models else "")
     return f"""# Triton model repository (medusa-export {__version__})
 
-`{name}` (Python backend, decoupled) runs the Medusa decode loop with the copied `medusa_runtime`.
-The backend's Python needs numpy, onnxruntime, tokenizers and jinja2.
+`{name}` (Python backend, decoupled) runs the Medusa decode loop with the copied `medusa_runtime`:
+concurrent requests share batched steps, up to {cfg.batch_size} per instance (model parameter
+`batch_size`; a request joins at the next step and leaves when it ends, with the tokens it
+would get alone). The backend's Python needs numpy, onnxruntime, tokenizers and jinja2.
 
     tritonserver --model-repository $PWD
     # only the generation model (e.g. a server with the Python backend alone):
@@ -315,7 +324,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
             _place_artifact(art, version / "artifact", cfg.artifact_mode)
             artifact_param, how = "artifact", "link"
             source = Artifact(version / "artifact", art.manifest, art.tree)  # engine models link the repo's copy
-        params = {"artifact_dir": artifact_param, "backend": backend}
+        params = {"artifact_dir": artifact_param, "backend": backend, "batch_size": str(cfg.batch_size)}
         if backend == "tensorrt" and plans:
             params["precision"] = plans[0]
         if cfg.threads:

@@ -1,0 +1,373 @@
+"""Many sequences through one engine: the batched engine interface, its looped reference, and the
+in-flight scheduler.
+
+Each sequence runs the decode loop of :class:`~medusa_runtime.loop.Decoding` (the same code as
+batch-1 :func:`~medusa_runtime.loop.generate`): its own KV cache, sampling stream (a generator
+seeded with its own seed), acceptance, stops and streaming callback. The :class:`Scheduler`
+only decides who runs when:
+
+* at each step boundary, finished sequences leave (their KV rows are released), waiting ones
+  join up to ``max_batch`` (each is prefilled by a call over its own row: prompts of
+  different lengths never share a call), then every running sequence takes one tree step;
+* a tree step over B sequences is one :meth:`BatchEngine.step_rows` call, or B calls when
+  the engine says ``row_by_row`` (the looped reference below); the heads of the sequences that
+  need them run after it (one call over the B rows, or one per row likewise).
+
+KV rows are per sequence (``BatchEngine.row_cache``): compaction after acceptance
+(:meth:`~medusa_runtime.loop.KVCache.keep`) writes only the slots of the sequence's own row.
+
+Batched engine interface (:class:`BatchEngine`): the geometry and limits of
+:class:`~medusa_runtime.loop.Engine`, plus
+
+* ``row_cache(capacity) -> cache`` / ``release(cache)``: one sequence's KV row, owned by the
+  runtime, with the interface of :class:`~medusa_runtime.loop.KVCache` (``length``,
+  ``capacity``, ``tokens``, ``past()``, ``keep()``);
+* ``step_rows(caches, inputs) -> list[StepResult]``: one step over B rows; row b runs
+  ``inputs[b]`` (:class:`~medusa_runtime.loop.RowInputs`: tokens, position ids, mask over the
+  new tokens, temperature, in-graph sampler inputs) after the valid past of ``caches[b]``
+  (per-row past lengths); returns per-row results (batch dimension dropped) whose K/V the
+  rows' ``keep`` compacts;
+* ``row_by_row``: True when ``step_rows`` runs one call per row, so that the scheduler runs
+  each row's heads before the next row's step (engines whose outputs live in reused
+  device buffers stay correct);
+* ``heads(hidden [R, d], topk)``: the heads over R rows.
+
+:class:`LoopedBatchEngine` implements it with one batch-1 call of any
+:class:`~medusa_runtime.loop.Engine` per row: the reference, and the engine for artifacts
+whose step graphs have no batch dimension.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from .acceptance import SamplingConfig
+from .errors import ContextOverflowError, InvalidSettingError
+from .loop import (Decoding, Engine, GenerationResult, KVCache, RowInputs, StepResult, check_request, context_capacity,
+                   engine_sampling_route, engine_step)
+from .tree import Tree
+
+#: Sequences per step when none is given (the CLI's --batch-size; Triton's batch_size parameter).
+DEFAULT_BATCH_SIZE = 8
+
+
+class BatchEngine(Protocol):
+    """What the scheduler needs from a backend (see the module docstring)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int
+    kv_dtype: np.dtype
+    row_by_row: bool
+
+    def row_cache(self, capacity: int):
+        """A KV row for one sequence (``capacity`` slots)."""
+
+    def release(self, cache) -> None:
+        """The sequence of ``cache`` has left; its row may be reused."""
+
+    def step_rows(self, caches: Sequence, inputs: Sequence[RowInputs]) -> list[StepResult]:
+        """One step over ``len(caches)`` rows (row b: ``inputs[b]`` after ``caches[b]``'s valid past)."""
+
+    def heads(self, hidden, topk: int) -> np.ndarray:
+        """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens."""
+
+
+class LoopedBatchEngine:
+    """The reference :class:`BatchEngine`: one batch-1 call of ``engine`` per row.
+
+    Works with every artifact (their step graphs take one sequence); each row's tokens are
+    those of :func:`~medusa_runtime.loop.generate` by construction. Attributes it does not
+    define (geometry, ``max_context``, ``step_topk``, ``has_sampler``, ...) are the engine's.
+
+    Args:
+        engine: a batch-1 :class:`~medusa_runtime.loop.Engine`.
+    """
+
+    row_by_row = True
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def row_cache(self, capacity: int):
+        """The engine's own cache type (:meth:`~medusa_runtime.loop.KVCache.for_engine`) of ``capacity`` slots."""
+        return KVCache.for_engine(self.engine, capacity)
+
+    def release(self, cache) -> None:
+        """Nothing to do: each row's cache is its own object (the device caches free their memory when dropped)."""
+
+    def step_rows(self, caches: Sequence, inputs: Sequence[RowInputs]) -> list[StepResult]:
+        """``engine.step`` once per row, in order."""
+        return [engine_step(self.engine, inp, cache.past()) for cache, inp in zip(caches, inputs)]
+
+    def heads(self, hidden, topk: int) -> np.ndarray:
+        return self.engine.heads(hidden, topk)
+
+
+def batch_engine(engine) -> BatchEngine:
+    """``engine`` itself when it is a :class:`BatchEngine` (has ``step_rows``), else a :class:`LoopedBatchEngine`."""
+    return engine if hasattr(engine, "step_rows") else LoopedBatchEngine(engine)
+
+
+@dataclass
+class SequenceRequest:
+    """One sequence for the :class:`Scheduler`.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (chat template applied), length >= 1.
+        max_new_tokens: reply budget, exact, >= 0.
+        sampling: the sequence's settings and seed (default: greedy).
+        on_tokens: the sequence's streaming callback, as :func:`~medusa_runtime.loop.generate`'s
+            (called with each step's emitted tokens; True or an int stops it).
+        tree: the sequence's tree (default: the scheduler's), e.g. the root-only tree for
+            plain one-token steps.
+        tag: anything the caller wants back with the result (an index, a request).
+    """
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingConfig | None = None
+    on_tokens: Callable[[list[int]], bool | int | None] | None = None
+    tree: Tree | None = None
+    tag: object = None
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """A submitted sequence: its request, and once admitted its decode state and result.
+
+    Attributes:
+        request: what was submitted.
+        result: the decode loop's record (tokens, finish reason, steps; engine_seconds counts the
+            wall time of every call the sequence took part in, shared with the other rows).
+        error: the exception that ended this sequence alone (its callback raised, its engine call
+            failed), or None.
+        cancelled: set by :meth:`cancel`; the sequence leaves at the next step boundary with
+            finish reason "cancelled".
+        submitted / started / finished: ``time.perf_counter()`` when it was submitted, admitted
+            (prefill) and finished.
+        max_batch_seen: the most sequences it shared a tree step with (itself included).
+    """
+
+    request: SequenceRequest
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    submitted: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    max_batch_seen: int = 0
+    _decoding: Decoding | None = field(default=None, repr=False)
+    _cache: object = field(default=None, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.finished > 0
+
+    @property
+    def seconds(self) -> float:
+        """Wall time from admission to finish (prefill included)."""
+        return self.finished - self.started if self.done and self.started else 0.0
+
+    def cancel(self) -> None:
+        """Ask the scheduler to end this sequence at the next step boundary ("cancelled")."""
+        self.cancelled = True
+
+
+class Scheduler:
+    """In-flight batching: sequences join and leave at step boundaries; each runs its own decode loop.
+
+    Not thread-safe: one thread calls :meth:`submit` and :meth:`step` (a server funnels its
+    requests to that thread, see :class:`medusa_runtime.serving.BatchServer`).
+
+    Args:
+        engine: a :class:`BatchEngine` (or any batch-1 engine, wrapped in :class:`LoopedBatchEngine`).
+        tree: the default tree of every sequence.
+        max_batch: at most this many sequences run at once (>= 1).
+        capacity: KV slots per sequence (default: the engine's ``max_context``).
+        eos_token_ids: tokens that end a sequence (not emitted).
+
+    Raises:
+        InvalidSettingError: ``max_batch`` < 1, or a bad ``capacity`` (:func:`~medusa_runtime.loop.context_capacity`).
+        ContextOverflowError: ``capacity`` exceeds the engine's context.
+    """
+
+    def __init__(self, engine, tree: Tree, *, max_batch: int = DEFAULT_BATCH_SIZE, capacity: int | None = None,
+                 eos_token_ids: Sequence[int] = ()):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
+            raise InvalidSettingError(f"the batch size must be an integer >= 1, got {max_batch!r}")
+        self.engine = batch_engine(engine)
+        self.tree = tree
+        self.max_batch = int(max_batch)
+        self.capacity = context_capacity(self.engine, capacity)
+        self.eos_token_ids = list(eos_token_ids)
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and nothing running."""
+        return not self.waiting and not self.running
+
+    def submit(self, request: SequenceRequest) -> SequenceState:
+        """Queue a sequence; it joins at the next step boundary with a free row.
+
+        Raises:
+            InvalidSettingError: empty prompt, bad max_new_tokens (checked now, before any work).
+            InvalidTreeError: a tree deeper than the engine's heads.
+            ContextOverflowError: the prompt does not fit a row.
+            UnsupportedSamplingError: settings the engine cannot sample exactly.
+        """
+        tree = request.tree or self.tree
+        prompt = check_request(self.engine, request.prompt_ids, tree, request.max_new_tokens)
+        if prompt.size > self.capacity:
+            raise ContextOverflowError(f"the prompt has {prompt.size} tokens but a sequence's context holds "
+                                       f"{self.capacity}")
+        if request.sampling is not None and getattr(self.engine, "step_topk", None):
+            engine_sampling_route(self.engine, request.sampling)
+        state = SequenceState(request, submitted=time.perf_counter())
+        self.waiting.append(state)
+        return state
+
+    def run(self) -> list[SequenceState]:
+        """Step until every submitted sequence has finished; returns them in the order they finished."""
+        done: list[SequenceState] = []
+        while not self.idle:
+            done.extend(self.step())
+        return done
+
+    def step(self) -> list[SequenceState]:
+        """One step boundary: cancelled sequences leave, waiting ones join (prefilled), then every
+        running sequence takes one tree step.
+
+        Returns:
+            The sequences that finished during this call (with ``result`` or ``error`` set).
+        """
+        finished: list[SequenceState] = []
+        for s in [s for s in self.running if s.cancelled]:
+            s.result.finish_reason = "cancelled"
+            self._leave(s, finished)
+        while self.waiting and len(self.running) < self.max_batch:
+            s = self.waiting.popleft()
+            if s.cancelled:
+                s.result = GenerationResult([], "cancelled", prompt_tokens=len(s.request.prompt_ids))
+                s.finished = time.perf_counter()
+                finished.append(s)
+                continue
+            self._join(s, finished)
+        if self.running:
+            self._run(list(self.running), finished)
+        return finished
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _join(self, s: SequenceState, finished: list[SequenceState]) -> None:
+        req = s.request
+        s.started = time.perf_counter()
+        try:
+            s._cache = self.engine.row_cache(self.capacity)
+            s._decoding = Decoding(self.engine, req.prompt_ids, req.tree or self.tree,
+                                   max_new_tokens=req.max_new_tokens, cache=s._cache,
+                                   eos_token_ids=self.eos_token_ids, sampling=req.sampling, on_tokens=req.on_tokens)
+        except Exception as exc:  # noqa: BLE001 - this sequence alone fails
+            s.result = GenerationResult([], "error", prompt_tokens=len(req.prompt_ids))
+            s.error = exc
+            self._leave(s, finished)
+            return
+        s.result = s._decoding.result
+        self.running.append(s)
+        self._run([s], finished, prefill=True)
+
+    def _leave(self, s: SequenceState, finished: list[SequenceState]) -> None:
+        if s in self.running:
+            self.running.remove(s)
+        if s._cache is not None:
+            self.engine.release(s._cache)
+            s._cache = None
+        s._decoding = None
+        s.finished = time.perf_counter()
+        if s.result is not None and s.started:
+            s.result.host_seconds = max(0.0, s.finished - s.started - s.result.engine_seconds)
+        finished.append(s)
+
+    def _fail(self, s: SequenceState, exc: BaseException, finished: list[SequenceState]) -> None:
+        s.error = exc
+        s.result.finish_reason = "error"
+        self._leave(s, finished)
+
+    def _run(self, seqs: list[SequenceState], finished: list[SequenceState], prefill: bool = False) -> None:
+        """One engine call over ``seqs`` (one per row for row-by-row engines), then advance and heads."""
+        ready = []
+        for s in seqs:
+            try:
+                inputs = s._decoding.inputs()
+            except Exception as exc:  # noqa: BLE001
+                self._fail(s, exc, finished)
+                continue
+            if inputs is None:  # finished without a call (max_new_tokens 0, the context is full)
+                self._leave(s, finished)
+            else:
+                ready.append((s, inputs))
+        if not prefill:
+            for s, _ in ready:
+                s.max_batch_seen = max(s.max_batch_seen, len(ready))
+        groups = [[r] for r in ready] if self.engine.row_by_row else ([ready] if ready else [])
+        for group in groups:
+            t = time.perf_counter()
+            try:
+                outs = self.engine.step_rows([s._cache for s, _ in group], [inp for _, inp in group])
+            except Exception as exc:  # noqa: BLE001 - the rows of this call fail, the others go on
+                for s, _ in group:
+                    self._fail(s, exc, finished)
+                continue
+            self._charge(group, time.perf_counter() - t, prefill)
+            need = []
+            for (s, _), out in zip(group, outs):
+                try:
+                    s._decoding.advance(out)
+                except Exception as exc:  # noqa: BLE001 - its callback raised: it alone fails
+                    self._fail(s, exc, finished)
+                    continue
+                if s._decoding.done:
+                    self._leave(s, finished)
+                elif s._decoding.heads_row is not None:
+                    need.append(s)
+            self._heads(need, finished)
+
+    def _charge(self, group, seconds: float, prefill: bool) -> None:
+        for s, _ in group:
+            s.result.engine_seconds += seconds
+            if prefill:
+                s.result.prefill_seconds = seconds
+
+    def _heads(self, need: list[SequenceState], finished: list[SequenceState]) -> None:
+        """The heads of the sequences that need them: one call over their rows when the rows are host
+        arrays, else one call per row."""
+        if not need:
+            return
+        rows = [s._decoding.heads_row for s in need]
+        topk = [s._decoding.tree.topk for s in need]
+        t = time.perf_counter()
+        try:
+            if len(need) > 1 and all(isinstance(r, np.ndarray) for r in rows) and len(set(topk)) == 1:
+                out = self.engine.heads(np.concatenate(rows), topk[0])
+                per_row = [out[i] for i in range(len(need))]
+            else:
+                per_row = [self.engine.heads(r, k)[0] for r, k in zip(rows, topk)]
+        except Exception as exc:  # noqa: BLE001
+            for s in need:
+                self._fail(s, exc, finished)
+            return
+        dt = time.perf_counter() - t
+        for s, top in zip(need, per_row):
+            s._decoding.set_heads(top)
+            s.result.engine_seconds += dt
