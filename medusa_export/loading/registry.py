@@ -81,9 +81,13 @@ def get_entry(name: str) -> ModelEntry:
 
 @dataclass
 class LoadedMedusa:
-    """A Medusa model ready for the reference decode loop and export."""
+    """A Medusa model ready for the reference decode loop and export.
 
-    model: MedusaModel
+    ``model`` is the loaded fp32 reference (:func:`load_model`), or None when the model was opened as
+    tensor sources for a streamed export (:func:`~.sources.open_model`: ``sources`` set, nothing loaded).
+    """
+
+    model: MedusaModel | None
     tokenizer: object
     eos_token_ids: list[int]
     chat_template: str | None
@@ -97,6 +101,9 @@ class LoadedMedusa:
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
     #: projects the heads onto its top N (:mod:`medusa_export.loading.draft_vocab`).
     draft_vocab: DraftVocab | None = None
+    #: the backbone and heads as tensor sources with their configs (:class:`~.sources.ModelSources`), when
+    #: opened by :func:`~.sources.open_model`; None for a loaded ``model`` (its sources are made on demand).
+    sources: object | None = None
 
     @property
     def heads_are_initial(self) -> bool:
@@ -132,6 +139,24 @@ def resolve_backbone(entry: ModelEntry, model_path: str | None) -> tuple[Path, s
     raise ValueError(f"registry entry {entry.name!r}: unknown backbone source {src['source']!r}")
 
 
+def resolve_model(model: str, model_path: str | None = None) -> tuple[ModelEntry, Path]:
+    """A registry name or a path -> (its entry, where its backbone weights are on disk).
+
+    A path that is not a registered name gets an entry of its own (initial heads, 4 x 1 block).
+
+    Raises:
+        UnknownModelError, WeightsNotFoundError: as :func:`resolve_backbone` / :func:`get_entry`.
+    """
+    if Path(model).exists() and model not in load_registry():
+        entry = ModelEntry(name=Path(model).name, description="local model", backbone={"source": "path"},
+                           heads={"source": "init", "num_heads": 4, "num_layers": 1})
+        model_path = model
+    else:
+        entry = get_entry(model)
+    path, _ = resolve_backbone(entry, model_path)
+    return entry, path
+
+
 def load_model(
     model: str = DEFAULT_MODEL,
     *,
@@ -154,13 +179,7 @@ def load_model(
         WeightsNotFoundError: the weights are not on disk (message says what to download).
         HeadsFormatError: the heads do not fit the backbone.
     """
-    if Path(model).exists() and model not in load_registry():
-        entry = ModelEntry(name=Path(model).name, description="local model", backbone={"source": "path"},
-                           heads={"source": "init", "num_heads": 4, "num_layers": 1})
-        model_path = model
-    else:
-        entry = get_entry(model)
-    path, _ = resolve_backbone(entry, model_path)
+    entry, path = resolve_model(model, model_path)
     template = None
     if entry.chat_template:
         template = (models_dir() / entry.chat_template).read_text()
