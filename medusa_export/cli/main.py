@@ -168,7 +168,11 @@ def cmd_verify(args) -> int:
 
     art = load_artifact(args.artifact, full_verify=True)
     m = art.manifest
-    lm = open_model(m["model"]["name"], model_path=args.model_path, heads_path=args.heads)
+    name = m["model"]["name"]
+    if name in load_registry() or not args.model_path:
+        lm = open_model(name, model_path=args.model_path, heads_path=args.heads)
+    else:  # an artifact of a local model: --model-path is the model
+        lm = open_model(args.model_path, heads_path=args.heads)
     texts = read_prompts(args.prompts, args.limit) if args.prompts else default_prompts()[: args.limit]
     cfg = BuildConfig(precision=m["precision"]["name"], graph="fused" if m["flavour"] == "ort-fused" else "portable",
                new_tokens=args.new_tokens, checks=args.checks, validate_layers=args.validate_layers,

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto
 
 from ..errors import MedusaError
@@ -130,20 +131,27 @@ def recipe_outputs(name: str, recipe: Recipe, sources: dict[str, TensorSource],
     return [OutTensor(name, recipe.dtype, shape)]
 
 
+def _as(t, target: np.dtype) -> np.ndarray:
+    """A torch tensor as a numpy array of ``target`` dtype (float32 in between unless it already is ``target``)."""
+    if t.dtype == torch.float16 and target == np.float16 or t.dtype == torch.float32 and target == np.float32:
+        return t.numpy()
+    return t.float().numpy().astype(target, copy=False)
+
+
 def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, np.ndarray],
-            chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[tuple[int, bytes]]:
-    """The bytes of ``recipe``'s output tensors, as (output index, bytes) blocks in file order.
+            chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[tuple[int, np.ndarray]]:
+    """The bytes of ``recipe``'s output tensors, as (output index, C-contiguous array) blocks in file order.
 
     Float "rows" recipes and quantized ones stream blocks of rows (at most ``chunk_elements`` values at
     a time); a float "cols" recipe transposes whole source tensors (one weight matrix at a time).
     """
     src = sources[recipe.source]
-    target = np.float16 if recipe.dtype == "float16" else np.float32
+    target = np.dtype(np.float16 if recipe.dtype == "float16" else np.float32)
 
-    def row_blocks() -> Iterator[np.ndarray]:
+    def row_blocks(dtype: np.dtype) -> Iterator[np.ndarray]:
         if recipe.rows_of:
             ids = arrays[recipe.rows_of]
-            whole = np.concatenate([src.read(k).float().numpy() for k in recipe.keys])
+            whole = np.concatenate([_as(src.read(k), dtype) for k in recipe.keys])
             step = max(1, chunk_elements // max(1, prod(whole.shape[1:])))
             for i in range(0, len(ids), step):
                 yield whole[ids[i:i + step]]
@@ -152,25 +160,27 @@ def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, 
             shape = src.info(key).shape
             step = max(1, chunk_elements // max(1, prod(shape[1:])))
             for i in range(0, shape[0], step):
-                yield src.read_rows(key, i, min(shape[0], i + step)).float().numpy()
+                yield _as(src.read_rows(key, i, min(shape[0], i + step)), dtype)
 
     if recipe.quantized:
         scales, zps = [], []
-        for block in row_blocks():
-            packed, s, z = quantize_rows(np.ascontiguousarray(block, np.float32), _BITS[recipe.dtype],
-                                          recipe.block_size, recipe.symmetric)
+        for block in row_blocks(np.dtype(np.float32)):
+            packed, s, z = quantize_rows(np.ascontiguousarray(block), _BITS[recipe.dtype], recipe.block_size,
+                                         recipe.symmetric)
             scales.append(s)
             zps.append(z)
-            yield 0, packed.tobytes()
-        yield 1, np.concatenate(scales).tobytes()
+            yield 0, packed
+        yield 1, np.concatenate(scales)
         if not recipe.symmetric:
-            yield 2, np.concatenate(zps).tobytes()
+            yield 2, np.concatenate(zps)
     elif recipe.layout == "rows":
-        for block in row_blocks():
-            yield 0, block.astype(target).tobytes()
+        for block in row_blocks(target):
+            yield 0, np.ascontiguousarray(block)
     else:
-        whole = np.concatenate([src.read(k).float().numpy().astype(target) for k in recipe.keys])
-        yield 0, np.ascontiguousarray(whole.T).tobytes()
+        parts = [_as(src.read(k), target) for k in recipe.keys]
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        del parts
+        yield 0, np.ascontiguousarray(whole.T)
 
 
 @dataclass
@@ -309,10 +319,11 @@ class WeightsWriter(WeightsPlan):
             while index != current:
                 self._end(start, outs[current], h, {**recipe.to_json(), "output": current})
                 current, (start, h) = current + 1, self._begin()
-            self._fh.write(data)
-            h.update(data)
+            view = memoryview(data).cast("B")  # the array's bytes, not a copy
+            self._fh.write(view)
+            h.update(view)
             if self._progress:
-                self._progress(len(data), outs[current].name)
+                self._progress(view.nbytes, outs[current].name)
         self._end(start, outs[current], h, {**recipe.to_json(), "output": current})
         self.seconds += time.perf_counter() - t0
 
@@ -401,7 +412,7 @@ def verify_weights(folder: Path, records: list[dict], sources: dict[str, TensorS
         recipe = Recipe.from_json({k: v for k, v in rs[0]["recipe"].items() if k != "output"})
         hashes = [hashlib.sha256() for _ in rs]
         for index, data in produce(recipe, sources, arrays):
-            hashes[index].update(data)
+            hashes[index].update(memoryview(data).cast("B"))
         for r, h in zip(rs, hashes):
             if h.hexdigest() != r["sha256"]:
                 keys = ", ".join(recipe.keys)
