@@ -231,8 +231,8 @@ def reference_config(cfg: BackboneConfig):
     """
     from ..model import backbone as ref
 
-    if not hasattr(ref, "LlamaConfig"):  # the generalised reference takes a BackboneConfig
-        return cfg
+    if hasattr(ref, "Backbone") or getattr(ref, "LlamaConfig", None) is BackboneConfig:
+        return cfg  # the generalised reference (issue 14) takes a BackboneConfig and runs every switch
     missing = [f for f in cfg.features if f != "tied_embeddings"]
     if missing or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
         missing += [] if cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads else [f"head_dim={cfg.head_dim}"]
