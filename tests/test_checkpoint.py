@@ -177,6 +177,16 @@ def test_open_model_reads_no_weights(tiny, monkeypatch):
     assert lm.eos_token_ids and lm.tokenizer is not None
 
 
+def test_truncated_gguf_is_named(tmp_path):
+    from medusa_export.loading.registry import get_entry, resolve_backbone
+
+    path, _ = resolve_backbone(get_entry("smollm2-135m"), None)
+    with open(path, "rb") as fh:
+        (tmp_path / "m.gguf").write_bytes(fh.read(60_000_000))
+    with pytest.raises(CheckpointError, match=r"m.gguf: not a readable GGUF file \(truncated\?\)"):
+        open_backbone(tmp_path / "m.gguf")
+
+
 @pytest.mark.slow
 def test_gguf_source_equals_transformers_gguf_loading(smollm):
     """The embedded Q4_1 GGUF read tensor by tensor (Q/K reverse-permuted) equals what transformers loads."""

@@ -120,8 +120,13 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
     Returns:
         (inputs, outputs) as :func:`fused_step_io`.
     """
+    from .config import UnsupportedGraphError
+
     if b.dtype != "float32":
         raise ValueError("the fused graph computes in float32")
+    if cfg.head_dim % 16:
+        raise UnsupportedGraphError(f"--graph fused needs a head_dim that is a multiple of 16 (ONNX Runtime's "
+                                    f"GroupQueryAttention); this model's is {cfg.head_dim}: use --graph portable")
     eps, d, hd = cfg.rms_norm_eps, cfg.hidden_size, cfg.head_dim
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     k = min(k, cfg.vocab_size)

@@ -503,6 +503,8 @@ def hf_config_dict(path: Path, kind: str, files: list[Path], trust_remote_code: 
                 raise WeightsNotFoundError(f"no config.json in {folder} (needed beside the weights)")
             cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
+        if kind == "gguf" and not isinstance(exc, OSError):  # the metadata and tensor table are parsed together
+            raise CheckpointError(f"{files[0]}: not a readable GGUF file (truncated?): {exc}") from None
         raise WeightsNotFoundError(f"cannot read the model config of {path}: {exc}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
