@@ -153,6 +153,18 @@ def test_truncated_check_catches_a_wrong_layer(ckpt, lm, tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
+def test_device_check_runs_the_streamed_reference_on_a_device(lm, tmp_path):
+    """Check (d) with the device set to the CPU (CI has no GPU): the reference is streamed onto the device
+    tensor by tensor and compared with the artifact by the full check's rules."""
+    from medusa_export.validation.checks import check_gpu, prompt_ids
+
+    path = _build(lm, tmp_path / "a", validate=False)
+    texts, ids = prompt_ids(lm, None)
+    rec = check_gpu(load_artifact(path), lm, lm.sources, texts[:2], ids[:2], 12, False, device="cpu")
+    assert rec["passed"] and rec["precision"] == "fp32" and len(rec["prompts"]) == 2
+    assert all(p["identical"] and p["tokens"] == 12 for p in rec["prompts"])
+
+
 def test_checksums_catch_an_edited_weights_file(ckpt, lm, tmp_path):
     from medusa_export.validation.checks import check_checksums
 

@@ -150,14 +150,16 @@ class DeviceEngine(TorchEngine):
         return self.model.heads_topk(h, topk).transpose(0, 1).cpu().numpy()
 
 
-def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool) -> dict:
+def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool,
+              device: str = "cuda") -> dict:
     """(d) The whole fp32 reference on the GPU (weights streamed there tensor by tensor) against the artifact on
     ONNX Runtime: the full check's rules, with the reference's memory on the device."""
-    ref = reference_model(src, None, "cuda")
+    ref = reference_model(src, None, device)
     runs = reference_runs(None, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                          progress=progress, engine=DeviceEngine(ref, artifact.manifest["step_topk"], "cuda"))
+                          progress=progress, engine=DeviceEngine(ref, artifact.manifest["step_topk"], device))
     del ref
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
                         progress=progress).to_json()
 
