@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from conftest import make_tiny_medusa, make_tiny_tokenizer
 from medusa_export.errors import CheckpointError, InsufficientDiskError, WeightsNotFoundError

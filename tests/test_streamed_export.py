@@ -77,6 +77,37 @@ def test_every_flavour_and_precision_builds_from_the_checkpoint(ckpt, lm, tmp_pa
         assert medusa.tokens == plain_greedy(hf, prompt, 16)  # transformers' own greedy decoding
 
 
+def test_heads_inside_the_model_folder(ckpt, tmp_path):
+    """FasterDecoding medusa-1.0 layout: the heads are ``medusa_head.*`` tensors in the model's own shards (a shard
+    of their own here, listed in the index); open_model takes them as the heads and the backbone check ignores them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    hf, model, model_dir, _ = ckpt
+    folder = tmp_path / "medusa-1.0"
+    shutil.copytree(model_dir, folder)
+    heads = {f"medusa_head.{k}": v.contiguous() for k, v in model.heads.head_state_dict().items()}
+    save_file(heads, str(folder / "model-heads.safetensors"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "model-heads.safetensors" for k in heads})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    lm = open_model(str(folder))
+    assert lm.sources.heads_config.num_heads == 3 and lm.heads_source.endswith("(medusa_head.*)")
+    assert sorted(lm.sources.heads.keys()) == sorted(model.heads.head_state_dict())
+    path = _build(lm, tmp_path / "a", new_tokens=12)
+    v = json.loads((path / "manifest.json").read_text())["validation"]
+    assert v["passed"] and v["ran"] == ["full", "checksums"]
+    art = load_artifact(path)
+    eng = OrtEngine(art)
+    hidden = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    import torch
+
+    with torch.no_grad():
+        expected = model.heads_topk(torch.from_numpy(hidden), art.tree.topk).transpose(0, 1).numpy()
+    np.testing.assert_array_equal(eng.heads(hidden, art.tree.topk), expected)  # the folder's heads, not initial ones
+
+
 def test_weights_are_the_checkpoints_converted(ckpt, lm, tmp_path):
     """fp32 portable: each MatMul weight is the checkpoint's tensor transposed, the tables as stored; the heads'
     shared projection is the backbone's lm_head tensor (one record)."""

@@ -95,13 +95,17 @@ def write_artifact(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree
     Returns:
         (the manifest written, what :func:`~.writer.write_graphs` returned).
     """
-    origin = ""
-    if vocab_ids is not None:
-        origin = f"--heads-vocab {len(vocab_ids)}: the top ids of {lm.heads_source}'s draft vocabulary"
-    written = write_graphs(folder, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=origin,
+    written = write_graphs(folder, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
                            max_context=max_context, progress=progress)
     manifest = write_files(folder, lm, src, tree, cfg, max_context, written, vocab_ids)
     return manifest, written
+
+
+def vocab_origin(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> str:
+    """Where the heads' vocabulary subset comes from (recorded with its tensor in ``weights.bin``)."""
+    if vocab_ids is None:
+        return ""
+    return f"--heads-vocab {len(vocab_ids)}: the top ids of the draft vocabulary beside {lm.heads_source}"
 
 
 FILES = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
@@ -200,10 +204,8 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             else "portable step (standard ONNX ops)"
         with stages(f"writing the graphs from the checkpoint: {flavour} + Medusa heads, weights streamed to "
                     f"{WEIGHTS_FILE} ({cfg.precision})"):
-            written = write_graphs(tmp, src, cfg, tree.topk, vocab_ids=vocab_ids, max_context=max_context,
-                                   progress=progress,
-                                   vocab_origin=(f"--heads-vocab {len(vocab_ids)}: the top ids of the draft vocabulary "
-                                                 f"beside {lm.heads_source}") if vocab_ids is not None else "")
+            written = write_graphs(tmp, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
+                                   max_context=max_context, progress=progress)
             say(f"    {written.weights['bytes'] / 1e9:.2f} GB in {written.seconds:.1f}s "
                 f"({written.weights['bytes'] / 1e9 / max(written.seconds, 1e-9):.2f} GB/s), "
                 f"{written.weights['tensors']} tensors")

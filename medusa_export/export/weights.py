@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-import onnx
 import torch
 from onnx import TensorProto
 

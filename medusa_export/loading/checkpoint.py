@@ -149,6 +149,20 @@ class DictSource(TensorSource):
         return (t if rows is None else t[rows[0]:rows[1]]).clone()
 
 
+class PrefixSource(TensorSource):
+    """The tensors of ``source`` whose names start with ``prefix``, under the rest of their names (Medusa heads
+    stored in the backbone's folder: ``medusa_head.0.0.linear.weight`` -> ``0.0.linear.weight``)."""
+
+    def __init__(self, source: TensorSource, prefix: str):
+        super().__init__()
+        self.description = f"{source.description} ({prefix}*)"
+        self._source, self._prefix = source, prefix
+        self._infos = {k[len(prefix):]: source.info(k) for k in source.keys() if k.startswith(prefix)}
+
+    def _read(self, key, rows):
+        return self._source._read(self._prefix + key, rows)
+
+
 class ZeroHeadsSource(TensorSource):
     """The initial Medusa heads of seeds/001 §2.1.1 (residual blocks W1 = 0, b = 0; the backbone's lm_head
     projects), generated on read: ``{h}.{l}.linear.weight`` [d, d] and ``.bias`` [d], all zero."""
@@ -259,12 +273,10 @@ class SafetensorsSource(TensorSource):
             self._infos.pop(k, None)
 
     def _raw(self, key: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        e, shape = self._entries[key], self._infos.get(key, None)
-        shape = shape.shape if shape is not None else None
+        e = self._entries[key]
+        info = self._infos.get(key)
         begin, end = e.begin, e.end
-        if shape is None:  # a hidden scale
-            length = (end - begin) // e.dtype.itemsize
-            shape = (length,)
+        shape = info.shape if info is not None else ((end - begin) // e.dtype.itemsize,)  # a hidden scale: flat
         if rows is not None:
             row_bytes = prod(shape[1:]) * e.dtype.itemsize
             begin, end = e.begin + rows[0] * row_bytes, e.begin + rows[1] * row_bytes
@@ -319,7 +331,12 @@ class TorchBinSource(TensorSource):
     @staticmethod
     def _load(f: Path) -> dict:
         try:
-            sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            try:
+                sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:  # a legacy (pre-zipfile) pickle cannot be memory-mapped: read it whole
+                if "mmap" not in str(exc):
+                    raise
+                sd = torch.load(str(f), map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CheckpointError(f"{f}: missing") from None
         except Exception as exc:  # noqa: BLE001 - a truncated zip, a bad pickle: all are a bad shard

@@ -22,8 +22,8 @@ from ..model.config import BackboneConfig
 from ..model.heads import HEADS_CONFIG, HEADS_FILE, HeadsConfig
 from .accuracies import load_accuracies
 from .architectures import backbone_config
-from .checkpoint import (DictSource, TensorSource, ZeroHeadsSource, backbone_shapes, check_backbone, find_weights,
-                         hf_config_dict, open_source)
+from .checkpoint import (HEAD_PREFIXES, DictSource, PrefixSource, TensorSource, ZeroHeadsSource, backbone_shapes,
+                         check_backbone, find_weights, hf_config_dict, open_source)
 from .draft_vocab import load_draft_vocab
 from .heads_formats import infer_heads_config
 
@@ -117,6 +117,23 @@ def find_heads(path: Path) -> tuple[Path, int | None, int | None]:
     return file, None, None
 
 
+def source_of(path: Path, folder: Path, gguf_file: str | None) -> str:
+    """Where the backbone weights are, for manifests (the GGUF file, or the folder)."""
+    return str(Path(folder) / gguf_file) if gguf_file else str(path)
+
+
+def heads_config_of(src: TensorSource, cfg: BackboneConfig, num_heads: int | None = None,
+                    num_layers: int | None = None) -> HeadsConfig:
+    """The heads' structure from their keys and header shapes (strict, nothing read).
+
+    Raises:
+        HeadsFormatError: see :func:`~.heads_formats.infer_heads_config`.
+    """
+    shapes = {k: torch.empty(src.info(k).shape, device="meta") for k in src.keys()}
+    return infer_heads_config(shapes, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
+                              num_layers=num_layers)
+
+
 def open_heads(path: Path, cfg: BackboneConfig) -> tuple[TensorSource, HeadsConfig]:
     """A heads file as a source, its structure inferred from the header's keys and shapes (strict).
 
@@ -131,10 +148,7 @@ def open_heads(path: Path, cfg: BackboneConfig) -> tuple[TensorSource, HeadsConf
         src = SafetensorsSource([file]) if file.suffix == ".safetensors" else TorchBinSource([file])
     except CheckpointError as exc:
         raise HeadsFormatError(f"cannot read heads file {file}: {exc}") from None
-    shapes = {k: torch.empty(src.info(k).shape, device="meta") for k in src.keys()}
-    hcfg = infer_heads_config(shapes, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
-                              num_layers=num_layers)
-    return src, hcfg
+    return src, heads_config_of(src, cfg, num_heads, num_layers)
 
 
 def open_backbone(path: Path, trust_remote_code: bool = False) -> tuple[TensorSource, BackboneConfig, dict, Path, str | None]:
@@ -199,9 +213,17 @@ def open_model(model: str, *, model_path: str | None = None, heads_path: str | N
         tok.chat_template = template
     template = template or getattr(tok, "chat_template", None)
     hc, hp = entry.heads, None
+    in_folder = next((p for p in HEAD_PREFIXES if any(k.startswith(p) for k in backbone.keys())), None)
+    heads = hcfg = None
     if heads_path:
         hp = Path(heads_path)
         heads_source = str(heads_path)
+    elif hc["source"] == "backbone" or (hc["source"] == "init" and in_folder and entry.backbone["source"] == "path"):
+        if in_folder is None:
+            raise HeadsFormatError(f"{backbone.description} holds no Medusa heads (no {' / '.join(HEAD_PREFIXES)} keys)")
+        heads = PrefixSource(backbone, in_folder)
+        hcfg = heads_config_of(heads, cfg)
+        heads_source = f"{source_of(path, folder, gguf_file)} ({in_folder}*)"
     elif hc["source"] == "init":
         heads_source = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
     elif hc["source"] == "shipped":
@@ -210,12 +232,12 @@ def open_model(model: str, *, model_path: str | None = None, heads_path: str | N
         hp, heads_source = hf_cache_snapshot(hc["repo"]), hc["repo"]
     else:
         raise ValueError(f"registry entry {entry.name!r}: unknown heads source {hc['source']!r}")
-    if hp is None:
+    if hp is not None:
+        heads, hcfg = open_heads(hp, cfg)
+    elif heads is None:
         heads = ZeroHeadsSource(hc["num_heads"], hc["num_layers"], cfg.hidden_size)
         hcfg = HeadsConfig(hc["num_heads"], hc["num_layers"], cfg.hidden_size, cfg.vocab_size, False)
-    else:
-        heads, hcfg = open_heads(hp, cfg)
-    source = str(Path(folder) / gguf_file) if gguf_file else str(path)
+    source = source_of(path, folder, gguf_file)
     return LoadedMedusa(
         model=None, tokenizer=tok, eos_token_ids=eos, chat_template=template, name=entry.name,
         backbone_source=source, heads_source=heads_source, default_tree=entry.default_tree,
@@ -234,8 +256,9 @@ def reference_config(cfg: BackboneConfig):
     if hasattr(ref, "Backbone") or getattr(ref, "LlamaConfig", None) is BackboneConfig:
         return cfg  # the generalised reference (issue 14) takes a BackboneConfig and runs every switch
     missing = [f for f in cfg.features if f != "tied_embeddings"]
-    if missing or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        missing += [] if cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads else [f"head_dim={cfg.head_dim}"]
+    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        missing.append(f"head_dim={cfg.head_dim}")
+    if missing:
         raise UnsupportedModelError(f"the PyTorch reference (model/backbone.py) does not implement "
                                     f"{', '.join(missing)} yet, so checks against it cannot run for this "
                                     f"{cfg.model_type} model; choose --checks checksums,self (or --no-validate)")
