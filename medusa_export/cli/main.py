@@ -178,7 +178,7 @@ def cmd_verify(args) -> int:
                new_tokens=args.new_tokens, checks=args.checks, validate_layers=args.validate_layers,
                max_context=m["model"]["max_context"])
     plan = plan_validation(lm.sources, cfg.precision, m["weights"]["bytes"], graph=cfg.graph, checks=cfg.checks,
-                           layers=cfg.validate_layers, reference_ok=reference_problem(lm.sources, lm))
+                           layers=cfg.validate_layers, reference_problem=reference_problem(lm.sources, lm))
     for line in plan.describe():
         print(f"  {line}", file=sys.stderr)
     v = run_checks(plan, art.path, lm, lm.sources, cfg, prompts=texts)

@@ -174,7 +174,7 @@ def parse_checks(spec: str) -> list[str] | None:
 
 def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, graph: str = "portable",
                     checks: str = "auto", layers: int = 2, validate: bool = True, available: int | None = None,
-                    gpu_free: int | None = -1, reference_ok: str | None = None) -> ValidationPlan:
+                    gpu_free: int | None = -1, reference_problem: str | None = None) -> ValidationPlan:
     """Estimate every stage and choose the checks (module docstring).
 
     Args:
@@ -187,7 +187,7 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
         validate: False: only the export is checked against memory (``--no-validate``).
         available: memory available (default: measured now).
         gpu_free: free GPU bytes (-1: measured now; None: no GPU).
-        reference_ok: None when the PyTorch reference implements the model, else why it does not (the
+        reference_problem: None when the PyTorch reference implements the model, else why it does not (the
             checks that need it are then skipped under "auto").
 
     Returns:
@@ -231,17 +231,17 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
     needs_reference = ("full", "truncated", "gpu")
     if wanted is not None:
         for c in wanted:
-            if c in needs_reference and reference_ok:
-                raise MedusaError(f"--checks {c}: {reference_ok}")
+            if c in needs_reference and reference_problem:
+                raise MedusaError(f"--checks {c}: {reference_problem}")
             if not fits(c):
                 raise InsufficientMemoryError(f"the {c} check {why_not(c)}; options: {options}")
         plan.checks = list(dict.fromkeys(wanted))
         plan.skipped = {c: "not asked for" for c in CHECKS if c not in plan.checks}
         return plan
     order = []
-    if reference_ok:
+    if reference_problem:
         for c in needs_reference:
-            plan.skipped[c] = reference_ok
+            plan.skipped[c] = reference_problem
     elif fits("full"):
         order.append("full")
     else:
