@@ -27,6 +27,20 @@ from .plan import CHECK_TEXT, SELF_CHECK_LIMIT, SELF_CHECK_TOKENS, ValidationPla
 from .validate import compare_runs, default_prompts, reference_runs
 
 
+#: Session config of the validation's ONNX Runtime sessions over float32 graphs: without MatMul pre-packing
+#: the weights stay in the memory-mapped weights file (page cache) instead of pre-packed anonymous copies.
+#: Measured on the embedded model's fp32 artifact (543 MB): resident growth after three prefill steps 685 MB
+#: (138 MB anonymous) instead of 912 MB (779 MB anonymous), step time not slower. Quantized graphs keep it:
+#: MatMulNBits without pre-packing ran 2.5-3x slower and used no less memory.
+FP32_SESSION_CONFIG = {"session.disable_prepacking": "1"}
+
+
+def validation_engine(artifact: Artifact) -> OrtEngine:
+    """An ONNX Runtime engine over ``artifact`` for validation (:data:`FP32_SESSION_CONFIG` for float32 graphs)."""
+    fp32 = artifact.manifest["precision"]["name"] == "fp32" and "MatMulNBits" not in artifact.manifest["flavour_note"]
+    return OrtEngine(artifact, session_config=FP32_SESSION_CONFIG if fp32 else None)
+
+
 def prompt_ids(lm, prompts: list[str] | None) -> tuple[list[str], list[list[int]]]:
     """(texts, token ids) of the validation prompts (the project's own by default), chat template applied."""
     from ..chat import apply_chat_template
@@ -49,7 +63,7 @@ def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens
                           progress=progress)
     del ref
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                        progress=progress).to_json()
+                        engine=validation_engine(artifact), progress=progress).to_json()
 
 
 def check_truncated(folder: Path, lm, src: ModelSources, cfg, layers: int, tree, max_context: int, texts, ids,
@@ -71,7 +85,7 @@ def check_truncated(folder: Path, lm, src: ModelSources, cfg, layers: int, tree,
                               progress=progress)
         del ref
         report = compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                              progress=progress).to_json()
+                              engine=validation_engine(artifact), progress=progress).to_json()
     finally:
         shutil.rmtree(sub, ignore_errors=True)
     return {"layers": layers, **report}
@@ -106,7 +120,7 @@ def check_self(artifact: Artifact, lm, texts, ids, new_tokens: int, progress: bo
     big = artifact.manifest["weights"]["bytes"] > SELF_CHECK_LIMIT
     if big:
         texts, ids, new_tokens = texts[:1], ids[:1], min(new_tokens, SELF_CHECK_TOKENS)
-    eng = OrtEngine(artifact)
+    eng = validation_engine(artifact)
     root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids, max_context=artifact.model["max_context"])
     prompts = []
@@ -161,7 +175,7 @@ def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                        progress=progress).to_json()
+                        engine=validation_engine(artifact), progress=progress).to_json()
 
 
 def _failure(name: str, record: dict) -> list[str]:
