@@ -22,12 +22,32 @@ class HeadsFormatError(MedusaError, ValueError):
     """A Medusa heads file has a missing/unexpected key, a wrong shape or a wrong count."""
 
 
+class CheckpointError(MedusaError, ValueError):
+    """A checkpoint file is missing, truncated, unreadable or disagrees with its config; the message names the file."""
+
+
+class ResourceError(MedusaError):
+    """Not enough memory or disk for a stage; the message gives what is needed, what is there and the options."""
+
+
+class InsufficientMemoryError(ResourceError, MemoryError):
+    """The pre-flight estimate of a stage's peak memory exceeds the memory available."""
+
+
+class InsufficientDiskError(ResourceError, OSError):
+    """The output folder's file system has less free space than the weights need."""
+
+
 __all__ = [
     "ArtifactError",
+    "CheckpointError",
     "ContextOverflowError",
     "HeadsFormatError",
+    "InsufficientDiskError",
+    "InsufficientMemoryError",
     "InvalidTreeError",
     "MedusaError",
+    "ResourceError",
     "UnknownModelError",
     "UnsupportedModelError",
     "WeightsNotFoundError",

@@ -93,10 +93,13 @@ class OrtEngine:
         spin: let idle intra-op threads busy-wait (see :func:`session_options`).
         profile_prefix: write an ONNX Runtime profile of the step graph (per-node times) to
             ``<profile_prefix>_<date>.json``; ``step_session.end_profiling()`` closes it and returns the path.
+        session_config: extra ONNX Runtime session config entries (e.g. ``{"session.disable_prepacking": "1"}``,
+            which the exporter's validation sets for float32 graphs: the weights then stay in the mapped
+            weights file instead of pre-packed copies).
     """
 
     def __init__(self, artifact: Artifact, providers: list[str] | None = None, threads: int | None = None,
-                 spin: bool = False, profile_prefix: str | None = None):
+                 spin: bool = False, profile_prefix: str | None = None, session_config: dict[str, str] | None = None):
         import onnxruntime as ort
 
         m = artifact.model
@@ -107,6 +110,8 @@ class OrtEngine:
         self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest["precision"]["kv_dtype"]])
         self.hidden_dtype = self.kv_dtype
         opts = session_options(threads, spin)
+        for key, value in (session_config or {}).items():
+            opts.add_session_config_entry(key, value)
         providers = providers or ["CPUExecutionProvider"]
         self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
         if profile_prefix:

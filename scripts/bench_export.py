@@ -21,8 +21,8 @@ and measures:
   package ``time``); the table says when it is not;
 * the time per stage: the build prints ``[n/N] what ...`` when a stage starts and ``[n/N] what: done in Xs``
   when it ends (on stderr); each stderr line is timestamped as it arrives and the samples are attributed to
-  the stage running at their timestamp. What runs before the first numbered stage (today: loading the model,
-  announced as ``loading NAME ...``) and after the last one (the summary) are stages of their own;
+  the stage running at their timestamp. What runs before the first numbered stage (today: opening the model's
+  headers and configs, announced as ``opening NAME (...) ...``) and after the last one (the summary) are stages of their own;
 * the artifact's size (then the artifact is deleted unless ``--keep-artifacts``).
 
 ``--checkpoint`` takes a model folder or a shape name of ``scripts/make_random_checkpoint.py`` (``tiny``,
@@ -63,7 +63,8 @@ HERE = Path(__file__).resolve().parent
 GNU_TIME = Path("/usr/bin/time")
 START = re.compile(r"^\[(\d+)/(\d+)\] (.*) \.\.\.$")
 DONE = re.compile(r"^\[(\d+)/(\d+)\] (.*): done in ([0-9.]+)s$")
-PRELUDE = re.compile(r"^(\S.*) \.\.\.$")  # e.g. "loading tiny ...", printed before the numbered stages
+#: e.g. "opening tiny (headers and configs; ...) ...", printed before the numbered stages (the parenthesis is dropped)
+PRELUDE = re.compile(r"^(\S.*?)(?: \(.*\))? \.\.\.$")
 GB = 1e9
 
 
@@ -267,7 +268,7 @@ def split_stages(lines: list[tuple[float, str, int]], wall: float) -> list[Stage
     """Cut a run's timeline into stages from its timestamped stderr lines.
 
     ``[n/N] what ...`` starts stage n, ``[n/N] what: done in Xs`` ends it. Before the first numbered stage:
-    one stage named after the first ``something ...`` line (``loading NAME``), else ``startup``; between a
+    one stage named after the first ``something ...`` line (``opening NAME``), else ``startup``; between a
     done line and the next start: ``between stages`` (when it lasts >= 0.05 s); after the last one: ``after
     the last stage`` (summary, exit). A stage without its done line ends where the next begins, or at the exit
     (a failed run), and is marked unfinished.

@@ -251,3 +251,33 @@ def tiny_trt_artifact(tmp_path_factory):
     lm = tiny_loaded(model, max_context=256)
     out = tmp_path_factory.mktemp("trt") / "tiny"
     return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False), progress=False)
+
+
+def rmsnorm_chains(model) -> list[list]:
+    """Every RMSNorm chain of an ONNX graph, found by structure (not by name): ``ReduceMean`` of a squaring
+    (``Pow(x, 2)`` or ``Mul(x, x)``), then every node up to the ``Mul`` by x, then (past a ``Cast``) the ``Mul``
+    by the weight initializer. Returns each chain's nodes (Casts left out)."""
+    from collections import defaultdict
+
+    nodes = list(model.graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    consumers = defaultdict(list)
+    for n in nodes:
+        for i in n.input:
+            consumers[i].append(n)
+    consts = {t.name for t in model.graph.initializer}
+    chains = []
+    for rm in (n for n in nodes if n.op_type == "ReduceMean"):
+        sq = producer[rm.input[0]]
+        assert sq.op_type in ("Pow", "Mul"), sq.op_type
+        x = sq.input[0]
+        chain, n = [sq, rm], rm
+        while not (n.op_type == "Mul" and x in n.input and n is not sq):
+            (n,) = consumers[n.output[0]]
+            chain.append(n)
+        (n,) = consumers[n.output[0]]
+        if n.op_type == "Cast":
+            (n,) = consumers[n.output[0]]
+        assert n.op_type == "Mul" and any(i in consts for i in n.input), n.op_type
+        chains.append(chain + [n])
+    return chains

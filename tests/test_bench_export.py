@@ -159,8 +159,8 @@ def test_a_real_build_of_a_generated_tiny_checkpoint(tmp_path):
     r = report["runs"][0]
     assert r["heads"] == str(tmp_path / "s" / "tiny-heads") and r["artifact_bytes"] > 100_000
     names = [s["name"] for s in r["stages"]]
-    assert names[0] == f"loading {tmp_path / 's' / 'tiny'}" and names[-1] == "after the last stage"
-    assert any("exporting the backbone step graph" in n for n in names) and all(s["finished"] for s in r["stages"])
+    assert names[0] == f"opening {tmp_path / 's' / 'tiny'}" and names[-1] == "after the last stage"
+    assert any("writing the graphs from the checkpoint" in n for n in names) and all(s["finished"] for s in r["stages"])
     assert 0.1 < r["peak_rss_gb"] <= r["vmhwm_gb"] + 0.05
     if be.GNU_TIME.is_file():
         assert abs(r["time_v_max_rss_gb"] - r["vmhwm_gb"]) < 0.05

@@ -197,7 +197,7 @@ def test_interrupted_build_leaves_old_artifact_intact(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("medusa_export.export.build.export_heads", boom)
+    monkeypatch.setattr("medusa_export.export.writer.write_heads", boom)  # mid-way through weights.bin
     with pytest.raises(KeyboardInterrupt):
         _build(lm, make_tree([[0], [1]], num_heads=2), out, validate=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no partial folder left

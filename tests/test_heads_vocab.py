@@ -14,7 +14,8 @@ import torch
 from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
 from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig
-from medusa_export.export.portable import export_heads
+from medusa_export.export.heads_graph import write_heads_only
+from medusa_export.loading.sources import sources_from_model
 from medusa_export.loading.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, load_draft_vocab,
                                                subset_ids)
 from medusa_export.training.draft_vocab import coverage, draft_vocab_json, frequency_order, write_draft_vocab
@@ -96,21 +97,24 @@ def test_subset_heads_graph_is_the_restricted_top_k(tmp_path, own_projection):
     _, model = make_tiny_medusa(vocab=VOCAB, hidden=64, medusa_heads=3, head_noise=0.3, own_projection=own_projection,
                                 seed=3)
     hidden = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
-    export_heads(model, tmp_path / "full.onnx", torch.float32, TOPK)
-    full = _run(tmp_path / "full.onnx", hidden)
+    src = sources_from_model(model)
+
+    def export_heads(name, ids=None):
+        (tmp_path / name).mkdir()
+        return write_heads_only(tmp_path / name, src, TOPK, ids)
+
+    full = _run(export_heads("full"), hidden)
     ids = np.random.default_rng(1).permutation(VOCAB)[:80].astype(np.int64)
-    export_heads(model, tmp_path / "sub.onnx", torch.float32, TOPK, ids)
-    sub = _run(tmp_path / "sub.onnx", hidden)
+    sub = _run(export_heads("sub", ids), hidden)
     assert sub.shape == full.shape == (6, 3, TOPK) and sub.dtype == np.int64
     assert np.isin(sub, ids).all()
     np.testing.assert_array_equal(sub, _reference(model, hidden, ids))
     assert not np.array_equal(sub, full)  # a random subset misses most of the full top-k
-    g = onnx.load(str(tmp_path / "sub.onnx"), load_external_data=False)
+    g = onnx.load(str(tmp_path / "sub" / "heads.onnx"), load_external_data=False)
     assert "Gather" in {n.op_type for n in g.graph.node}
     # When the subset holds the full top-k of every row, nothing changes.
     held = np.unique(np.concatenate([full.ravel(), ids[:20]])).astype(np.int64)
-    export_heads(model, tmp_path / "held.onnx", torch.float32, TOPK, held[::-1].copy())
-    np.testing.assert_array_equal(_run(tmp_path / "held.onnx", hidden), full)
+    np.testing.assert_array_equal(_run(export_heads("held", held[::-1].copy()), hidden), full)
 
 
 # ---- build ------------------------------------------------------------------------------------

@@ -181,8 +181,12 @@ def test_fp8_dequantize_is_weight_times_scale():
     assert torch.equal(fp8.dequantize(q, s), q.float() * s)
     assert (fp8.dequantize(q, s) - w).abs().max() <= w.abs().max() / 8  # within an E4M3 step
     assert torch.equal(fp8.dequantize(q, s.reshape(1), torch.float16), (q.float() * s).half())
-    with pytest.raises(UnsupportedModelError, match=r"shape \(8,\): only per-tensor scales"):
-        fp8.dequantize(q, torch.ones(8))
+    rows = torch.arange(1.0, 9.0)  # per output channel (one scale per row), as the export's source reads it too
+    assert torch.equal(fp8.dequantize(q, rows), q.float() * rows[:, None])
+    assert torch.equal(fp8.dequantize(q[2:5], rows, rows=(2, 5)), q[2:5].float() * rows[2:5, None])
+    with pytest.raises(UnsupportedModelError, match=r"shape \(3,\) for a weight of shape \(8, 4\): only per-tensor "
+                                                     r"scales \(one value\) or per-output-channel"):
+        fp8.dequantize(q, torch.ones(3))
 
 
 def test_modelopt_fp8_folder(tmp_path):
@@ -205,7 +209,8 @@ def test_modelopt_fp8_folder(tmp_path):
     (lambda s: s.update({"model.norm.weight_scale": torch.ones(())}), UnsupportedModelError,
      r"'model\.norm\.weight_scale' scales no FP8 weight"),
     (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight_scale": torch.ones(128)}), UnsupportedModelError,
-     r"only per-tensor scales"),
+     r"'model\.layers\.0\.self_attn\.q_proj\.weight_scale' has shape \(128,\) for a weight of shape \(64, 64\): only "
+     r"per-tensor scales"),
     (lambda s: s.pop("medusa_heads.1.1.weight"), UnsupportedModelError,
      r"'medusa_heads\.1\.1\.weight_scale' scales no FP8 weight \('medusa_heads\.1\.1\.weight' is missing"),
     (lambda s: [s.pop(f"medusa_heads.1.1.{n}") for n in ("weight", "weight_scale", "input_scale")], HeadsFormatError,
@@ -215,7 +220,7 @@ def test_modelopt_fp8_folder(tmp_path):
      HeadsFormatError, r"missing key '3\.0\.linear\.bias'"),
     (lambda s: s.update({"model.layers.0.self_attn.rotary.weight": torch.ones(2)}), UnsupportedModelError,
      r"unexpected key 'layers\.0\.self_attn\.rotary\.weight'"),
-], ids=["missing-scale", "stray-scale", "per-channel-scale", "missing-head-weight", "missing-head-key", "stray-head",
+], ids=["missing-scale", "stray-scale", "wrong-size-scale", "missing-head-weight", "missing-head-key", "stray-head",
         "extra-key"])
 def test_bad_modelopt_fp8(tmp_path, change, error, message):
     write_modelopt_fp8(tmp_path, "llama3", change=change)
@@ -296,3 +301,68 @@ def test_random_head_tensors_layout():
     t = random_head_tensors(8, 11, num_heads=2, num_layers=2)
     assert sorted(t) == ["0.0.linear.bias", "0.0.linear.weight", "0.1.linear.bias", "0.1.linear.weight", "0.2.weight",
                          "1.0.linear.bias", "1.0.linear.weight", "1.1.linear.bias", "1.1.linear.weight", "1.2.weight"]
+
+
+# --- the opened model (build / verify: tensor sources) says and refuses what the loaded one does ----------
+
+
+def _open(path, **kw):
+    from medusa_export.loading.sources import open_model
+
+    return open_model(str(path), **kw)
+
+
+def test_opened_modelopt_fp8_equals_the_loaded(tmp_path):
+    """One dequantization (loading/fp8.dequantize) behind both: the streamed source's tensors equal the loaded
+    model's, and the quantization, kept scales and notes are the same."""
+    write_modelopt_fp8(tmp_path, "llama3", num_heads=3)
+    lm, om = load_model(str(tmp_path)), _open(tmp_path)
+    assert om.model is None and om.quantization == lm.quantization == "modelopt FP8 (20 weights dequantized to float32)"
+    assert om.kept_scales == lm.kept_scales and len(om.kept_scales) == 20
+    assert om.notes == lm.notes and any("TensorRT FP8 plan" in n for n in om.notes)
+    assert om.heads_source == lm.heads_source == f"{tmp_path} (medusa_heads.* keys)"
+    src = om.sources
+    assert (src.heads_config.num_heads, src.heads_config.own_projection) == (3, True)
+    k_proj = lm.model.backbone.layers[1].self_attn.k_proj.weight
+    assert torch.equal(src.backbone.read("model.layers.1.self_attn.k_proj.weight"), k_proj)
+    assert torch.equal(src.backbone.read_rows("model.layers.1.self_attn.k_proj.weight", 3, 7), k_proj[3:7])
+    assert torch.equal(src.heads.read("2.1.weight"), lm.model.heads.heads[2][-1].weight)
+
+
+def test_opened_model_refuses_other_quantizers(tmp_path):
+    write_modelopt_fp8(tmp_path / "a", "llama3")
+    (tmp_path / "a" / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "llmcompressor"},
+                                                                     "quantization": {"quant_algo": "FP8"}}))
+    with pytest.raises(UnsupportedModelError, match=r"\(llmcompressor, FP8\) is not supported"):
+        _open(tmp_path / "a")
+    save_family_dir(tmp_path / "b", "mistral")
+    _edit_config(tmp_path / "b", quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint \(gptq, gptq\) is not supported"):
+        _open(tmp_path / "b")
+
+
+def test_opened_gguf_with_rope_scaling_is_refused_from_its_header(tmp_path):
+    _write_gguf(tmp_path / "llama31.gguf", rope_freqs=True)
+    with pytest.raises(UnsupportedModelError, match=r"RoPE scaling \(tensor rope_freqs\.weight.*transformers' GGUF "
+                                                     r"loader drops"):
+        _open(tmp_path / "llama31.gguf")
+
+
+def test_opened_medusa_1_0_third_party_count_warns(tmp_path):
+    """As the loader: the keys decide, a config.json count that disagrees is a warning; --heads may name the
+    model folder that holds them."""
+    write_medusa_1_0(tmp_path / "m", "mistral", num_heads=3, fmt="safetensors")
+    _edit_config(tmp_path / "m", medusa_num_heads=5)
+    with pytest.warns(UserWarning, match=r"config\.json says 5 heads but the weights hold 3"):
+        om = _open(tmp_path / "m")
+    assert om.sources.heads_config.num_heads == 3 and om.heads_source == f"{tmp_path / 'm'} (medusa_head.* keys)"
+    save_family_dir(tmp_path / "base", "mistral")
+    with pytest.warns(UserWarning, match=r"config\.json says 5 heads but the weights hold 3"):
+        om = _open(tmp_path / "base", heads_path=str(tmp_path / "m"))
+    assert om.sources.heads_config.num_heads == 3 and om.heads_source == str(tmp_path / "m")
+
+
+def test_opened_base_model_notes_no_chat_template(tmp_path):
+    save_family_dir(tmp_path, "qwen3", chat_template=False)
+    om = _open(tmp_path)
+    assert om.chat_template is None and om.notes == [NO_CHAT_TEMPLATE_NOTE] == load_model(str(tmp_path)).notes

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_tiny_medusa, tiny_loaded
 from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig, UnknownPrecisionError
-from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, fold_weight_transposes
+from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, quantize_rows
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import PromptReport, ValidationError, ValidationReport, tolerance
 from medusa_runtime.artifact import load_artifact
@@ -145,30 +145,28 @@ def test_vanilla_divergence_fails_a_weight_only_report():
     assert ValidationReport("fp32", 8, [ok]).failures()  # the same figures fail an fp32 artifact
 
 
-def test_fold_weight_transposes_keeps_values():
-    """Gemm(transB) and MatMul(Transpose(W)) become MatMul(W^T) with the same results; W stays for Gather."""
-    import onnxruntime as ort
+@pytest.mark.parametrize("bits, k", [(4, 96), (8, 96), (4, 80)], ids=["int4", "int8", "int4-padded-K"])
+def test_per_tensor_blocks_equal_the_whole_graph_quantizer(bits, k):
+    """quantize_rows (per tensor, in blocks of rows) writes the bytes MatMulNBitsQuantizer writes for the same
+    weight in a graph: same kernels, same zero-padding of K, rows independent."""
     from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    rng = np.random.default_rng(0)
-    w, b = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
-    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1),
-             helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
-             helper.make_node("MatMul", ["x", "wt"], ["m"]),
-             helper.make_node("Gather", ["w", "ids"], ["e"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
-                                           helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("g", "m", "e")],
-                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    rng = np.random.default_rng(bits + k)
+    w = rng.standard_normal((24, k)).astype(np.float32)  # nn.Linear layout [out N, in K]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 24])],
+                              [numpy_helper.from_array(np.ascontiguousarray(w.T), "w")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    feed = {"x": rng.standard_normal((2, 4)).astype(np.float32), "ids": np.array([0, 5, 2])}
-    before = ort.InferenceSession(model.SerializeToString()).run(None, feed)
-    assert fold_weight_transposes(model) == 2
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "MatMul", "Gather"]
-    assert sorted(t.name for t in model.graph.initializer) == ["b", "w", "w.T"]
-    after = ort.InferenceSession(model.SerializeToString()).run(None, feed)
-    for x, y in zip(before, after):
-        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    q = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=False, accuracy_level=1)
+    q.process()
+    inits = {t.name: numpy_helper.to_array(t) for t in q.model.model.graph.initializer}
+    parts = [quantize_rows(w[i:i + 7], bits, 32, False) for i in range(0, 24, 7)]  # blocks of 7 rows
+    packed, scales, zp = (np.concatenate([p[j] for p in parts]) for j in range(3))
+    np.testing.assert_array_equal(packed, inits[f"w_Q{bits}"])
+    np.testing.assert_array_equal(scales, inits["w_scales"])
+    np.testing.assert_array_equal(zp, inits["w_zero_points"])
 
 
 def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():

@@ -20,10 +20,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from conftest import rmsnorm_chains
 from medusa_export.cli.main import main
 from medusa_export.cli.trt import after_build
 from medusa_export.trt.calibration import calibration_feeds, calibration_windows, step_feeds
-from medusa_export.trt.commands import strongly_typed, trtexec_args
+from medusa_export.trt.commands import fp32_node_names, strongly_typed, trtexec_args
 from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
 from medusa_export.trt.readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
 from medusa_export.validation.manifest_update import update_manifest
@@ -251,6 +252,24 @@ def _expected_shapes(m: dict, graph: str) -> list[dict]:
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed: `engine` builds instead of stopping")
+def test_fp32_layers_cover_every_rmsnorm_chain_and_softmax(art):
+    """Item 6 of issue 13: the layer list TensorRT keeps in fp32 holds every node of every RMSNorm chain (found
+    by structure: squaring, ReduceMean, the epsilon Add, Sqrt, Reciprocal, the normalising and the weight Mul)
+    and every softmax, so an fp16 engine of an fp32 artifact cannot overflow the variance."""
+    model = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    pinned = set(fp32_node_names(model))
+    chains = rmsnorm_chains(model)
+    layers = load_artifact(art).model["num_layers"]
+    assert len(chains) == 2 * layers + 1
+    for chain in chains:
+        assert [n.op_type for n in chain] == ["Pow", "ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul", "Mul"]
+        missing = [n.name for n in chain if n.name not in pinned]
+        assert not missing, missing
+    softmax = [n.name for n in model.graph.node if n.op_type == "Softmax"]
+    assert len(softmax) == layers and set(softmax) <= pinned
+    assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name in pinned]  # MatMuls stay fp16
+
+
 def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
     assert main(["engine", "--artifact", str(art), "--precision", "fp16"]) == EXIT_NO_TENSORRT
     err = capsys.readouterr().err
@@ -269,7 +288,7 @@ def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
         assert flag in model_argv, flag
     pinned = next(a for a in model_argv if a.startswith("--layerPrecisions=")).split("=", 1)[1].split(",")
     names = {n.name: n.op_type for n in onnx.load(str(art / "model.onnx"), load_external_data=False).graph.node}
-    assert {names[p.rsplit(":", 1)[0]] for p in pinned} >= {"ReduceMean", "Softmax", "Pow", "LogSoftmax"}
+    assert {names[p.rsplit(":", 1)[0]] for p in pinned} >= {"ReduceMean", "Softmax", "Pow", "LogSoftmax", "Add", "Mul"}
     # The script carries the same commands for every precision.
     script = (art / "engines/build_engine.sh").read_text()
     block = script.split("    run model fp16 \\\n")[1].split("\n    run heads")[0]

@@ -114,27 +114,30 @@ def cmd_chat(args) -> int:
 
 
 def cmd_build(args) -> int:
-    """Export + validate an artifact."""
+    """Export + validate an artifact, the weights streamed from the checkpoint (nothing materialised)."""
     from medusa_runtime.autotree import DEFAULT_SIZES, is_auto
     from medusa_runtime.tree import tree_from_spec
 
     from ..export.build import build_artifact
     from ..export.config import BuildConfig
-    from ..loading.registry import load_model
+    from ..loading.sources import open_model
     from ..validation.validate import read_prompts
     from .trt import after_build
 
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
-                      graph=args.graph, heads_vocab=args.heads_vocab)
+                      graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
+                      validate_layers=args.validate_layers)
     t0 = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    lm = load_model(args.model, model_path=args.model_path, heads_path=args.heads,
+    print(f"opening {args.model} (headers and configs; weights are read while the graphs are written) ...",
+          file=sys.stderr, flush=True)
+    lm = open_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     print_notes(lm)
+    num_heads = lm.sources.heads_config.num_heads
     spec = args.tree or lm.default_tree
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
-    tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=lm.model.num_heads,
+    tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=num_heads,
                           accuracies=lm.head_accuracies)
     graph = "-fused" if cfg.graph == "fused" else ""
     out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
@@ -145,8 +148,11 @@ def cmd_build(args) -> int:
 
 
 def architecture_line(lm) -> str:
-    """The build summary's line on the backbone's family and switches (the sliding window said plainly)."""
-    c = lm.model.config
+    """The build summary's line on the backbone's family and switches (the sliding window said plainly), for
+    a loaded or an opened model."""
+    from ..loading.sources import sources_of
+
+    c = sources_of(lm).config
     text = f"  architecture: {c.model_type}"
     if c.features:
         text += f" ({', '.join(c.features)})"
@@ -182,6 +188,12 @@ def _print_summary(path, seconds: float, lm=None) -> None:
     for key in ("model", "heads", "weights"):
         f = m["files"][key]
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
+    b = m.get("build")
+    if b:
+        times = ", ".join(f"{t['stage'].split(':')[0]} {t['seconds']:.1f}s" for t in b["stages"])
+        print(f"  time per stage: {times}")
+        print(f"  peak resident memory {b['peak_rss_bytes'] / 1e9:.2f} GB; weights written at "
+              f"{b['weights_gb_per_s']:.2f} GB/s")
     v = m.get("validation")
     template = m["files"].get("chat_template")
     no_template = not template or not (Path(path) / template).read_text().strip()
@@ -201,37 +213,61 @@ def _print_summary(path, seconds: float, lm=None) -> None:
 
 
 def cmd_verify(args) -> int:
-    """Validate an existing artifact; exit 1 (:data:`EXIT_MISMATCH`) on mismatch."""
+    """Validate an existing artifact with the checks that fit (or those asked for); exit 1
+    (:data:`EXIT_MISMATCH`) on a failure."""
     from medusa_runtime.artifact import load_artifact
 
-    from ..chat import apply_chat_template
-    from ..loading.registry import load_model, load_registry
-    from ..validation.validate import default_prompts, read_prompts, validate
+    from ..export.build import reference_problem
+    from ..export.config import BuildConfig
+    from ..loading.registry import load_registry
+    from ..loading.sources import open_model
+    from ..validation.checks import run_checks
+    from ..validation.plan import plan_validation
+    from ..validation.validate import PromptReport, ValidationReport, default_prompts, read_prompts
 
     art = load_artifact(args.artifact, full_verify=True)
-    name = art.model["name"]
+    m = art.manifest
+    name = m["model"]["name"]
     if name in load_registry():
-        lm = load_model(name, model_path=args.model_path, heads_path=args.heads)
+        lm = open_model(name, model_path=args.model_path, heads_path=args.heads)
     elif args.model_path:  # a model built from a local path: that path is the model
-        lm = load_model(args.model_path, heads_path=args.heads)
+        lm = open_model(args.model_path, heads_path=args.heads)
     else:
         raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
                           "--model-path (an HF model dir or .gguf file)")
     print_notes(lm)
     texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
-    ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
-    report = validate(art, lm.model, ids, texts, new_tokens=args.max_new_tokens, eos_token_ids=lm.eos_token_ids)
-    for p in report.prompts:
-        status = "identical" if p.identical else ("near-tie" if p.near_tie else "MISMATCH")
-        print(f"{status:9s} {p.tokens:4d} tokens  log-prob diff {p.max_logprob_diff:.1e}  {p.prompt[:60]!r}")
+    cfg = BuildConfig(precision=m["precision"]["name"], graph="fused" if m["flavour"] == "ort-fused" else "portable",
+                      new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
+                      max_context=m["model"]["max_context"])
+    plan = plan_validation(lm.sources, cfg.precision, m["weights"]["bytes"], graph=cfg.graph, checks=cfg.checks,
+                           layers=cfg.validate_layers, reference_problem=reference_problem(lm.sources, lm))
+    for line in plan.describe():
+        print(f"  {line}", file=sys.stderr)
+    v = run_checks(plan, art.path, lm, lm.sources, cfg, prompts=texts)
+    for check in v["ran"]:
+        rec = v if check == "full" else v[check]
+        for p in rec.get("prompts", []):
+            if "max_logprob_diff" in p:
+                status = "identical" if p["identical"] else ("near-tie" if p["near_tie"] else "MISMATCH")
+                print(f"{check:9s} {status:9s} {p['tokens']:4d} tokens  log-prob diff {p['max_logprob_diff']:.1e}  "
+                      f"{p['prompt'][:60]!r}")
+            else:
+                print(f"{check:9s} {'identical' if p['identical'] else 'MISMATCH':9s} {p['tokens']:4d} tokens  "
+                      f"{p['prompt'][:60]!r}")
+        if check == "checksums" and rec["passed"]:
+            print(f"checksums {rec['tensors']} tensors ({rec['bytes'] / 1e9:.2f} GB) re-read and re-made from the checkpoint")
     if args.junit:
         from ..validation.junit import write_junit
 
-        write_junit(args.junit, report)
-    if not report.passed:
-        print("FAILED:\n  " + "\n  ".join(report.failures()), file=sys.stderr)
+        rec = v if "full" in v["ran"] else v.get("truncated") or v.get("gpu")
+        if rec is not None:
+            write_junit(args.junit, ValidationReport(rec["precision"], rec["new_tokens"],
+                                                     [PromptReport(**p) for p in rec["prompts"]]))
+    if not v["passed"]:
+        print("FAILED:\n  " + "\n  ".join(v["failures"]), file=sys.stderr)
         return EXIT_MISMATCH
-    print(f"PASSED: {len(report.prompts)} prompts, precision {report.precision}")
+    print(f"PASSED: {len(texts)} prompts, precision {m['precision']['name']} (checks: {', '.join(v['ran'])})")
     return 0
 
 
@@ -338,6 +374,7 @@ def _add_build_parser(sub) -> None:
                    help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--no-validate", action="store_true", help="skip validation (not recommended)")
+    _add_check_args(p)
     add_build_engine_args(p)
     p.set_defaults(func=cmd_build)
 
@@ -346,8 +383,10 @@ def _add_verify_parser(sub) -> None:
     from ..export.config import BuildConfig
 
     p = sub.add_parser("verify", help="check an artifact against the PyTorch reference (for CI)",
-                       description="Re-run build's validation on an existing artifact: step outputs within "
-                                   "tolerance and greedy tokens identical. Exits 1 on any mismatch.",
+                       description="Re-run build's validation on an existing artifact with the checks that fit in "
+                                   "memory (or those --checks names): step outputs within tolerance and greedy tokens "
+                                   "identical, on the whole model or its first --validate-layers layers; weights "
+                                   "checksums against the checkpoint; Medusa vs plain greedy. Exits 1 on any failure.",
                        epilog=EXIT_CODES_HELP)
     add_artifact_arg(p)
     add_prompt_file_arg(p, "prompts to compare on (default: the project's own)", aliases=("--prompts",))
@@ -359,7 +398,23 @@ def _add_verify_parser(sub) -> None:
                                         "an artifact built from a local folder)")
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
     p.add_argument("--junit", help="also write a JUnit XML report to this file")
+    _add_check_args(p)
     p.set_defaults(func=cmd_verify)
+
+
+def _add_check_args(p: argparse.ArgumentParser) -> None:
+    """--checks and --validate-layers (build and verify)."""
+    from ..export.config import BuildConfig
+
+    p.add_argument("--checks", default=BuildConfig.checks,
+                   help="validation checks: auto (estimate each check's memory from the headers and run what fits: "
+                        "the full PyTorch-vs-ONNX Runtime check when the model fits twice, else the truncated check, "
+                        "weights checksums and Medusa-vs-plain-greedy of the whole artifact), or a comma-separated "
+                        "list of full, truncated, checksums, self, gpu (full forces the full check) "
+                        f"(default: {BuildConfig.checks})")
+    p.add_argument("--validate-layers", type=int, default=BuildConfig.validate_layers, metavar="N",
+                   help="layers of the truncated check: the same exporter on the first N layers (+ final norm, lm_head, "
+                        f"heads) against the PyTorch reference of that truncation (default: {BuildConfig.validate_layers})")
 
 
 def _add_triton_parser(sub) -> None:

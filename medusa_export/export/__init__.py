@@ -1,7 +1,9 @@
 """Export: the ONNX graphs, their weight-only quantization, the manifest and the artifact ``build``.
 
-Modules: ``portable`` (traced standard-op step and heads graphs), ``fused`` (ONNX Runtime's
-fused-operator step graph), ``quantize`` (MatMulNBits weight-only precisions), ``config``
-(``build``'s options and choices), ``manifest`` (the artifact's ``manifest.json``), ``build``
-(model + tree -> a validated artifact directory).
+Modules: ``graph`` (the graph builder the writers use), ``portable`` (the standard-op step graph),
+``fused`` (ONNX Runtime's fused-operator step graph), ``heads_graph`` (the Medusa heads graph),
+``weights`` (``weights.bin``: recipes, the streaming writer, checksums), ``writer`` (both graphs written
+from the tensor sources), ``contract`` (the graphs' I/O contract as data), ``quantize`` (MatMulNBits
+weight-only precisions), ``config`` (``build``'s options and choices), ``manifest`` (the artifact's
+``manifest.json``), ``build`` (sources + tree -> a validated artifact directory).
 """

@@ -1,10 +1,12 @@
 """``medusa-export build``: model + tree -> a validated artifact directory.
 
-Stages (each reads only what the previous wrote): export the two graphs, (quantize their
-weights), merge their weights, write tree / tokenizer / manifest, validate, then
-move the finished folder into place. Everything is written to a temporary sibling folder
-first, so a failed or interrupted build leaves nothing half-written and an old artifact
-intact.
+Stages (each reads only what the previous wrote): pre-flight (each stage's memory estimated from the
+headers, the validation checks that fit chosen), write the two graphs with their weights streamed from
+the checkpoint into ``weights.bin`` (:mod:`.writer`), write tree / tokenizer / manifest, check the ONNX
+for TensorRT, validate, then move the finished folder into place. Everything is written to a temporary
+sibling folder first, so a failed or interrupted build leaves nothing half-written and an old artifact
+intact. The model is never materialised for the export; the checks that need the PyTorch reference
+build it from the same sources (truncated when the whole one does not fit).
 """
 
 from __future__ import annotations
@@ -18,28 +20,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from medusa_runtime.artifact import MANIFEST, load_artifact
 from medusa_runtime.tree import Tree
 
-from ..errors import ArtifactError, MedusaError
+from ..errors import ArtifactError, InvalidTreeError, MedusaError
 from ..files import replace_dir
 from ..loading.draft_vocab import subset_ids
 from ..loading.registry import LoadedMedusa
+from ..loading.sources import ModelSources, sources_of
 from ..trt.readiness import check_artifact
 from .config import BuildConfig
-from .fused import export_fused_step
+from .contract import HEADS_FILE, MODEL_FILE
 from .manifest import manifest_json, selection_json
-from .portable import HEADS_FILE, MODEL_FILE, WEIGHTS_FILE, export_heads, export_step, merge_weights
-from .quantize import WEIGHT_ONLY_BITS, quantize_graph
+from .weights import WEIGHTS_FILE
+from .writer import WrittenGraphs, plan_graphs, write_graphs
 
 
 class Stages:
-    """Prints numbered stages with their wall time (the build's progress display)."""
+    """Prints numbered stages with their wall time (the build's progress display) and keeps the times."""
 
     def __init__(self, total: int, out=sys.stderr):
         self.total, self.n, self.out = total, 0, out
+        self.times: list[dict] = []
 
     @contextmanager
     def __call__(self, what: str):
@@ -47,7 +50,9 @@ class Stages:
         print(f"[{self.n}/{self.total}] {what} ...", file=self.out, flush=True)
         t = time.perf_counter()
         yield
-        print(f"[{self.n}/{self.total}] {what}: done in {time.perf_counter() - t:.1f}s", file=self.out, flush=True)
+        dt = time.perf_counter() - t
+        self.times.append({"stage": what, "seconds": round(dt, 2)})
+        print(f"[{self.n}/{self.total}] {what}: done in {dt:.1f}s", file=self.out, flush=True)
 
 
 def check_output_dir(out: Path) -> None:
@@ -70,7 +75,6 @@ def check_output_dir(out: Path) -> None:
         raise ArtifactError(f"output folder {out} cannot be written: {parent} is not writable")
 
 
-
 def _choose_tree_here(folder: Path, *, progress: bool) -> tuple[Tree, list]:
     """``--tree auto`` on the artifact being built: time tree steps with ONNX Runtime, pick the best."""
     from medusa_runtime.autotree import auto_tree
@@ -82,18 +86,71 @@ def _choose_tree_here(folder: Path, *, progress: bool) -> tuple[Tree, list]:
                      topk=artifact.tree.topk, progress=say)
 
 
+def write_artifact(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig,
+                   max_context: int, vocab_ids: np.ndarray | None = None, progress: bool = True) -> tuple[dict, WrittenGraphs]:
+    """Graphs, weights, tree, tokenizer and manifest of an artifact in ``folder`` (no validation).
+
+    Also used for the truncated check's artifact (``src`` with a truncated config).
+
+    Returns:
+        (the manifest written, what :func:`~.writer.write_graphs` returned).
+    """
+    written = write_graphs(folder, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
+                           max_context=max_context, progress=progress)
+    manifest = write_files(folder, lm, src, tree, cfg, max_context, written, vocab_ids)
+    return manifest, written
+
+
+def vocab_origin(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> str:
+    """Where the heads' vocabulary subset comes from (recorded with its tensor in ``weights.bin``)."""
+    if vocab_ids is None:
+        return ""
+    return f"--heads-vocab {len(vocab_ids)}: the top ids of the draft vocabulary beside {lm.heads_source}"
+
+
+FILES = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
+         "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
+
+
+def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int,
+                written: WrittenGraphs, vocab_ids: np.ndarray | None) -> dict:
+    """tree.json, the tokenizer, the chat template and the manifest (last: it checksums the others)."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    tree_json = tree.to_json_with_buffers()
+    if lm.head_accuracies is not None:  # lets runtimes build other trees (--tree N / auto) from the artifact
+        tree_json["head_accuracies"] = np.asarray(lm.head_accuracies, dtype=float).round(6).tolist()
+    (folder / "tree.json").write_text(json.dumps(tree_json) + "\n")
+    lm.tokenizer.save_pretrained(str(folder / "tokenizer"))
+    (folder / "chat_template.jinja").write_text(lm.chat_template or "")
+    dtype = "float16" if cfg.precision == "fp16" else "float32"
+    m = manifest_json(lm, src, tree, cfg, max_context, folder, FILES, written.weights, dtype, written.quantized,
+                      vocab_ids)
+    _save_manifest(folder, m)
+    return m
+
+
+def _save_manifest(folder: Path, manifest: dict) -> None:
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 
 def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConfig = BuildConfig(), *,
                    prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False) -> Path:
     """Export, validate and write an artifact to ``out`` (atomically).
 
     Args:
-        lm: the loaded fp32 model (reference).
+        lm: the model: opened as sources (:func:`~medusa_export.loading.sources.open_model`, nothing loaded),
+            or loaded (its ``model`` is then exported from memory).
         tree: the validated tree (depth <= the model's heads).
         out: the artifact directory (created or replaced).
-        cfg: precisions, context and validation options.
+        cfg: precisions, context, validation options (``checks``, ``validate_layers``).
         prompts: validation prompts (user messages); default: the project's own.
-        progress: print stage progress.
+        progress: print stage progress and progress bars.
         auto_tree: ``--tree auto``: ``tree`` is only the largest candidate; after export the tree
             step is timed at several sizes on ONNX Runtime on this machine and the tree with the
             most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
@@ -106,97 +163,92 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         InvalidTreeError: the tree is deeper than the heads.
         HeadsVocabError: ``cfg.heads_vocab`` is outside [tree.topk, V] or the model has no draft vocabulary.
         ArtifactError: the output folder cannot be written.
-        ValidationError: ONNX Runtime disagrees with PyTorch (portable precisions) or Medusa
-            disagrees with plain greedy decoding of the same graph (weight-only precisions);
-            the first divergence is in the message.
+        InsufficientMemoryError: the pre-flight estimate of the export, or of a check asked for by name,
+            exceeds the memory available (both numbers and the options in the message).
+        InsufficientDiskError: the weights do not fit on the output's file system.
+        CheckpointError: a checkpoint file is missing, truncated or disagrees with its config.
+        ValidationError: a check failed (the first divergence is in the message).
     """
-    from medusa_runtime.errors import InvalidTreeError
+    from ..validation.checks import run_checks
+    from ..validation.plan import plan_validation
+    from ..validation.validate import ValidationError
 
-    from ..chat import apply_chat_template
-    from ..validation.validate import ValidationError, default_prompts, validate
-
+    t_start = time.perf_counter()
     out = Path(out).absolute()
-    if tree.max_depth > lm.model.num_heads:
-        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the model's {lm.model.num_heads} Medusa heads")
+    src = sources_of(lm)
+    num_heads = src.heads_config.num_heads
+    if tree.max_depth > num_heads:
+        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the model's {num_heads} Medusa heads")
     vocab_ids = None
     if cfg.heads_vocab:
-        vocab_ids = subset_ids(lm.draft_vocab, cfg.heads_vocab, lm.model.config.vocab_size, tree.topk, model=lm.name)
+        vocab_ids = subset_ids(lm.draft_vocab, cfg.heads_vocab, src.config.vocab_size, tree.topk, model=lm.name)
     check_output_dir(out)
     max_context = cfg.max_context or lm.max_context
     if tree.size > max_context:
         raise MedusaError(f"the tree ({tree.size} nodes) does not fit --max-context {max_context}")
-    wos = {MODEL_FILE: cfg.weight_only(cfg.precision), HEADS_FILE: cfg.weight_only(cfg.resolved_heads_precision, True)}
-    to_quantize = [(f, wo) for f, wo in wos.items() if wo is not None]
-    stages = Stages(5 + cfg.validate + bool(to_quantize) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    weights_plan = plan_graphs(src, cfg, tree.topk, vocab_ids, max_context)
+    plan = plan_validation(src, cfg.precision, weights_plan.nbytes(), graph=cfg.graph, checks=cfg.checks,
+                           layers=cfg.validate_layers, validate=cfg.validate, reference_problem=reference_problem(src, lm))
+    say(f"pre-flight: {plan.available / 1e9:.1f} GB available; estimated peaks: "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in plan.estimates.items()
+                    if k == "export" or k in plan.checks or (k.startswith("gpu") and "gpu" in plan.checks)))
+    for line in plan.describe() if cfg.validate else ["validation: skipped (--no-validate)"]:
+        say(f"  {line}")
+    stages = Stages(4 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    dtype = "float16" if cfg.precision == "fp16" else "float32"
-    tdtype = torch.float16 if cfg.precision == "fp16" else torch.float32
     try:
-        model = lm.model
-        export_model = model
-        if tdtype != torch.float32:
-            import copy
-
-            export_model = copy.deepcopy(model).to(tdtype)
-            export_model.heads._shared = [export_model.backbone.lm_head]
-        if cfg.graph == "fused":
-            with stages("writing the fused backbone step graph (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)"):
-                export_fused_step(export_model, tmp / MODEL_FILE, max_positions=max_context)
-        else:
-            with stages("exporting the backbone step graph (prefill + tree step)"):
-                export_step(export_model, tmp / MODEL_FILE, tdtype)
-        with stages("exporting the Medusa heads graph"):
-            export_heads(export_model, tmp / HEADS_FILE, tdtype, tree.topk, vocab_ids)
-        quantized = {}
-        if to_quantize:
-            what = ", ".join(f"{f} int{wo.bits}" for f, wo in to_quantize)
-            with stages(f"quantizing weights (MatMulNBits: {what})"):
-                for f, wo in to_quantize:
-                    quantized[f] = quantize_graph(tmp / f, wo, model.config.vocab_size)
-        with stages("merging weights into one file"):
-            winfo = merge_weights([tmp / MODEL_FILE, tmp / HEADS_FILE])
-        files = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
-                 "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
-
-        def write_files(t: Tree) -> dict:
-            (tmp / MANIFEST).unlink(missing_ok=True)  # the manifest's checksums cover every other file
-            tree_json = t.to_json_with_buffers()
-            if lm.head_accuracies is not None:  # lets runtimes build other trees (--tree N / auto) from the artifact
-                tree_json["head_accuracies"] = np.asarray(lm.head_accuracies, dtype=float).round(6).tolist()
-            (tmp / "tree.json").write_text(json.dumps(tree_json) + "\n")
-            lm.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-            (tmp / "chat_template.jinja").write_text(lm.chat_template or "")
-            m = manifest_json(lm, t, cfg, max_context, tmp, files, winfo, dtype, quantized, vocab_ids)
-            (tmp / MANIFEST).write_text(json.dumps(m, indent=2) + "\n")
-            return m
-
+        flavour = "fused step (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)" if cfg.graph == "fused" \
+            else "portable step (standard ONNX ops)"
+        with stages(f"writing the graphs from the checkpoint: {flavour} + Medusa heads, weights streamed to "
+                    f"{WEIGHTS_FILE} ({cfg.precision})"):
+            written = write_graphs(tmp, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
+                                   max_context=max_context, progress=progress)
+            say(f"    {written.weights['bytes'] / 1e9:.2f} GB in {written.seconds:.1f}s "
+                f"({written.weights['bytes'] / 1e9 / max(written.seconds, 1e-9):.2f} GB/s), "
+                f"{written.weights['tensors']} tensors")
         with stages("writing tree, tokenizer and manifest"):
-            manifest = write_files(tree)
+            manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids)
         if auto_tree:
             with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
                 tree, table = _choose_tree_here(tmp, progress=progress)
-                manifest = write_files(tree)
+                manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids)
                 manifest["tree"]["selection"] = selection_json(table, tree.size)
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+                _save_manifest(tmp, manifest)
         with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
             manifest["trt_readiness"] = check_artifact(tmp, manifest).to_json()
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if cfg.validate:
-            what = ("Medusa against plain greedy of the same graph" if cfg.precision in WEIGHT_ONLY_BITS
-                    else "ONNX Runtime against PyTorch")
-            with stages(f"validating: {what}"):
-                texts = prompts or default_prompts()
-                ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
-                report = validate(load_artifact(tmp), model, ids, texts, new_tokens=cfg.new_tokens,
-                                  eos_token_ids=lm.eos_token_ids, progress=progress)
-                manifest["validation"] = report.to_json()
-                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-                if not report.passed:
-                    raise ValidationError("validation failed:\n  " + "\n  ".join(report.failures()))
+            _save_manifest(tmp, manifest)
+        if plan.checks:
+            with stages(f"validating: {', '.join(plan.checks)}"):
+                validation = run_checks(plan, tmp, lm, src, cfg, prompts=prompts, vocab_ids=vocab_ids,
+                                        progress=progress)
+                manifest["validation"] = validation
+                _save_manifest(tmp, manifest)
+                if not validation["passed"]:
+                    raise ValidationError("validation failed:\n  " + "\n  ".join(validation["failures"]))
+        stages.times.append({"stage": "total", "seconds": round(time.perf_counter() - t_start, 2)})
+        manifest["build"] = {"stages": stages.times, "peak_rss_bytes": _peak_rss(),
+                             "weights_gb_per_s": round(written.weights["bytes"] / 1e9 / max(written.seconds, 1e-9), 3),
+                             "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}}
+        _save_manifest(tmp, manifest)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def reference_problem(src: ModelSources, lm: LoadedMedusa) -> str | None:
+    """None when the PyTorch reference can be built for this model (or is loaded), else why not."""
+    from ..errors import UnsupportedModelError
+    from ..loading.sources import reference_config
+
+    if lm.model is not None:
+        return None
+    try:
+        reference_config(src.config)
+    except UnsupportedModelError as exc:
+        return str(exc)
+    return None

@@ -71,6 +71,10 @@ class BuildConfig:
             Level 1 keeps int4 lossless; ONNX Runtime has no fast fp32-compute kernel for 8-bit
             weights (468 ms a step), so int8 keeps level 4 and is not lossless. The heads graph
             always uses level 4 (its candidates are verified, so its rounding never changes the output).
+        checks: validation checks (``--checks``): "auto" (the pre-flight chooses what fits:
+            :mod:`medusa_export.validation.plan`) or a comma-separated list of full, truncated,
+            checksums, self, gpu.
+        validate_layers: N of the truncated check (the first N layers + final norm, lm_head, heads).
     """
 
     precision: str = "fp32"
@@ -83,6 +87,8 @@ class BuildConfig:
     accuracy_level: int | None = None
     graph: str = "portable"
     heads_vocab: int = 0
+    checks: str = "auto"
+    validate_layers: int = 2
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),
@@ -101,6 +107,11 @@ class BuildConfig:
         if self.heads_vocab < 0:
             raise HeadsVocabError(f"--heads-vocab must be 0 (the full vocabulary) or a subset size N > 0, "
                                   f"got {self.heads_vocab}")
+        if self.validate_layers < 1:
+            raise MedusaError(f"--validate-layers must be >= 1, got {self.validate_layers}")
+        from ..validation.plan import parse_checks
+
+        parse_checks(self.checks)
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
 

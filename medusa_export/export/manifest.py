@@ -18,10 +18,11 @@ from medusa_runtime.tree import Tree
 
 from ..loading.draft_vocab import DRAFT_VOCAB_FILE
 from ..loading.registry import LoadedMedusa
+from ..loading.sources import ModelSources
 from ..model.medusa import STEP_TOPK
 from .config import BuildConfig
+from .contract import OPSET, heads_io, step_io
 from .fused import FUSED_OPS, fused_step_io
-from .portable import OPSET, heads_io, step_io
 from .quantize import uses_contrib_ops
 
 #: The artifact's ``flavour``: which runtimes can run its graphs.
@@ -49,12 +50,12 @@ def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]
     return ("ort-contrib" if ops else "portable"), ops
 
 
-def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context: int, tree_size: int,
+def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_context: int, tree_size: int,
                      file: str) -> tuple[dict, dict]:
     """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
     s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
     if cfg.graph == "fused":
-        s_in, s_out = fused_step_io(lm.model.config, STEP_TOPK)
+        s_in, s_out = fused_step_io(src.config, STEP_TOPK)
         layout = {
             "layout": "head-major",
             "shape": "[1, H_kv, C, D] per layer (C = the runtime's cache capacity), separate key and value buffers",
@@ -68,7 +69,7 @@ def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context
         graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
                  "dims": dims}
         return layout, graph
-    s_in, s_out = step_io(lm.model, dtype, STEP_TOPK)
+    s_in, s_out = step_io(src.config, dtype, STEP_TOPK)
     layout = {
         "layout": "sequence-major",
         "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
@@ -84,9 +85,8 @@ def _step_graph_json(lm: LoadedMedusa, cfg: BuildConfig, dtype: str, max_context
     return layout, graph
 
 
-def _heads_vocab_json(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> dict:
+def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) -> dict:
     """The manifest's ``heads_vocab``: how many tokens the heads graph projects onto, and where they came from."""
-    v = lm.model.config.vocab_size
     if vocab_ids is None:
         return {"size": v, "vocab_size": v, "subset": False, "source": "the full vocabulary"}
     draft = lm.draft_vocab
@@ -99,13 +99,14 @@ def _heads_vocab_json(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> dict:
             "draft_vocab_ids": seen}
 
 
-def manifest_json(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
+def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
                   files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
                   vocab_ids: np.ndarray | None = None) -> dict:
     """The manifest of the artifact being written in ``folder``.
 
     Args:
-        lm: the loaded model the graphs were exported from.
+        lm: the model the graphs were exported from (names, tokenizer, sources of the weights).
+        src: its tensor sources and configs.
         tree: the artifact's tree.
         cfg: the build options (precisions, graph).
         max_context: KV capacity in tokens the graphs were built for.
@@ -113,7 +114,8 @@ def manifest_json(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: i
             manifest is written last.
         files: the artifact's file names by role (``model``, ``heads``, ``weights``, ``tree``,
             ``tokenizer``, ``chat_template``).
-        weights_info: what :func:`~medusa_export.export.portable.merge_weights` returned.
+        weights_info: what :meth:`~medusa_export.export.weights.WeightsWriter.close` returned (``records``: each
+            tensor's offset, length, SHA-256 and recipe).
         dtype: the graphs' float dtype name (``float32`` / ``float16``).
         quantized: MatMulNBits counts by graph file (empty for fp32 / fp16).
         vocab_ids: int64 [N], the heads' token subset (None: the full vocabulary).
@@ -122,10 +124,10 @@ def manifest_json(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: i
         The JSON document (a dict), without ``trt_readiness``, ``validation`` or ``tree.selection``,
         which later build stages add.
     """
-    c = lm.model.config
-    h = lm.model.heads.config
-    layout, step_graph = _step_graph_json(lm, cfg, dtype, max_context, tree.size, files["model"])
-    h_in, h_out = heads_io(lm.model, dtype, tree.topk)
+    c = src.config
+    h = src.heads_config
+    layout, step_graph = _step_graph_json(src, cfg, dtype, max_context, tree.size, files["model"])
+    h_in, h_out = heads_io(c.hidden_size, h.num_heads, dtype, tree.topk)
     checksums = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = f.relative_to(folder).as_posix()
@@ -144,14 +146,14 @@ def manifest_json(lm: LoadedMedusa, tree: Tree, cfg: BuildConfig, max_context: i
                      "onnxruntime": onnxruntime.__version__, "opset": OPSET},
         "model": {
             "name": lm.name, "backbone_source": lm.backbone_source, "heads_source": lm.heads_source,
-            "architecture": "llama", "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "architecture": c.model_type, "features": c.features, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
             "num_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
             "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rope_theta": c.rope_theta,
             "medusa_heads": h.num_heads, "medusa_layers": h.num_layers,
             "medusa_own_projection": h.own_projection, "max_context": max_context,
         },
         "precision": _precision_json(cfg, dtype, quantized),
-        "heads_vocab": _heads_vocab_json(lm, vocab_ids),
+        "heads_vocab": _heads_vocab_json(lm, c.vocab_size, vocab_ids),
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),

@@ -1,249 +1,194 @@
-"""Trace the Medusa model to ONNX: the backbone step graph and the heads graph.
+"""The portable backbone step graph (``model.onnx``), written node by node from the checkpoint's weights.
 
-Two graphs, one weights file:
+Standard ONNX ops only (opset 18), so ONNX Runtime and TensorRT both run it. One graph serves the
+prefill (S = prompt length, causal ``new_token_mask``) and the tree step (S = T, the tree's attention
+mask and positions past length + depth, shipped in ``tree.json``); only S and the past length P are
+dynamic. The maths is the PyTorch reference's (``model/backbone.py``, seeds/001 §2.1.2), per layer:
 
-* ``model.onnx``, the backbone step. One graph serves the prefill (S = prompt length,
-  causal ``new_token_mask``) and the tree step (S = T, the tree's attention mask and
-  positions past_len + depth, shipped in ``tree.json``). Only S and the past length P
-  are dynamic; a TensorRT build gives the tree step its own optimization profile with
-  S fixed at T. No mask is baked in by tracing: attention over the new tokens follows
-  ``new_token_mask`` and RoPE is computed from ``position_ids``.
-* ``heads.onnx``: Medusa heads on R hidden states -> their top-k token ids. The runtime
-  runs it on the one hidden state of the last accepted node (running K vocab
-  projections on all T tree rows would double a CPU step's cost).
+* RMSNorm with the variance and the normalisation in float32 (:meth:`.graph.GraphBuilder.rms_norm`);
+* q / k / v projections (+ biases: Qwen2, Llama ``attention_bias``), q / k RMSNorm over each head's D
+  values before RoPE (Qwen3), RoPE from ``position_ids`` with the config's inverse frequencies
+  (``model.config.rope_inv_freq``: default, linear, llama3 scaling; computed in the graph, so any
+  position works);
+* attention grouped by KV head without repeating K/V: queries ``[1, H_kv, G, S, D]`` against past keys
+  ``[1, H_kv, 1, D, P]`` and the step's own keys, scores in float32 with additive masks (0 /
+  float32 min, so nothing overflows in fp16), one softmax over past and new keys together; the past is
+  read, never concatenated to the new K/V (no per-step copy of the cache);
+* sliding window (Mistral; Qwen2/3 per ``layer_types``) applied in the masks by *positions*: past slot p
+  holds position p and a tree node sits at past length + depth, so a query at position q sees key position
+  p iff q - W < p <= q (transformers ``masking_utils.sliding_window_overlay``);
+* SiLU-gated MLP (+ biases: Llama ``mlp_bias``), residual adds;
+* final RMSNorm -> ``hidden_states``; the lm_head as ``Gemm(transB=1)`` on the ``[V, d]`` table (the
+  embedding itself when tied: stored once) and the acceptance outputs (``model/medusa.py``).
 
-Both graphs keep their weights in one external-data file, ``weights.bin``, where each
-distinct tensor is stored once (the heads' shared lm_head is the backbone's).
+fp16: weights, activations and K/V float16; norms' variance, attention scores, softmax and the output
+log-probs float32. int8 / int4: every linear layer (and the lm_head unless ``--no-quantize-lm-head``) a
+``com.microsoft::MatMulNBits`` with blocks computed per tensor (ONNX Runtime only; flavour ``ort-contrib``).
 """
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
-import onnx
-import torch
-from onnx import numpy_helper
-from torch import nn
 
-from ..model.backbone import LlamaConfig
-from ..model.heads import project_stacked
-from ..model.medusa import STEP_TOPK, MedusaModel
+from ..model.config import BackboneConfig, rope_inv_freq
+from ..model.medusa import STEP_TOPK
+from .contract import TensorSpec, step_io
+from .graph import GraphBuilder
+from .quantize import WeightOnlyConfig
+from .weights import Recipe
 
-OPSET = 18  # the lowest opset torch's dynamo exporter writes
-WEIGHTS_FILE = "weights.bin"
-MODEL_FILE = "model.onnx"
-HEADS_FILE = "heads.onnx"
-_ALIGN = 4096
+_INT64_MAX = np.iinfo(np.int64).max
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One graph input or output of the contract (also written to the manifest)."""
-
-    name: str
-    dtype: str
-    shape: tuple
-    meaning: str
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "meaning": self.meaning}
+def layer_key(i: int, name: str) -> str:
+    """The HF key of layer ``i``'s tensor ``name`` (``self_attn.q_proj.weight`` -> ``model.layers.{i}.self_attn...``)."""
+    return f"model.layers.{i}.{name}"
 
 
-def step_io(model: MedusaModel, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The backbone step's inputs and outputs: names, dtypes, shapes (symbolic S, P) and meanings."""
-    c = model.config
-    kv = (1, "P", c.num_key_value_heads, c.head_dim)
-    new_kv = (1, "S", c.num_key_value_heads, c.head_dim)
-    inputs, outputs = step_token_io(c, float_dtype, k)
-    for i in range(c.num_hidden_layers):
-        for n in ("key", "value"):
-            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv,
-                                     f"layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"))
-    for i in range(c.num_hidden_layers):
-        for n in ("key", "value"):
-            outputs.append(TensorSpec(f"new_key_values.{i}.{n}", float_dtype, new_kv,
-                                      f"layer {i} {n}s of this step's S tokens only (keep the accepted ones)"))
-    return inputs, outputs
+def lm_head_key(cfg: BackboneConfig) -> str:
+    """The checkpoint tensor the lm_head projects with: the embedding when tied."""
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
 
-def step_token_io(c: LlamaConfig, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The step's inputs and outputs other than the KV cache (shared by the portable and fused graphs)."""
-    k = min(k, c.vocab_size)
-    inputs = [
-        TensorSpec("input_ids", "int64", (1, "S"), "tokens of this step: the prompt (prefill) or the tree's candidates in node order"),
-        TensorSpec("position_ids", "int64", (1, "S"), "positions: P + arange(S) for prefill, P + depth for a tree step"),
-        TensorSpec("new_token_mask", "bool", ("S", "S"), "[i, j] True if new token i may attend new token j "
-                   "(causal for prefill, the tree attention mask for a tree step); the past is always visible"),
-        TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
-    ]
-    outputs = [
-        TensorSpec("topk_ids", "int64", (1, "S", k), "the k most likely next tokens at each position, best first"),
-        TensorSpec("topk_logprobs", "float32", (1, "S", k), "their log-probabilities at `temperature`"),
-        TensorSpec("entropy", "float32", (1, "S"), "entropy (nats) of the next-token distribution at `temperature`"),
-        TensorSpec("token_logprobs", "float32", (1, "S", "S"),
-                   "[0, i, j] = log P(input_ids[j] | position i) at `temperature`; a node's acceptance reads [parent, node]"),
-        TensorSpec("hidden_states", float_dtype, (1, "S", c.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
-    ]
-    return inputs, outputs
+class _Masks:
+    """The additive attention masks of one step, float32 (0 = may attend, float32 min = may not)."""
+
+    def __init__(self, b: GraphBuilder, cfg: BackboneConfig):
+        self.b = b
+        self.zero, self.min = b.const(np.float32(0.0)), b.const(np.float32(np.finfo(np.float32).min))
+        self.new = b.op("Where", ["new_token_mask", self.zero, self.min], "mask/new")  # [S, S]
+        self._windows: dict[int, tuple[str, str]] = {}
+        self.windows = sorted({w for i in range(cfg.num_hidden_layers) if (w := cfg.window(i)) is not None})
+        if self.windows:
+            q = b.op("Reshape", ["position_ids", b.const([-1], "int64")], "mask/q_pos")  # [S]
+            self.q_col = b.op("Unsqueeze", [q, b.const([1], "int64")], "mask/q_col")  # [S, 1]
+            self.k_row = b.op("Unsqueeze", [q, b.const([0], "int64")], "mask/k_row")  # [1, S]
+            p = b.op("Shape", ["past_key_values.0.key"], "mask/past_len", start=1, end=2)
+            p = b.op("Squeeze", [p, b.const([0], "int64")], "mask/past_len_scalar")
+            slots = b.op("Range", [b.const(np.int64(0)), p, b.const(np.int64(1))], "mask/past_pos")  # [P]
+            self.p_row = b.op("Unsqueeze", [slots, b.const([0], "int64")], "mask/past_row")  # [1, P]
+
+    def window(self, w: int) -> tuple[str, str]:
+        """(past [S, P], new [S, S]) masks of a sliding window of ``w`` positions."""
+        if w not in self._windows:
+            b, n = self.b, f"mask/window{w}"
+            lim = b.const(np.int64(w))
+            near_new = b.op("Less", [b.op("Sub", [self.q_col, self.k_row], n + "/new_dist"), lim], n + "/new_near")
+            new = b.op("Where", [b.op("And", ["new_token_mask", near_new], n + "/new_and"), self.zero, self.min],
+                       n + "/new")
+            near_past = b.op("Less", [b.op("Sub", [self.q_col, self.p_row], n + "/past_dist"), lim], n + "/past_near")
+            past = b.op("Where", [near_past, self.zero, self.min], n + "/past")
+            self._windows[w] = (past, new)
+        return self._windows[w]
 
 
-def heads_io(model: MedusaModel, float_dtype: str, topk: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The heads graph's inputs and outputs."""
-    c = model.config
-    return (
-        [TensorSpec("hidden_states", float_dtype, ("R", c.hidden_size), "hidden states to run the Medusa heads on")],
-        [TensorSpec("medusa_topk_ids", "int64", ("R", model.num_heads, topk),
-                    "[r, k-1, i]: head k's i-th best guess for the token k+1 positions after row r's next token")],
-    )
+def _rope(b: GraphBuilder, x: str, cos: str, sin: str, half: int, d: int, name: str, out: str | None = None) -> str:
+    """``x * cos + rotate_half(x) * sin`` over the last axis (GPT-NeoX halves; transformers ``apply_rotary_pos_emb``)."""
+    axis = b.const([-1], "int64")
+    first = b.op("Slice", [x, b.const([0], "int64"), b.const([half], "int64"), axis], name + "/first")
+    second = b.op("Slice", [x, b.const([half], "int64"), b.const([d], "int64"), axis], name + "/second")
+    rot = b.op("Concat", [b.op("Neg", [second], name + "/neg"), first], name + "/rotate", axis=-1)
+    return b.op("Add", [b.op("Mul", [x, cos], name + "/cos"), b.op("Mul", [rot, sin], name + "/sin")], name,
+                outputs=[out] if out else None)
 
 
-class _StepGraph(nn.Module):
-    def __init__(self, model: MedusaModel, k: int):
-        super().__init__()
-        self.model, self.k = model, k
+def _attention(b: GraphBuilder, cfg: BackboneConfig, i: int, h: str, cos: str, sin: str, masks: _Masks,
+               past_len: str) -> str:
+    n, hd, heads, kv = f"layers.{i}.attn", cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    g = heads // kv
 
-    def forward(self, input_ids, position_ids, new_token_mask, temperature, past):
-        out = self.model.step(input_ids, position_ids, new_token_mask, list(past), temperature, self.k)
-        flat = [t for kv in out.new_kv for t in kv]
-        return (out.topk_ids, out.topk_logprobs, out.entropy, out.token_logprobs, out.hidden, *flat)
+    def proj(name: str) -> str:
+        bias = (layer_key(i, f"self_attn.{name}.bias"),) if cfg.qkv_bias else ()
+        return b.linear(h, f"{n}.{name}", (layer_key(i, f"self_attn.{name}.weight"),), bias)
 
+    q = b.op("Reshape", [proj("q_proj"), b.const([1, -1, heads, hd], "int64")], f"{n}/q_heads")  # [1, S, H, D]
+    k = b.op("Reshape", [proj("k_proj"), b.const([1, -1, kv, hd], "int64")], f"{n}/k_heads")  # [1, S, Hkv, D]
+    v = b.op("Reshape", [proj("v_proj"), b.const([1, -1, kv, hd], "int64")], f"{n}/v_heads",
+             outputs=[f"new_key_values.{i}.value"])
+    if cfg.qk_norm:
+        q = b.rms_norm(q, layer_key(i, "self_attn.q_norm.weight"), cfg.rms_norm_eps, f"{n}.q_norm")
+        k = b.rms_norm(k, layer_key(i, "self_attn.k_norm.weight"), cfg.rms_norm_eps, f"{n}.k_norm")
+    q = _rope(b, q, cos, sin, hd // 2, hd, f"{n}/q_rope")
+    k = _rope(b, k, cos, sin, hd // 2, hd, f"{n}/k_rope", out=f"new_key_values.{i}.key")
+    scale = b.const(np.asarray(hd ** -0.5, dtype=b.dtype))
+    q = b.op("Mul", [q, scale], f"{n}/q_scale")
+    q = b.op("Reshape", [q, b.const([1, -1, kv, g, hd], "int64")], f"{n}/q_groups")  # [1, S, Hkv, G, D]
+    q = b.op("Transpose", [q], f"{n}/q_t", perm=[0, 2, 3, 1, 4])  # [1, Hkv, G, S, D]
+    axis2 = b.const([2], "int64")
 
-class _HeadsGraph(nn.Module):
-    """hidden_states [R, d] -> medusa_topk_ids int64 [R, K, topk] (token ids, best first).
+    def keys_t(x: str, name: str) -> str:  # [1, L, Hkv, D] -> [1, Hkv, 1, D, L]
+        return b.op("Unsqueeze", [b.op("Transpose", [x], name + "_t", perm=[0, 2, 3, 1]), axis2], name + "_g")
 
-    With ``vocab_ids`` (int64 [N], N >= topk) the heads project onto those N tokens only: each
-    projection is an [N, d] weight of gathered rows (an initializer of its own, so a
-    quantizer quantizes the smaller matrix), top-k runs over N, and a Gather on the int64 [N]
-    table maps the indices back to token ids. The contract is unchanged.
-    """
+    def values_t(x: str, name: str) -> str:  # [1, L, Hkv, D] -> [1, Hkv, 1, L, D]
+        return b.op("Unsqueeze", [b.op("Transpose", [x], name + "_t", perm=[0, 2, 1, 3]), axis2], name + "_g")
 
-    def __init__(self, model: MedusaModel, topk: int, vocab_ids: np.ndarray | None = None):
-        super().__init__()
-        self.model, self.topk = model, topk
-        self.subset = vocab_ids is not None
-        if self.subset:
-            ids = torch.as_tensor(np.asarray(vocab_ids, dtype=np.int64))
-            self.register_buffer("vocab_ids", ids)
-            self.sub_weights = nn.ParameterList(
-                nn.Parameter(w.detach()[ids].clone(), requires_grad=False) for w in model.heads.projection_weights())
-
-    def forward(self, hidden_states):
-        if not self.subset:
-            logits = self.model.heads(hidden_states)  # [K, R, V]
-            return torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk]
-        states = self.model.heads.head_states(hidden_states)  # [K, R, d]
-        if len(self.sub_weights) == 1:  # shared lm_head: one 2-D Gemm for all K heads, weight read once
-            logits = project_stacked(states, self.sub_weights[0])  # [K, R, N]
-        else:
-            logits = torch.stack([nn.functional.linear(s, w) for s, w in zip(states, self.sub_weights)])
-        idx = torch.topk(logits, self.topk, dim=-1).indices.transpose(0, 1)  # [R, K, topk] in [0, N)
-        return self.vocab_ids.index_select(0, idx.reshape(-1)).reshape(idx.shape)  # Gather -> token ids
-
-
-def _export(module: nn.Module, args: tuple, dynamic_shapes, names_in, names_out, path: Path) -> None:
-    import logging
-    import warnings
-
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(module, args, dynamic_shapes=dynamic_shapes, input_names=names_in,
-                                 output_names=names_out, dynamo=True, opset_version=OPSET, verbose=False)
-    prog.save(str(path), external_data=True)
+    s_past = b.to_float32(b.op("MatMul", [q, keys_t(f"past_key_values.{i}.key", f"{n}/past_k")], f"{n}/scores_past"),
+                          f"{n}/scores_past_f32")  # [1, Hkv, G, S, P]
+    s_new = b.to_float32(b.op("MatMul", [q, keys_t(k, f"{n}/new_k")], f"{n}/scores_new"),
+                         f"{n}/scores_new_f32")  # [1, Hkv, G, S, S]
+    w = cfg.window(i)
+    past_mask, new_mask = masks.window(w) if w is not None else (None, masks.new)
+    s_new = b.op("Add", [s_new, new_mask], f"{n}/mask_new")
+    if past_mask is not None:
+        s_past = b.op("Add", [s_past, past_mask], f"{n}/mask_past")
+    probs = b.op("Softmax", [b.op("Concat", [s_past, s_new], f"{n}/scores", axis=-1)], f"{n}/softmax", axis=-1)
+    probs = b.from_float32(probs, f"{n}/probs")
+    axis = b.const([-1], "int64")
+    p_past = b.op("Slice", [probs, b.const([0], "int64"), past_len, axis], f"{n}/probs_past")
+    p_new = b.op("Slice", [probs, past_len, b.const([_INT64_MAX], "int64"), axis], f"{n}/probs_new")
+    o = b.op("Add", [b.op("MatMul", [p_past, values_t(f"past_key_values.{i}.value", f"{n}/past_v")], f"{n}/out_past"),
+                     b.op("MatMul", [p_new, values_t(v, f"{n}/new_v")], f"{n}/out_new")], f"{n}/out")  # [1,Hkv,G,S,D]
+    o = b.op("Transpose", [o], f"{n}/out_t", perm=[0, 3, 1, 2, 4])  # [1, S, Hkv, G, D]
+    o = b.op("Reshape", [o, b.const([1, -1, heads * hd], "int64")], f"{n}/out_flat")
+    bias = (layer_key(i, "self_attn.o_proj.bias"),) if cfg.o_bias else ()
+    return b.linear(o, f"{n}.o_proj", (layer_key(i, "self_attn.o_proj.weight"),), bias)
 
 
-def export_step(model: MedusaModel, path: Path, dtype: torch.dtype, k: int = STEP_TOPK) -> None:
-    """Export the backbone step graph to ``path`` (+ its own external data, merged later)."""
-    from torch.export import Dim
+def _mlp(b: GraphBuilder, cfg: BackboneConfig, i: int, h: str) -> str:
+    n = f"layers.{i}.mlp"
 
-    c = model.config
-    s_dim, p_dim = Dim("S", min=1, max=1 << 20), Dim("P", min=0, max=1 << 20)
-    s, p = 3, 5  # example sizes (not 0/1, which torch.export would specialise)
-    # Distinct example tensors: torch.export would merge aliased inputs (one tensor as key and value).
-    kv_shape = (1, p, c.num_key_value_heads, c.head_dim)
-    past = [(torch.randn(kv_shape).to(dtype), torch.randn(kv_shape).to(dtype)) for _ in range(c.num_hidden_layers)]
-    args = (torch.zeros(1, s, dtype=torch.int64), torch.arange(p, p + s)[None],
-            torch.ones(s, s, dtype=torch.bool).tril(), torch.ones(1), past)
-    ds = {"input_ids": {1: s_dim}, "position_ids": {1: s_dim}, "new_token_mask": {0: s_dim, 1: s_dim},
-          "temperature": None, "past": [({1: p_dim}, {1: p_dim}) for _ in range(c.num_hidden_layers)]}
-    ins, outs = step_io(model, "float32", k)
-    _export(_StepGraph(model, k), args, ds, [t.name for t in ins], [t.name for t in outs], path)
+    def proj(name: str, x: str) -> str:
+        bias = (layer_key(i, f"mlp.{name}.bias"),) if cfg.mlp_bias else ()
+        return b.linear(x, f"{n}.{name}", (layer_key(i, f"mlp.{name}.weight"),), bias)
+
+    act = b.op("Mul", [b.silu(proj("gate_proj", h), f"{n}/silu"), proj("up_proj", h)], f"{n}/gate_up")
+    return proj("down_proj", act)
 
 
-def export_heads(model: MedusaModel, path: Path, dtype: torch.dtype, topk: int,
-                 vocab_ids: np.ndarray | None = None) -> None:
-    """Export the heads graph to ``path``.
+def write_portable_step(b: GraphBuilder, cfg: BackboneConfig, lm_head_quant: WeightOnlyConfig | None = None,
+                        k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Add the portable step's nodes and weights to ``b`` (the module docstring says what they compute).
 
     Args:
-        model: the model (its heads and, when shared, its lm_head).
-        path: the ONNX file to write (external data beside it).
-        dtype: the example input's float dtype (the graph's float dtype).
-        topk: candidates per head.
-        vocab_ids: None for the full vocabulary, or int64 [N]: the token subset the heads
-            project onto (:func:`medusa_export.loading.draft_vocab.subset_ids`).
-    """
-    from torch.export import Dim
-
-    args = (torch.zeros(2, model.config.hidden_size, dtype=dtype),)
-    ins, outs = heads_io(model, "float32", topk)
-    _export(_HeadsGraph(model, topk, vocab_ids), args, {"hidden_states": {0: Dim("R", min=1, max=1 << 16)}},
-            [t.name for t in ins], [t.name for t in outs], path)
-
-
-def merge_weights(model_paths: list[Path], weights_name: str = WEIGHTS_FILE) -> dict:
-    """Rewrite ONNX models so all their initializers live in one shared external-data file.
-
-    Identical tensors (same dtype, shape and bytes) are stored once. Locations are relative
-    to the models' folder, so the artifact loads from any working directory. The models'
-    previous external-data files are deleted.
-
-    Args:
-        model_paths: ONNX files in the same directory.
-        weights_name: the shared data file's name.
+        b: the builder (its dtype and MatMulNBits settings apply to every linear layer).
+        cfg: the backbone, every switch of :class:`~medusa_export.model.config.BackboneConfig` honoured.
+        lm_head_quant: MatMulNBits settings of the lm_head (None: float ``Gemm``).
+        k: width of the top-k outputs (capped at the vocabulary).
 
     Returns:
-        {"tensors": stored tensor count, "bytes": data file size, "deduplicated": count}.
+        (inputs, outputs): the contract (:func:`~.contract.step_io`) the graph declares.
     """
-    folder = model_paths[0].parent
-    old_data = set()  # whatever external data files the models reference now (exporter's, quantizer's)
-    for p in model_paths:
-        for t in onnx.load(str(p), load_external_data=False).graph.initializer:
-            old_data.update(folder / e.value for e in t.external_data if e.key == "location")
-    models = [onnx.load(str(p), load_external_data=True) for p in model_paths]
-    offsets: dict[str, tuple[int, int]] = {}
-    stored = dedup = 0
-    with open(folder / weights_name, "wb") as fh:
-        for m in models:
-            for t in m.graph.initializer:
-                arr = numpy_helper.to_array(t)
-                raw = np.ascontiguousarray(arr).tobytes()
-                if len(raw) < 1024:
-                    continue  # small constants stay inside the graph
-                key = hashlib.sha256(raw).hexdigest() + f"{arr.dtype}{arr.shape}"
-                if key not in offsets:
-                    pad = (-fh.tell()) % _ALIGN
-                    fh.write(b"\0" * pad)
-                    offsets[key] = (fh.tell(), len(raw))
-                    fh.write(raw)
-                    stored += 1
-                else:
-                    dedup += 1
-                off, length = offsets[key]
-                dims, dtype, name = list(t.dims), t.data_type, t.name
-                t.Clear()
-                t.name, t.data_type = name, dtype
-                t.dims.extend(dims)
-                t.data_location = onnx.TensorProto.EXTERNAL
-                for k, v in (("location", weights_name), ("offset", str(off)), ("length", str(length))):
-                    e = t.external_data.add()
-                    e.key, e.value = k, v
-        size = fh.tell()
-    for f in old_data:
-        if f.name != weights_name and f.exists():
-            f.unlink()
-    for m, p in zip(models, model_paths):
-        onnx.save(m, str(p))
-    return {"tensors": stored, "bytes": size, "deduplicated": dedup}
+    eps, d = cfg.rms_norm_eps, cfg.hidden_size
+    k = min(k, cfg.vocab_size)
+    embed = "model.embed_tokens.weight"
+    table = b.weight(embed, Recipe("backbone", (embed,), "rows", b.dtype))[0].name
+    x = b.op("Gather", [table, "input_ids"], "embed", axis=0)  # [1, S, d]
+    # RoPE tables for this step's positions: [1, S, 1, D] (float32 maths, cast to the graph dtype).
+    pos = b.op("Unsqueeze", [b.cast("position_ids", "float32", "rope/positions"), b.const([2], "int64")],
+               "rope/positions_col")  # [1, S, 1]
+    freqs = b.op("Mul", [pos, b.const(rope_inv_freq(cfg).numpy().astype(np.float32))], "rope/freqs")  # [1, S, D/2]
+    emb = b.op("Concat", [freqs, freqs], "rope/emb", axis=-1)  # [1, S, D]
+    axis2 = b.const([2], "int64")
+    cos = b.op("Unsqueeze", [b.from_float32(b.op("Cos", [emb], "rope/cos_f32"), "rope/cos_cast"), axis2], "rope/cos")
+    sin = b.op("Unsqueeze", [b.from_float32(b.op("Sin", [emb], "rope/sin_f32"), "rope/sin_cast"), axis2], "rope/sin")
+    masks = _Masks(b, cfg)
+    past_len = b.op("Shape", ["past_key_values.0.key"], "past_len", start=1, end=2)  # [1]
+    for i in range(cfg.num_hidden_layers):
+        h = b.rms_norm(x, layer_key(i, "input_layernorm.weight"), eps, f"layers.{i}.input_norm")
+        x = b.op("Add", [x, _attention(b, cfg, i, h, cos, sin, masks, past_len)], f"layers.{i}.attn/residual")
+        h = b.rms_norm(x, layer_key(i, "post_attention_layernorm.weight"), eps, f"layers.{i}.post_norm")
+        x = b.op("Add", [x, _mlp(b, cfg, i, h)], f"layers.{i}.mlp/residual")
+    b.rms_norm(x, "model.norm.weight", eps, "norm", out="hidden_states")
+    rows = b.op("Reshape", ["hidden_states", b.const([-1, d], "int64")], "lm_head/rows")  # [S, d]
+    b.acceptance_outputs(b.projection(rows, "lm_head", lm_head_key(cfg), quant=lm_head_quant), k)
+    return step_io(cfg, b.dtype, k)

@@ -8,13 +8,11 @@ quantizes each activation row to int8 per block and multiplies in int8 (AVX512-V
 AVX-VNNI where present). Such a graph is ONNX Runtime only (the artifact's flavour is
 ``ort-contrib``); the portable fp32 / fp16 graphs are the TensorRT path.
 
-The exporter writes the projections in two shapes the quantizer does not take, so they are
-rewritten first (:func:`fold_weight_transposes`), values unchanged:
-
-* ``Gemm(x, W, b, transB=1)`` (``nn.Linear`` in the heads graph) -> ``MatMul(x, W^T) + b``;
-* ``MatMul(x, Transpose(W))`` (the tied lm_head, whose ``W`` is also the embedding table
-  read by ``Gather``) -> ``MatMul(x, W^T)`` with a pre-transposed copy. The embedding keeps
-  reading the float table, so token lookup is exact.
+The graph writers emit MatMulNBits directly (:meth:`.graph.GraphBuilder.linear`); each weight is
+quantized on its own, block of rows by block of rows, as it is written (:func:`quantize_rows`), with
+ONNX Runtime's own quantization kernels: no whole-graph quantizer pass that loads every initializer.
+Projections keep the ``nn.Linear`` layout ``[out, in]`` that MatMulNBits stores (one row of blocks per
+output), so nothing is transposed. The embedding keeps reading a float table, so token lookup is exact.
 
 Whether the vocabulary projection (``[d, V]``, the lm_head) is quantized is a parameter:
 it is the largest matrix of a small model and the heads' whole cost.
@@ -47,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
 from ..errors import MedusaError
 
@@ -107,128 +104,46 @@ class WeightOnlyConfig:
                 f"lm_head {'quantized' if self.vocab_projection else 'float'}; embedding Gather float")
 
 
-def _const(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    return {t.name: t for t in model.graph.initializer}
+def nbits_geometry(k: int, bits: int, block_size: int) -> tuple[int, int, int]:
+    """(blocks per row, bytes per block, zero-point bytes per row) of MatMulNBits over K inputs
+    (onnxruntime ``DefaultWeightOnlyQuantizer.qbits_block_quant``, QOperator format)."""
+    kpack = 8 // bits
+    blocks = (k + block_size - 1) // block_size
+    return blocks, (block_size + kpack - 1) // kpack, (blocks + kpack - 1) // kpack
 
 
-def fold_weight_transposes(model: onnx.ModelProto, skip_width: int | None = None) -> int:
-    """Rewrite constant-weight projections as ``MatMul(x, W)`` with ``W`` an initializer (in place).
+def quantize_rows(w: np.ndarray, bits: int, block_size: int, symmetric: bool):
+    """MatMulNBits blocks of the rows of ``w`` float32 ``[n, K]`` (row j = output column j of the MatMul).
 
-    ``Gemm(A, B[, C])`` with a constant ``B`` (alpha = beta = 1, transA = 0) becomes
-    ``MatMul(A, B or B^T)`` (+ ``Add(C)``); ``MatMul(x, Transpose(W))`` with a constant 2-D
-    ``W`` reads a transposed copy ``W^T``. Transposes left without consumers are removed;
-    ``W`` itself stays when another node (the embedding ``Gather``) reads it. External data
-    must be loaded.
-
-    Args:
-        model: the ONNX model, changed in place.
-        skip_width: leave projections with this output width as they are (the vocabulary
-            size, when the lm_head stays float: it then keeps sharing the embedding table
-            instead of adding a transposed float copy).
-
-    Returns:
-        The number of rewritten nodes.
-
-    Raises:
-        QuantizationError: a Gemm with alpha/beta != 1 or transA = 1 on a constant weight.
-    """
-    g = model.graph
-    inits = _const(model)
-    producers = {o: n for n in g.node for o in n.output}
-    added: dict[str, onnx.TensorProto] = {}
-
-    def transposed(name: str) -> str:
-        if name not in added:
-            arr = numpy_helper.to_array(inits[name])
-            added[name] = numpy_helper.from_array(np.ascontiguousarray(arr.T), f"{name}.T")
-        return added[name].name
-
-    def width(name: str, transpose: bool) -> int:
-        dims = list(inits[name].dims)
-        return dims[0] if transpose else dims[-1]
-
-    new_nodes, rewritten = [], 0
-    for n in g.node:
-        a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
-        if (n.op_type == "Gemm" and len(n.input) > 1 and n.input[1] in inits
-                and width(n.input[1], bool(a.get("transB", 0))) != skip_width):
-            if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("transA", 0):
-                raise QuantizationError(f"Gemm node {n.name!r} has alpha/beta/transA the rewrite does not handle")
-            w = transposed(n.input[1]) if a.get("transB", 0) else n.input[1]
-            has_bias = len(n.input) > 2 and n.input[2]
-            mm_out = f"{n.output[0]}_matmul" if has_bias else n.output[0]
-            new_nodes.append(helper.make_node("MatMul", [n.input[0], w], [mm_out], name=f"{n.name}_matmul"))
-            if has_bias:
-                new_nodes.append(helper.make_node("Add", [mm_out, n.input[2]], [n.output[0]], name=f"{n.name}_bias"))
-            rewritten += 1
-            continue
-        if n.op_type == "MatMul" and n.input[1] in producers:
-            t = producers[n.input[1]]
-            perm = next((helper.get_attribute_value(x) for x in t.attribute if x.name == "perm"), None)
-            if (t.op_type == "Transpose" and t.input[0] in inits and len(inits[t.input[0]].dims) == 2
-                    and list(perm or [1, 0]) == [1, 0] and width(t.input[0], True) != skip_width):
-                new_nodes.append(helper.make_node("MatMul", [n.input[0], transposed(t.input[0])], list(n.output),
-                                                  name=n.name))
-                rewritten += 1
-                continue
-        new_nodes.append(n)
-    used = {i for n in new_nodes for i in n.input} | {o.name for o in g.output}
-    new_nodes = [n for n in new_nodes if n.op_type != "Transpose" or any(o in used for o in n.output)]
-    used = {i for n in new_nodes for i in n.input}
-    kept = [t for t in g.initializer if t.name in used]
-    g.ClearField("node")
-    g.node.extend(new_nodes)
-    g.ClearField("initializer")
-    g.initializer.extend(kept + list(added.values()))
-    return rewritten
-
-
-def quantize_graph(path: Path, cfg: WeightOnlyConfig, vocab_size: int) -> dict:
-    """Quantize one exported graph file in place with :class:`MatMulNBitsQuantizer`.
-
-    The file is rewritten with its weights in ``<name>.data`` beside it (``merge_weights``
-    folds that into the artifact's one weights file afterwards).
+    onnxruntime's own kernels (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``) on the ``[K, n]``
+    transpose, zero-padded to whole blocks along K, exactly as ``MatMulNBitsQuantizer`` calls them
+    (``DefaultWeightOnlyQuantizer.qbits_block_quant``): the same bytes as a whole-graph pass. Rows are
+    quantized independently, so blocks of rows concatenate to the bytes of the whole matrix.
 
     Args:
-        path: the ONNX file (its external data beside it).
-        cfg: bits, block size, accuracy level, whether the vocabulary projection is quantized.
-        vocab_size: output width that identifies the vocabulary projection.
+        w: float32 [n, K] (an ``nn.Linear`` weight as stored: output rows).
+        bits: 4 or 8.
+        block_size: weights per block along K.
+        symmetric: no zero points (the kernel still fills the array; the caller drops it).
 
     Returns:
-        {"quantized": MatMulNBits node count, "float_matmuls": constant-weight MatMuls left float}.
-
-    Raises:
-        QuantizationError: the graph has no weight the quantizer took.
+        (packed uint8 [n, blocks, blob], scales float32 [n, blocks], zero points uint8 [n, zp bytes]).
     """
-    import logging
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    import torch
 
-    model = onnx.load(str(path), load_external_data=True)
-    skip = None if cfg.vocab_projection else vocab_size
-    fold_weight_transposes(model, skip_width=skip)
-    inits = _const(model)
-    exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
-               and list(inits[n.input[1]].dims)[-1:] == [skip]]  # an untransposed [d, V] MatMul
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    q = MatMulNBitsQuantizer(model, bits=cfg.bits, block_size=cfg.block_size, is_symmetric=cfg.symmetric,
-                             accuracy_level=cfg.accuracy_level, nodes_to_exclude=exclude,
-                             op_types_to_quantize=("MatMul",))
-    q.process()
-    out = q.model.model
-    nodes = list(out.graph.node)
-    n_q = sum(n.op_type == "MatMulNBits" for n in nodes)
-    if n_q == 0:
-        raise QuantizationError(f"{path.name}: no MatMul weight was quantized")
-    inits = _const(out)
-    n_float = sum(n.op_type == "MatMul" and n.input[1] in inits for n in nodes)
-    data = path.with_name(path.name + ".data")
-    for f in path.parent.iterdir():
-        if f.name.startswith(path.name) and f != path:
-            f.unlink()
-    onnx.save(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data.name,
-              size_threshold=1024)
-    return {"quantized": n_q, "float_matmuls": n_float}
+    n, k = w.shape
+    blocks, blob, zp_bytes = nbits_geometry(k, bits, block_size)
+    wt = torch.from_numpy(np.ascontiguousarray(w, np.float32)).t()  # torch's blocked transpose: ~4x numpy's
+    if k % block_size:
+        wt = torch.nn.functional.pad(wt, (0, 0, 0, blocks * block_size - k))
+    wt = wt.contiguous().numpy()
+    packed = np.zeros((n, blocks, blob), np.uint8)
+    scales = np.zeros((n, blocks), np.float32)
+    zp = np.zeros((n, zp_bytes), np.uint8)
+    (quantize_matmul_4bits if bits == 4 else quantize_matmul_8bits)(packed, wt, scales, zp, block_size, n, k, symmetric)
+    return packed, scales, zp
 
 
 def uses_contrib_ops(path: Path) -> list[str]:

@@ -313,7 +313,7 @@ def _load_folder(path: Path, dtype: torch.dtype, trust_remote_code: bool):
     if quant is not None or any(fp8.is_fp8(t) for t in tensors.values()):
         dq = fp8.dequantize_state(tensors, dtype)
         tensors, kept = dq.tensors, dq.kept_scales
-        quantization = f"modelopt FP8 ({dq.quantized} weights dequantized to {str(dtype).removeprefix('torch.')})"
+        quantization = fp8.describe(dq.quantized, dtype)
         notes.append(fp8.TENSORRT_FP8_NOTE)
     try:
         rest, heads, prefix = split_heads(tensors)

@@ -2,7 +2,7 @@
 
 Pure helpers (no file reading beyond the small quantization config), shared by the loader of the
 PyTorch reference (:mod:`.backbone`, :mod:`.heads_formats`) and by the export's streaming tensor
-source, so both dequantize the same way.
+source (:class:`~.checkpoint.SafetensorsSource`), so both dequantize the same way (:func:`dequantize`).
 
 Layout (modelopt's unified Hugging Face export, ``modelopt/torch/export/quant_utils.py``; read by
 TensorRT-LLM ``models/medusa/weight.py`` and ``examples/medusa/convert_checkpoint.py``):
@@ -11,7 +11,7 @@ TensorRT-LLM ``models/medusa/weight.py`` and ``examples/medusa/convert_checkpoin
   "FP8", "kv_cache_quant_algo": null | "FP8", "exclude_modules": [...]}}``; newer exports also
   write ``quantization_config`` with ``"quant_method": "modelopt"`` into ``config.json``;
 * every quantized Linear ``X``: ``X.weight`` float8_e4m3fn, ``X.weight_scale`` float32 per-tensor
-  (shape [] or [1]) with ``weight = fp8 * weight_scale`` (``to_quantized_weight``:
+  (shape [] or [1]; a per-output-channel scale, one per row, is read too) with ``weight = fp8 * weight_scale`` (``to_quantized_weight``:
   ``(w / scale).to(float8_e4m3fn)``, scale = amax / 448), and ``X.input_scale``, the static
   activation scale a TensorRT FP8 GEMM would use;
 * optional KV-cache scales (``kv_cache_quant_algo`` FP8): ``*.k_scale`` / ``*.v_scale``
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from ..errors import UnsupportedModelError
 
 #: The FP8 format modelopt writes (E4M3, max 448).
 FP8_DTYPE = torch.float8_e4m3fn
+#: Storage dtypes read as FP8 (E4M3, and E5M2).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 WEIGHT_SCALE = "weight_scale"
 INPUT_SCALE = "input_scale"
 #: Scales that are not needed to dequantize the weights (activations, KV cache); kept aside.
@@ -97,7 +100,7 @@ def read_quant_config(folder: str | Path, config: dict | None = None) -> QuantCo
 
 def is_fp8(t: torch.Tensor) -> bool:
     """True for a tensor stored in FP8 (E4M3 or E5M2)."""
-    return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return t.dtype in FP8_DTYPES
 
 
 def scale_key(weight_key: str, scale: str = WEIGHT_SCALE) -> str:
@@ -105,22 +108,63 @@ def scale_key(weight_key: str, scale: str = WEIGHT_SCALE) -> str:
     return weight_key.removesuffix("weight") + scale
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An FP8 weight times its per-tensor scale: ``(weight.float() * scale.float()).to(dtype)``.
-
-    Args:
-        weight: float8_e4m3fn [out, in] (any shape).
-        scale: float32 with one element (shape [] or [1]).
-        dtype: the result's dtype (the product is formed in float32).
+def check_scale(key: str, scale_shape: tuple[int, ...], weight_shape: tuple[int, ...]) -> None:
+    """Refuse a ``weight_scale`` that is neither per tensor (one value) nor per output channel (one per row).
 
     Raises:
-        UnsupportedModelError: a scale with more than one element (per-channel or block scales
-            are not what modelopt FP8 writes).
+        UnsupportedModelError: the scale's key, shape and what is supported.
     """
-    if scale.numel() != 1:
-        raise UnsupportedModelError(f"FP8 weight scale of shape {tuple(scale.shape)}: only per-tensor scales "
-                                    "(one element) are supported")
-    return (weight.to(torch.float32) * scale.to(torch.float32).reshape(())).to(dtype)
+    n = prod(scale_shape)
+    if n != 1 and not (weight_shape and n == weight_shape[0]):
+        raise UnsupportedModelError(
+            f"FP8 scale {key!r} has shape {tuple(scale_shape)} for a weight of shape {tuple(weight_shape)}: only "
+            "per-tensor scales (one value) or per-output-channel scales (one per row) are supported")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """An FP8 weight times its scale: ``(weight.float() * scale.float()).to(dtype)``.
+
+    The one dequantization of the project: the loaded reference (:func:`dequantize_state`) and the
+    export's streaming source (:class:`~.checkpoint.SafetensorsSource`) both call it.
+
+    Args:
+        weight: float8 [out, in] (any shape), or rows ``[start, stop)`` of it when ``rows`` is given.
+        scale: float32 with one element (per tensor, shape [] or [1]; modelopt FP8) or one per output
+            row of the whole weight (per channel, shape [out] or [out, 1]).
+        dtype: the result's dtype (the product is formed in float32).
+        rows: the rows of the whole weight that ``weight`` holds (a per-channel scale is sliced to them).
+
+    Raises:
+        UnsupportedModelError: a scale that is neither (its shape named).
+    """
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif weight.dim():
+        s = s.reshape(-1, *([1] * (weight.dim() - 1)))
+        s = s if rows is None else s[rows[0]:rows[1]]
+    if s.numel() != 1 and (weight.dim() == 0 or s.shape[0] != weight.shape[0]):
+        raise UnsupportedModelError(f"FP8 weight scale of shape {tuple(scale.shape)} for a weight of shape "
+                                    f"{tuple(weight.shape)}: only per-tensor scales (one value) or per-output-channel "
+                                    "scales (one per row) are supported")
+    return (weight.to(torch.float32) * s).to(dtype)
+
+
+def describe(quantized: int, dtype: torch.dtype = torch.float32) -> str:
+    """How a build summary and ``LoadedMedusa.quantization`` name a dequantized modelopt FP8 checkpoint."""
+    return f"modelopt FP8 ({quantized} weights dequantized to {str(dtype).removeprefix('torch.')})"
+
+
+def kept_scale(key: str, value: torch.Tensor) -> float:
+    """An activation or KV scale set aside (not applied), as a float.
+
+    Raises:
+        UnsupportedModelError: a scale that is not per tensor.
+    """
+    if value.numel() != 1:
+        raise UnsupportedModelError(f"{key!r} has shape {tuple(value.shape)}; only per-tensor scales are supported")
+    return float(value.float().reshape(()))
 
 
 @dataclass
@@ -160,14 +204,13 @@ def dequantize_state(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torc
                 raise UnsupportedModelError(f"{key!r} scales no FP8 weight ({weight!r} is missing or not FP8)")
             continue
         if key.rsplit(".", 1)[-1] in KEPT_SCALE_SUFFIXES:
-            if t.numel() != 1:
-                raise UnsupportedModelError(f"{key!r} has shape {tuple(t.shape)}; only per-tensor scales are supported")
-            kept[key] = float(t.float().reshape(()))
+            kept[key] = kept_scale(key, t)
             continue
         if is_fp8(t):
             sk = scale_key(key)
             if sk not in tensors:
                 raise UnsupportedModelError(f"FP8 tensor {key!r} has no {sk!r}")
+            check_scale(sk, tuple(tensors[sk].shape), tuple(t.shape))
             out[key] = dequantize(t, tensors[sk], dtype)
             n += 1
         else:

@@ -73,6 +73,18 @@ def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise HeadsFormatError(str(exc).replace("weights file", "heads file")) from exc
 
 
+def heads_prefix(keys) -> str | None:
+    """The prefix of Medusa heads stored among a full model's tensor names (:data:`HEAD_PREFIXES`), or None.
+
+    Raises:
+        HeadsFormatError: keys with both prefixes (two sets of heads).
+    """
+    found = sorted({p for p in HEAD_PREFIXES if any(k.startswith(p) for k in keys)})
+    if len(found) > 1:
+        raise HeadsFormatError(f"checkpoint holds keys with both {' and '.join(found)} prefixes")
+    return found[0] if found else None
+
+
 def split_heads(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str | None]:
     """Separate the Medusa heads from a full model's state dict.
 
@@ -85,12 +97,9 @@ def split_heads(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     Raises:
         HeadsFormatError: keys with both prefixes (two sets of heads).
     """
-    found = {p for p in HEAD_PREFIXES if any(k.startswith(p) for k in tensors)}
-    if len(found) > 1:
-        raise HeadsFormatError(f"checkpoint holds keys with both {' and '.join(sorted(found))} prefixes")
-    if not found:
+    prefix = heads_prefix(tensors)
+    if prefix is None:
         return tensors, {}, None
-    prefix = found.pop()
     rest = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
     heads = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
     return rest, heads, prefix
@@ -192,6 +201,40 @@ def infer_heads_config(
     return HeadsConfig(k, layers_n, d, v, own)
 
 
+def stated_heads_config(
+    tensors: dict,
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_heads: int | None = None,
+    num_layers: int | None = None,
+    counts_from: str | None = None,
+) -> HeadsConfig:
+    """:func:`infer_heads_config` with the counts a file states: ours strictly, a third party's with a warning.
+
+    Args:
+        tensors: the heads' tensors, or anything with their shapes (meta tensors from headers).
+        hidden_size, vocab_size: the backbone's d and V.
+        num_heads, num_layers: the counts a config states (None: not stated).
+        counts_from: None when they come from our own ``heads.json`` (a disagreement is an error);
+            else the third-party file they come from (e.g. ``config.json``), whose counts are known
+            to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads for its 5):
+            the weights' counts are used and a disagreement is a warning.
+
+    Raises:
+        HeadsFormatError: see :func:`infer_heads_config`.
+    """
+    strict = counts_from is None
+    cfg = infer_heads_config(tensors, hidden_size=hidden_size, vocab_size=vocab_size,
+                             num_heads=num_heads if strict else None, num_layers=num_layers if strict else None)
+    stated = {"heads": (num_heads, cfg.num_heads), "layers per head": (num_layers, cfg.num_layers)}
+    for what, (said, held) in stated.items():
+        if not strict and said is not None and said != held:
+            warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
+                          "used", stacklevel=3)
+    return cfg
+
+
 def heads_from_tensors(
     tensors: dict[str, torch.Tensor],
     lm_head: nn.Linear,
@@ -208,11 +251,8 @@ def heads_from_tensors(
     Args:
         tensors: the heads' tensors (no prefix).
         lm_head: the backbone's LM head [V, d].
-        num_heads, num_layers: the counts a config states (None: not stated).
-        counts_from: None when the counts come from our own ``heads.json`` (a disagreement is an
-            error); else the third-party file they come from (e.g. ``config.json``), whose counts
-            are known to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads
-            for its 5): the weights' counts are used and a disagreement is a warning.
+        num_heads, num_layers, counts_from: the counts a file states and which file (see
+            :func:`stated_heads_config`).
 
     Raises:
         HeadsFormatError: see :func:`infer_heads_config`; a malformed FP8 scale.
@@ -223,14 +263,8 @@ def heads_from_tensors(
         except MedusaError as exc:
             raise HeadsFormatError(f"FP8 heads: {exc}") from None
     vocab, hidden = lm_head.weight.shape
-    strict = counts_from is None
-    cfg = infer_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads if strict else None,
-                             num_layers=num_layers if strict else None)
-    stated = {"heads": (num_heads, cfg.num_heads), "layers per head": (num_layers, cfg.num_layers)}
-    for what, (said, held) in stated.items():
-        if not strict and said is not None and said != held:
-            warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
-                          "used", stacklevel=2)
+    cfg = stated_heads_config(tensors, hidden_size=hidden, vocab_size=vocab, num_heads=num_heads,
+                              num_layers=num_layers, counts_from=counts_from)
     heads = MedusaHeads(cfg, lm_head)
     dtype = lm_head.weight.dtype
     state = {f"heads.{k}": v.to(dtype) for k, v in tensors.items()}
@@ -239,7 +273,7 @@ def heads_from_tensors(
     return heads
 
 
-def _config_counts(folder: Path) -> tuple[int | None, int | None, str | None]:
+def config_counts(folder: Path) -> tuple[int | None, int | None, str | None]:
     """The head counts stated beside the heads and where: ours (``heads.json``: None), else ``config.json``'s."""
     if (folder / HEADS_CONFIG).is_file():
         meta = json.loads((folder / HEADS_CONFIG).read_text())
@@ -285,5 +319,5 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
     else:
         folder = path.parent
         tensors = read_head_tensors(path)
-    num_heads, num_layers, counts_from = _config_counts(folder)
+    num_heads, num_layers, counts_from = config_counts(folder)
     return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers, counts_from=counts_from)

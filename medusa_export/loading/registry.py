@@ -32,7 +32,7 @@ from ..model.medusa import MedusaModel
 from .accuracies import load_accuracies
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
 from .draft_vocab import DraftVocab, load_draft_vocab
-from .heads_formats import heads_from_tensors, load_heads
+from .heads_formats import HEAD_PREFIXES, heads_from_tensors, load_heads
 
 DEFAULT_MODEL = "smollm2-135m"
 #: What a model without a chat template (a base model) does, said wherever it matters.
@@ -101,9 +101,13 @@ def get_entry(name: str) -> ModelEntry:
 
 @dataclass
 class LoadedMedusa:
-    """A Medusa model ready for the reference decode loop and export."""
+    """A Medusa model ready for the reference decode loop and export.
 
-    model: MedusaModel
+    ``model`` is the loaded fp32 reference (:func:`load_model`), or None when the model was opened as
+    tensor sources for a streamed export (:func:`~.sources.open_model`: ``sources`` set, nothing loaded).
+    """
+
+    model: MedusaModel | None
     tokenizer: object
     eos_token_ids: list[int]
     chat_template: str | None
@@ -123,6 +127,9 @@ class LoadedMedusa:
     kept_scales: dict = field(default_factory=dict)
     #: what the user should know about this checkpoint (GGUF limits, FP8, no chat template); printed by the CLI.
     notes: list = field(default_factory=list)
+    #: the backbone and heads as tensor sources with their configs (:class:`~.sources.ModelSources`), when
+    #: opened by :func:`~.sources.open_model`; None for a loaded ``model`` (its sources are made on demand).
+    sources: object | None = None
 
     @property
     def heads_are_initial(self) -> bool:
@@ -161,6 +168,9 @@ def resolve_backbone(entry: ModelEntry, model_path: str | None) -> tuple[Path, s
 def entry_for(model: str) -> tuple[ModelEntry, str | None]:
     """The registry entry of ``model``, or a local entry when ``model`` is an existing path.
 
+    The one resolution of a ``--model`` value, shared by :func:`load_model` (the loaded reference)
+    and :func:`~.sources.open_model` (the streamed export's sources) through :func:`resolve_model`.
+
     Returns:
         (the entry, the path when ``model`` is one, else None).
 
@@ -173,6 +183,78 @@ def entry_for(model: str) -> tuple[ModelEntry, str | None]:
     return get_entry(model), None
 
 
+def resolve_model(model: str, model_path: str | None = None) -> tuple[ModelEntry, Path]:
+    """A registry name or a path -> (its entry, where its backbone weights are on disk).
+
+    A path that is not a registered name gets an entry of its own (:func:`entry_for`: initial heads,
+    4 x 1 block, unless the folder holds heads).
+
+    Raises:
+        UnknownModelError, WeightsNotFoundError: as :func:`entry_for` / :func:`resolve_backbone`.
+    """
+    entry, local = entry_for(model)
+    path, _ = resolve_backbone(entry, local or model_path)
+    return entry, path
+
+
+#: How initial heads are described (``LoadedMedusa.heads_source``; :attr:`LoadedMedusa.heads_are_initial` reads it).
+INITIAL_HEADS_SOURCE = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
+
+
+@dataclass(frozen=True)
+class HeadsChoice:
+    """Where a model's Medusa heads come from (:func:`choose_heads`).
+
+    Attributes:
+        kind: ``"path"`` (a heads folder or file, or a model folder holding heads), ``"backbone"``
+            (stored in the backbone's own checkpoint under ``prefix``) or ``"init"`` (§2.1.1 initial heads).
+        path: the heads folder/file (``"path"``) or the backbone folder (``"backbone"``): where
+            ``accuracies.json`` / ``draft_vocab.json`` are looked for; None for ``"init"``.
+        description: where they came from, for messages and manifests.
+        prefix: the key prefix of heads stored in the backbone (``"backbone"`` only).
+    """
+
+    kind: str
+    path: Path | None
+    description: str
+    prefix: str | None = None
+
+
+def choose_heads(entry: ModelEntry, heads_path: str | None, *, embedded_prefix: str | None,
+                 backbone_source: str) -> HeadsChoice:
+    """Where the heads of ``entry`` (or ``heads_path``) are: the one decision behind :func:`load_entry_heads`
+    and :func:`~.sources.open_model`.
+
+    Args:
+        entry: the registry entry (its ``heads`` source: ``shipped``, ``hf``, ``backbone``, ``init``).
+        heads_path: heads folder/file given by the user (overrides the entry).
+        embedded_prefix: the prefix of heads stored in the backbone's checkpoint (``medusa_head.`` or
+            ``medusa_heads.``), or None when it holds none. An ``init`` entry (a local folder) uses them.
+        backbone_source: the backbone's folder or file (messages; ``accuracies.json`` beside stored heads).
+
+    Raises:
+        HeadsFormatError: a ``backbone`` entry whose checkpoint holds no heads.
+        WeightsNotFoundError: an HF heads repo not in the cache.
+        ValueError: the entry names an unknown heads source.
+    """
+    source = entry.heads["source"]
+    if heads_path:
+        return HeadsChoice("path", Path(heads_path), str(heads_path))
+    if source == "backbone" or (source == "init" and embedded_prefix is not None):
+        if embedded_prefix is None:
+            raise HeadsFormatError(f"{backbone_source} holds no Medusa heads (no key starts with "
+                                   f"{' or '.join(HEAD_PREFIXES)}); give --heads")
+        return HeadsChoice("backbone", Path(backbone_source), f"{backbone_source} ({embedded_prefix}* keys)",
+                           embedded_prefix)
+    if source == "init":
+        return HeadsChoice("init", None, INITIAL_HEADS_SOURCE)
+    if source == "shipped":
+        return HeadsChoice("path", models_dir() / entry.heads["path"], f"shipped:{entry.heads['path']}")
+    if source == "hf":
+        return HeadsChoice("path", hf_cache_snapshot(entry.heads["repo"]), entry.heads["repo"])
+    raise ValueError(f"registry entry {entry.name!r}: unknown heads source {source!r}")
+
+
 def load_entry_backbone(entry: ModelEntry, model_path: str | None = None, *, dtype: torch.dtype = torch.float32,
                         trust_remote_code: bool = False) -> LoadedBackbone:
     """The backbone and tokenizer of a registry entry (the entry's chat template file, if any, applied).
@@ -181,8 +263,12 @@ def load_entry_backbone(entry: ModelEntry, model_path: str | None = None, *, dty
         WeightsNotFoundError, UnsupportedModelError: see :func:`~.backbone.load_backbone`.
     """
     path, _ = resolve_backbone(entry, model_path)
-    template = (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
-    return load_backbone(path, dtype=dtype, trust_remote_code=trust_remote_code, chat_template=template)
+    return load_backbone(path, dtype=dtype, trust_remote_code=trust_remote_code, chat_template=entry_template(entry))
+
+
+def entry_template(entry: ModelEntry) -> str | None:
+    """The chat template file an entry ships (overriding the tokenizer's), or None."""
+    return (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
 
 
 def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str | None = None,
@@ -205,25 +291,17 @@ def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str 
         WeightsNotFoundError: an HF heads repo not in the cache.
     """
     lm_head = lm_head if lm_head is not None else loaded.backbone.lm_head
-    source, embedded = entry.heads["source"], loaded.embedded_heads
-    if heads_path:
-        return load_heads(heads_path, lm_head), str(heads_path), Path(heads_path)
-    if source == "backbone" or (source == "init" and embedded is not None):
-        if embedded is None:
-            raise HeadsFormatError(f"{loaded.source} holds no Medusa heads (no key starts with medusa_head. or "
-                                   "medusa_heads.); give --heads")
+    embedded = loaded.embedded_heads
+    choice = choose_heads(entry, heads_path, embedded_prefix=embedded.prefix if embedded else None,
+                          backbone_source=loaded.source)
+    if choice.kind == "init":
+        return None, choice.description, None
+    if choice.kind == "backbone":
         heads = heads_from_tensors(embedded.tensors, lm_head, num_heads=embedded.num_heads,
                                    num_layers=embedded.num_layers, counts_from=f"{loaded.source}/config.json")
-        return heads, f"{loaded.source} ({embedded.prefix}* keys)", Path(loaded.source)
-    if source == "init":
-        return None, "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)", None
-    if source == "shipped":
-        hp = models_dir() / entry.heads["path"]
-        return load_heads(hp, lm_head), f"shipped:{entry.heads['path']}", hp
-    if source == "hf":
-        hp = hf_cache_snapshot(entry.heads["repo"])
-        return load_heads(hp, lm_head), entry.heads["repo"], hp
-    raise ValueError(f"registry entry {entry.name!r}: unknown heads source {source!r}")
+    else:
+        heads = load_heads(choice.path, lm_head)
+    return heads, choice.description, choice.path
 
 
 def load_model(
@@ -258,9 +336,6 @@ def load_model(
     else:
         medusa = MedusaModel(loaded.backbone, heads)
     medusa.heads.to(dtype)
-    notes = list(loaded.notes)
-    if not loaded.chat_template:
-        notes.append(NO_CHAT_TEMPLATE_NOTE)
     return LoadedMedusa(
         model=medusa.eval(),
         tokenizer=loaded.tokenizer,
@@ -275,5 +350,11 @@ def load_model(
         draft_vocab=load_draft_vocab(hp),
         quantization=loaded.quantization,
         kept_scales=loaded.kept_scales,
-        notes=notes,
+        notes=model_notes(loaded.notes, loaded.chat_template),
     )
+
+
+def model_notes(checkpoint_notes: list[str], chat_template: str | None) -> list[str]:
+    """What the user should know about a model (printed by the CLI): the checkpoint's notes (GGUF limits,
+    FP8 dequantization), and :data:`NO_CHAT_TEMPLATE_NOTE` for a model without a chat template."""
+    return list(checkpoint_notes) + ([] if chat_template else [NO_CHAT_TEMPLATE_NOTE])

@@ -19,12 +19,19 @@ from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS
 
 
 def fp32_node_names(model: onnx.ModelProto) -> list[str]:
-    """Names of the nodes to keep in float32 (op types :data:`FP32_OPS`), in graph order.
+    """Names of the nodes to keep in float32, in graph order: every node of every RMSNorm chain (the squaring,
+    ReduceMean, the epsilon Add, Sqrt, Reciprocal, the normalising Mul and the weight Mul: the graph writer
+    names them ``<norm>/rmsnorm/*``), every attention softmax, and the op types :data:`FP32_OPS` (the output
+    tail). A chain is pinned whole: with the epsilon Add left to fp16, a variance above 65504 becomes inf
+    and the norm outputs zeros (issue 13, item 6).
 
     TensorRT's ONNX parser names each layer after its node, so these names serve both
     ``trtexec --layerPrecisions`` and the Python builder's per-layer constraints.
     """
-    return [n.name for n in model.graph.node if n.op_type in FP32_OPS and n.name]
+    from ..export.graph import RMSNORM_MARK, SOFTMAX_MARK
+
+    return [n.name for n in model.graph.node if n.name and (
+        n.op_type in FP32_OPS or RMSNORM_MARK in n.name or n.name.endswith(SOFTMAX_MARK))]
 
 
 def strongly_typed(manifest: dict, precision: str) -> bool:

@@ -13,9 +13,10 @@ EXIT_NO_TENSORRT = EXIT_UNAVAILABLE
 TIMING_CACHE = "engines/timing.cache"
 CALIBRATION_CACHE = "engines/calibration.cache"
 BUILD_SCRIPT = "engines/build_engine.sh"
-#: ONNX op types whose layers are pinned to float32 when TensorRT may lower precision:
-#: RMSNorm (Pow, ReduceMean, Sqrt, Reciprocal), attention softmax, and the output tail
-#: (LogSoftmax, Exp, ReduceSum for the entropy, TopK over the log-probs).
+#: ONNX op types whose layers are pinned to float32 when TensorRT may lower precision: RMSNorm
+#: (Pow, ReduceMean, Sqrt, Reciprocal), attention softmax, and the output tail (LogSoftmax, Exp,
+#: ReduceSum for the entropy, TopK over the log-probs). The Add and Mul nodes of each RMSNorm chain
+#: are pinned by name (``trt.commands.fp32_node_names``).
 FP32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax", "LogSoftmax", "Exp", "ReduceSum", "TopK")
 
 

@@ -153,18 +153,39 @@ class ValidationReport:
 
 
 def validation_summary(v: dict) -> str:
-    """One line from a report's JSON (the manifest's ``validation``): the pass/fail verdict
-    and the figures it rests on; for weight-only precisions, agreement with fp32 as well."""
+    """One line from the manifest's ``validation``: the verdict and the figures it rests on, per check that ran
+    (for weight-only precisions, agreement with fp32 as well)."""
+    head = f"{'PASSED' if v['passed'] else 'FAILED'}: "
+    ran = v.get("ran", ["full"])
+    parts = []
+    for check in ran:
+        if check == "full":
+            parts.append(_report_summary(v))
+        elif check in ("truncated", "gpu"):
+            where = f"first {v[check]['layers']} layer(s)" if check == "truncated" else "whole model on the GPU"
+            parts.append(f"{check} ({where}): " + _report_summary(v[check]))
+        elif check == "checksums":
+            c = v[check]
+            parts.append(f"checksums: {c['tensors']} tensors ({c['bytes'] / 1e9:.2f} GB) re-read and re-made from the "
+                         f"checkpoint" if c["passed"] else f"checksums: {c.get('error')}")
+        elif check == "self":
+            c = v[check]
+            same = sum(p["identical"] for p in c["prompts"])
+            parts.append(f"self: Medusa == plain greedy of the same graph on {same}/{len(c['prompts'])} prompts x "
+                         f"{c['new_tokens']} tokens")
+    return head + "; ".join(parts)
+
+
+def _report_summary(v: dict) -> str:
     prompts, n = v["prompts"], len(v["prompts"])
     same = sum(p["identical"] for p in prompts)
-    head = f"{'PASSED' if v['passed'] else 'FAILED'}: "
     if v["tolerance"].get("reference") == "vanilla":
         lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
         agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
-        return (head + f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x {v['new_tokens']} tokens; "
-                       f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
+        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x {v['new_tokens']} tokens; "
+                f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
     worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
-    return head + f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
+    return f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
 
 
 _CHECKS = {
@@ -221,26 +242,126 @@ def _at(tokens: list[int], i: int) -> int | None:
     return tokens[i] if i < len(tokens) else None
 
 
+@dataclass
+class ReferenceRun:
+    """One prompt through the reference (the first phase of :func:`validate`).
+
+    Attributes:
+        prompt_ids: the prompt's token ids.
+        steps: the reference's outputs of a prefill and of one tree step at that past.
+        candidates: the tree step's input tokens (the reference's argmax chain padded with its top-k).
+        tokens: its greedy tokens; step_tokens: tokens accepted per tree step.
+        margins: float [len(tokens) + 1]: top-1 minus top-2 log-prob of the prediction of generated token j.
+    """
+
+    prompt_ids: list[int]
+    steps: tuple
+    candidates: np.ndarray
+    tokens: list[int]
+    step_tokens: list[int]
+    margins: np.ndarray
+
+
+def step_outputs(engine, prompt_ids: list[int], artifact: Artifact, candidates: np.ndarray | None = None):
+    """A prefill then one tree step of ``artifact``'s tree on ``engine``; the tree step's tokens are
+    ``candidates`` or, when None, this engine's argmax chain padded with its top-k.
+
+    Returns:
+        ((prefill StepResult, tree-step StepResult), candidates int64 [T]).
+    """
+    tree = artifact.tree
+    n = len(prompt_ids)
+    cache = KVCache.for_engine(engine, n + tree.size)
+    out = engine.step(np.asarray(prompt_ids, np.int64)[None], np.arange(n, dtype=np.int64)[None], causal_mask(n), 1.0,
+                      cache.past())
+    cache.keep(out.new_kv, np.arange(n))
+    b = tree.buffers()
+    if candidates is None:
+        candidates = out.topk_ids[-1][np.arange(tree.size) % out.topk_ids.shape[1]].astype(np.int64)
+    out2 = engine.step(candidates[None], (n + b.depth)[None], b.attention_mask, 1.0, cache.past())
+    return (out, out2), candidates
+
+
+def step_differences(ref: tuple, art: tuple) -> tuple[float, float, float]:
+    """max |diff| of (top-1 log-prob, entropy, hidden) between two engines' :func:`step_outputs`."""
+    lp = max(_max_diff(a.topk_logprobs[:, 0], b.topk_logprobs[:, 0]) for a, b in zip(ref, art))
+    ent = max(_max_diff(a.entropy, b.entropy) for a, b in zip(ref, art))
+    hid = max(_max_diff(a.hidden, b.hidden) for a, b in zip(ref, art))
+    return lp, ent, hid
+
+
 def compare_steps(ref: TorchEngine, eng: OrtEngine, prompt_ids: list[int], artifact: Artifact) -> tuple[float, float, float]:
     """Prefill + one tree step on both engines with the same inputs; max |diff| of
     (top-1 log-prob, entropy, hidden)."""
-    tree = artifact.tree
-    n = len(prompt_ids)
-    ids = np.asarray(prompt_ids, np.int64)[None]
-    pos = np.arange(n, dtype=np.int64)[None]
-    caches = [KVCache.for_engine(e, n + tree.size) for e in (ref, eng)]
-    outs = [e.step(ids, pos, causal_mask(n), 1.0, c.past()) for e, c in zip((ref, eng), caches)]
-    for c, o in zip(caches, outs):
-        c.keep(o.new_kv, np.arange(n))
-    b = tree.buffers()
-    # Same candidate tokens on both sides: the reference's argmax chain padded with its top-k.
-    tokens = outs[0].topk_ids[-1][np.arange(tree.size) % outs[0].topk_ids.shape[1]].astype(np.int64)
-    tpos = (n + b.depth)[None]
-    outs2 = [e.step(tokens[None], tpos, b.attention_mask, 1.0, c.past()) for e, c in zip((ref, eng), caches)]
-    lp = max(_max_diff(a.topk_logprobs[:, 0], b_.topk_logprobs[:, 0]) for a, b_ in (outs, outs2))
-    ent = max(_max_diff(a.entropy, b_.entropy) for a, b_ in (outs, outs2))
-    hid = max(_max_diff(a.hidden, b_.hidden) for a, b_ in (outs, outs2))
-    return lp, ent, hid
+    ref_out, tokens = step_outputs(ref, prompt_ids, artifact)
+    return step_differences(ref_out, step_outputs(eng, prompt_ids, artifact, tokens)[0])
+
+
+def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_tokens: int = 64,
+                   eos_token_ids: list[int] = (), progress: bool = True, engine=None) -> list[ReferenceRun]:
+    """The reference half of :func:`validate`: step outputs, greedy tokens and their top-2 margins per prompt.
+
+    Args:
+        model: the fp32 PyTorch reference (ignored when ``engine`` is given).
+        artifact: the artifact whose tree, top-k and context are used.
+        prompts: token ids per prompt.
+        new_tokens, eos_token_ids: generation length and stops.
+        progress: show a progress bar.
+        engine: a reference engine (default: :class:`TorchEngine` over ``model``).
+    """
+    from tqdm.auto import tqdm
+
+    cap = artifact.model["max_context"]
+    ref = engine or TorchEngine(model, artifact.manifest["step_topk"], max_context=cap)
+    runs = []
+    for ids in tqdm(prompts, desc="validating: the PyTorch reference", disable=not progress, unit="prompt"):
+        steps, candidates = step_outputs(ref, ids, artifact)
+        r = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
+        seq = list(ids) + r.tokens
+        out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
+                       causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
+        lp = out.topk_logprobs[len(ids) - 1:]
+        margins = (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
+        runs.append(ReferenceRun(list(ids), steps, candidates, r.tokens, r.step_tokens, margins))
+    return runs
+
+
+def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str], *, new_tokens: int = 64,
+                 eos_token_ids: list[int] = (), engine: OrtEngine | None = None,
+                 progress: bool = True) -> ValidationReport:
+    """The ONNX Runtime half of :func:`validate`: the artifact's runs compared with the reference's.
+
+    Raises:
+        ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
+    """
+    from tqdm.auto import tqdm
+
+    precision = artifact.manifest["precision"]["name"]
+    tol = tolerance(precision)
+    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
+    eng = engine or OrtEngine(artifact)
+    report = ValidationReport(precision, new_tokens)
+    kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model["max_context"])
+    for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime against the reference and plain greedy",
+                          disable=not progress, unit="prompt"):
+        lp, ent, hid = step_differences(run.steps, step_outputs(eng, run.prompt_ids, artifact, run.candidates)[0])
+        a = generate(eng, run.prompt_ids, artifact.tree, **kw)
+        v = a if artifact.tree.size == 1 else generate(eng, run.prompt_ids, root, **kw)  # a root-only tree *is* plain greedy
+        rep = PromptReport(text, len(run.tokens), run.tokens == a.tokens, lp, ent, hid,
+                           vanilla_identical=v.tokens == a.tokens)
+        if not rep.vanilla_identical:
+            j = _first_difference(v.tokens, a.tokens)
+            rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
+        if not rep.identical:
+            i = _first_difference(run.tokens, a.tokens)
+            rep.first_divergence = i
+            rep.reference_token, rep.artifact_token = _at(run.tokens, i), _at(a.tokens, i)
+            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + run.step_tokens), i, side="right"))
+            rep.reference_margin = float(run.margins[min(i, len(run.margins) - 1)])
+            rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
+            rep.agreement = i / max(1, len(run.tokens))
+        report.prompts.append(rep)
+    return report
 
 
 def validate(
@@ -255,6 +376,9 @@ def validate(
     progress: bool = True,
 ) -> ValidationReport:
     """Validate the artifact's ONNX Runtime graphs (module docstring: the three checks).
+
+    Two phases: the reference's runs of every prompt (:func:`reference_runs`), then the artifact's
+    (:func:`compare_runs`); a caller short of memory runs the first, drops the model, then the second.
 
     Args:
         artifact: the artifact (its tree is used).
@@ -272,37 +396,8 @@ def validate(
     Raises:
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
     """
-    from tqdm.auto import tqdm
-
-    precision = artifact.manifest["precision"]["name"]
-    tolerance(precision)  # an unknown precision fails before any work
-    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
-    ref = TorchEngine(model, artifact.manifest["step_topk"], max_context=artifact.model["max_context"])
-    eng = engine or OrtEngine(artifact)
-    report = ValidationReport(precision, new_tokens)
-    cap = artifact.model["max_context"]
-    for ids, text in tqdm(list(zip(prompts, texts)), desc="validating (ONNX Runtime vs PyTorch and vs plain greedy)",
-                          disable=not progress, unit="prompt"):
-        lp, ent, hid = compare_steps(ref, eng, ids, artifact)
-        kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
-        r = generate(ref, ids, artifact.tree, **kw)
-        a = generate(eng, ids, artifact.tree, **kw)
-        v = a if artifact.tree.size == 1 else generate(eng, ids, root, **kw)  # a root-only tree *is* plain greedy
-        rep = PromptReport(text, len(r.tokens), r.tokens == a.tokens, lp, ent, hid, vanilla_identical=v.tokens == a.tokens)
-        if not rep.vanilla_identical:
-            j = _first_difference(v.tokens, a.tokens)
-            rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
-        if not rep.identical:
-            i = _first_difference(r.tokens, a.tokens)
-            rep.first_divergence = i
-            rep.reference_token, rep.artifact_token = _at(r.tokens, i), _at(a.tokens, i)
-            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + r.step_tokens), i, side="right"))
-            seq = list(ids) + r.tokens[:i]
-            out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
-                           causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
-            rep.reference_margin = float(out.topk_logprobs[-1, 0] - out.topk_logprobs[-1, 1])
-            tol = tolerance(precision)
-            rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
-            rep.agreement = i / max(1, len(r.tokens))
-        report.prompts.append(rep)
-    return report
+    tolerance(artifact.manifest["precision"]["name"])  # an unknown precision fails before any work
+    runs = reference_runs(model, artifact, prompts, new_tokens=new_tokens, eos_token_ids=eos_token_ids,
+                          progress=progress)
+    return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=eos_token_ids, engine=engine,
+                        progress=progress)

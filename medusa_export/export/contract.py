@@ -1,0 +1,84 @@
+"""The artifact's graph contract: file names, opset, and every graph input and output as data.
+
+The manifest lists these (``graphs.model`` / ``graphs.heads``), the runtime checks a session against
+them, and the graph writers declare exactly these inputs and outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.medusa import STEP_TOPK
+
+OPSET = 18
+#: ONNX IR version of the written models (opset 18 needs IR >= 8; TensorRT 10's parser reads IR 10).
+IR_VERSION = 10
+MODEL_FILE = "model.onnx"
+HEADS_FILE = "heads.onnx"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output of the contract (also written to the manifest)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    meaning: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "meaning": self.meaning}
+
+
+def step_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The portable backbone step's inputs and outputs: names, dtypes, shapes (symbolic S, P) and meanings.
+
+    Args:
+        cfg: the backbone config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``,
+            ``vocab_size``).
+        float_dtype: "float32" or "float16" (K/V and hidden states).
+        k: top-k width (capped at the vocabulary).
+    """
+    kv = (1, "P", cfg.num_key_value_heads, cfg.head_dim)
+    new_kv = (1, "S", cfg.num_key_value_heads, cfg.head_dim)
+    inputs, outputs = step_token_io(cfg, float_dtype, k)
+    for i in range(cfg.num_hidden_layers):
+        for n in ("key", "value"):
+            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv,
+                                     f"layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"))
+    for i in range(cfg.num_hidden_layers):
+        for n in ("key", "value"):
+            outputs.append(TensorSpec(f"new_key_values.{i}.{n}", float_dtype, new_kv,
+                                      f"layer {i} {n}s of this step's S tokens only (keep the accepted ones)"))
+    return inputs, outputs
+
+
+def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The step's inputs and outputs other than the KV cache (shared by the portable and fused graphs)."""
+    k = min(k, cfg.vocab_size)
+    inputs = [
+        TensorSpec("input_ids", "int64", (1, "S"), "tokens of this step: the prompt (prefill) or the tree's candidates in node order"),
+        TensorSpec("position_ids", "int64", (1, "S"), "positions: P + arange(S) for prefill, P + depth for a tree step"),
+        TensorSpec("new_token_mask", "bool", ("S", "S"), "[i, j] True if new token i may attend new token j "
+                   "(causal for prefill, the tree attention mask for a tree step); the past is always visible "
+                   "(in a sliding-window layer: the keys whose position p satisfies q - W < p)"),
+        TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
+    ]
+    outputs = [
+        TensorSpec("topk_ids", "int64", (1, "S", k), "the k most likely next tokens at each position, best first"),
+        TensorSpec("topk_logprobs", "float32", (1, "S", k), "their log-probabilities at `temperature`"),
+        TensorSpec("entropy", "float32", (1, "S"), "entropy (nats) of the next-token distribution at `temperature`"),
+        TensorSpec("token_logprobs", "float32", (1, "S", "S"),
+                   "[0, i, j] = log P(input_ids[j] | position i) at `temperature`; a node's acceptance reads [parent, node]"),
+        TensorSpec("hidden_states", float_dtype, (1, "S", cfg.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
+    ]
+    return inputs, outputs
+
+
+def heads_io(hidden_size: int, num_heads: int, float_dtype: str, topk: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The heads graph's inputs and outputs."""
+    return (
+        [TensorSpec("hidden_states", float_dtype, ("R", hidden_size), "hidden states to run the Medusa heads on")],
+        [TensorSpec("medusa_topk_ids", "int64", ("R", num_heads, topk),
+                    "[r, k-1, i]: head k's i-th best guess for the token k+1 positions after row r's next token")],
+    )

@@ -1,0 +1,135 @@
+"""Both graphs of an artifact written from the model's tensor sources, weights streamed into ``weights.bin``.
+
+Why the graphs are written and not traced (issue 13):
+
+* memory independent of the model's size: nothing is traced and no model is built; each tensor is read
+  from the checkpoint, converted, written and dropped (:mod:`.weights`), so the export's peak is a few
+  times its largest tensor, not the model in fp32;
+* int8 / int4 quantized per tensor: MatMulNBits blocks computed for each weight with ONNX Runtime's own
+  kernels as it is written, no whole-graph quantizer pass that loads every initializer;
+* one place implements every family switch (RoPE scaling, biases, q/k norm, head_dim, sliding window,
+  tied embeddings) for both step flavours (:mod:`.portable`, :mod:`.fused`);
+* node names are ours (the TensorRT float32 layer list finds every RMSNorm chain by name);
+* no ``torch.onnx`` export time (minutes for a 7B model).
+
+The PyTorch reference (``model/``) stays what the graphs are checked against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..loading.checkpoint import check_disk
+from ..loading.sources import ModelSources
+from .config import BuildConfig
+from .contract import HEADS_FILE, MODEL_FILE
+from .fused import write_fused_step
+from .graph import GraphBuilder
+from .heads_graph import write_heads
+from .portable import lm_head_key, write_portable_step
+from .weights import WEIGHTS_FILE, WeightsPlan, WeightsWriter
+
+
+@dataclass
+class WrittenGraphs:
+    """What :func:`write_graphs` produced.
+
+    Attributes:
+        weights: the manifest's ``weights`` fields (``tensors``, ``bytes``, ``deduplicated``, ``records``).
+        quantized: MatMulNBits / float MatMul counts per quantized graph file.
+        seconds: wall time of the whole write.
+        planned_bytes: the plan's byte count (before writing; an upper bound).
+    """
+
+    weights: dict
+    quantized: dict
+    seconds: float
+    planned_bytes: int
+
+
+def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None,
+             vocab_origin: str, max_context: int) -> dict[str, tuple]:
+    """Both graphs' nodes, their weights added to ``weights``; {file: (builder, inputs, outputs, name, producer)}."""
+    bc = src.config
+    step_q = cfg.weight_only(cfg.precision)
+    lm_q = step_q if step_q is not None and step_q.vocab_projection else None
+    dtype = "float16" if cfg.precision == "fp16" else "float32"
+    step = GraphBuilder(weights, dtype, step_q)
+    if cfg.graph == "fused":
+        ins, outs = write_fused_step(step, bc, max_context, lm_q)
+        graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
+    else:
+        ins, outs = write_portable_step(step, bc, lm_q)
+        graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
+    hp = cfg.resolved_heads_precision
+    heads = GraphBuilder(weights, "float16" if hp == "fp16" else "float32")
+    ins, outs = write_heads(heads, src.heads_config, lm_head_key(bc), topk, cfg.weight_only(hp, True), vocab_ids,
+                            vocab_origin)
+    graphs[HEADS_FILE] = (heads, ins, outs, "medusa_heads", "medusa-export")
+    return graphs
+
+
+def plan_graphs(src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None = None,
+                max_context: int = 2048) -> WeightsPlan:
+    """The weights both graphs need, from the headers only (names, shapes, bytes): nothing is read."""
+    plan = WeightsPlan(src.by_name)
+    _lay_out(plan, src, cfg, topk, vocab_ids, "", max_context)
+    return plan
+
+
+def write_graphs(folder: Path, src: ModelSources, cfg: BuildConfig, topk: int, *, vocab_ids: np.ndarray | None = None,
+                 vocab_origin: str = "", max_context: int = 2048, progress: bool = True) -> WrittenGraphs:
+    """Write ``model.onnx``, ``heads.onnx`` and ``weights.bin`` into ``folder`` from ``src``.
+
+    Args:
+        folder: an existing, empty folder (the build's temporary one).
+        src: backbone and heads sources with their configs (a truncated config writes only its layers).
+        cfg: precisions and graph flavour.
+        topk: candidates per head in the heads graph.
+        vocab_ids: the heads' token subset (None: the whole vocabulary); vocab_origin: where it comes from.
+        max_context: the fused graph's rotary tables length.
+        progress: a progress bar per tensor, with throughput.
+
+    Raises:
+        InsufficientDiskError: the plan's bytes exceed the folder's free space (nothing written).
+        CheckpointError: a source tensor cannot be read.
+    """
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    planned = plan_graphs(src, cfg, topk, vocab_ids, max_context).nbytes()
+    check_disk(folder, planned, WEIGHTS_FILE)
+    bar = tqdm(total=planned, unit="B", unit_scale=True, unit_divisor=1000, desc="writing weights",
+               disable=not progress, mininterval=0.5, leave=False)
+    last = [""]
+
+    def tick(n: int, name: str) -> None:
+        bar.update(n)
+        if name != last[0]:
+            last[0] = name
+            bar.set_postfix_str(name[-48:], refresh=False)
+
+    writer = WeightsWriter(folder / WEIGHTS_FILE, src.by_name, tick)
+    try:
+        graphs = _lay_out(writer, src, cfg, topk, vocab_ids, vocab_origin, max_context)
+        info = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    quantized = {}
+    for file, (b, ins, outs, name, producer) in graphs.items():
+        contrib = any(n.domain for n in b.nodes)
+        onnx.save(b.model(name, ins, outs, producer, contrib), str(folder / file))
+        n_q = sum(n.op_type == "MatMulNBits" for n in b.nodes)
+        if n_q:
+            inits = b.weight_names
+            n_float = sum(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits for n in b.nodes)
+            quantized[file] = {"quantized": n_q, "float_matmuls": n_float}
+    return WrittenGraphs(info, quantized, time.perf_counter() - t0, planned)

@@ -1,0 +1,233 @@
+"""Running the validation checks a :class:`~.plan.ValidationPlan` chose, for ``build`` and ``verify``.
+
+Each check returns a JSON-ready record with ``passed``; :func:`run_checks` collects them into the
+manifest's ``validation`` (the full check's report stays at the top level, as before; the others are
+under their names, and ``ran`` / ``skipped`` say what ran and why the rest did not).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from medusa_runtime.artifact import Artifact, load_artifact
+from medusa_runtime.loop import generate
+from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.tree import make_tree
+
+from ..loading.sources import ModelSources, reference_model
+from ..model.decode import TorchEngine
+from .plan import CHECK_TEXT, SELF_CHECK_LIMIT, SELF_CHECK_TOKENS, ValidationPlan
+from .validate import compare_runs, default_prompts, reference_runs
+
+
+#: Session config of the validation's ONNX Runtime sessions over float32 graphs: without MatMul pre-packing
+#: the weights stay in the memory-mapped weights file (page cache) instead of pre-packed anonymous copies.
+#: Measured on the embedded model's fp32 artifact (543 MB): resident growth after three prefill steps 685 MB
+#: (138 MB anonymous) instead of 912 MB (779 MB anonymous), step time not slower. Quantized graphs keep it:
+#: MatMulNBits without pre-packing ran 2.5-3x slower and used no less memory.
+FP32_SESSION_CONFIG = {"session.disable_prepacking": "1"}
+
+
+def validation_engine(artifact: Artifact) -> OrtEngine:
+    """An ONNX Runtime engine over ``artifact`` for validation (:data:`FP32_SESSION_CONFIG` for float32 graphs)."""
+    fp32 = artifact.manifest["precision"]["name"] == "fp32" and "MatMulNBits" not in artifact.manifest["flavour_note"]
+    return OrtEngine(artifact, session_config=FP32_SESSION_CONFIG if fp32 else None)
+
+
+def prompt_ids(lm, prompts: list[str] | None) -> tuple[list[str], list[list[int]]]:
+    """(texts, token ids) of the validation prompts (the project's own by default), chat template applied."""
+    from ..chat import apply_chat_template
+
+    texts = prompts or default_prompts()
+    ids = [apply_chat_template(lm.tokenizer, lm.chat_template, [{"role": "user", "content": t}]) for t in texts]
+    return texts, ids
+
+
+def _reference(lm, src: ModelSources, layers: int | None = None, device: str = "cpu"):
+    if lm.model is not None and layers is None and device == "cpu":
+        return lm.model
+    return reference_model(src, layers, device)
+
+
+def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool) -> dict:
+    """The whole artifact against the whole reference (:func:`~.validate.validate`, reference phase first)."""
+    ref = _reference(lm, src)
+    runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                          progress=progress)
+    del ref
+    return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                        engine=validation_engine(artifact), progress=progress).to_json()
+
+
+def check_truncated(folder: Path, lm, src: ModelSources, cfg, layers: int, tree, max_context: int, texts, ids,
+                    new_tokens: int, progress: bool) -> dict:
+    """(a) The same exporter on the first ``layers`` layers in fp32 (same graph flavour, real final norm, lm_head
+    and heads) against the reference of the same truncation: greedy tokens identical (fp32 rule)."""
+    from ..export.build import write_artifact
+
+    sub = folder.parent / f".{folder.name}.truncated"
+    shutil.rmtree(sub, ignore_errors=True)
+    sub.mkdir()
+    try:
+        tsrc = ModelSources(src.backbone, src.heads, src.config.truncated(layers), src.heads_config)
+        tcfg = replace(cfg, precision="fp32", heads_precision="auto", heads_vocab=0, validate=False, checks="auto")
+        write_artifact(sub, lm, tsrc, tree, tcfg, max_context, progress=False)
+        artifact = load_artifact(sub)
+        ref = reference_model(src, layers)
+        runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                              progress=progress)
+        del ref
+        report = compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                              engine=validation_engine(artifact), progress=progress).to_json()
+    finally:
+        shutil.rmtree(sub, ignore_errors=True)
+    return {"layers": layers, **report}
+
+
+def check_checksums(folder: Path, manifest: dict, src: ModelSources, vocab_ids, progress: bool) -> dict:
+    """(b) Every tensor of ``weights.bin`` against its recorded SHA-256: read back and re-made from the sources."""
+    from tqdm.auto import tqdm
+
+    from ..export.heads_graph import VOCAB_IDS
+    from ..export.weights import WeightsCheckError, verify_weights
+
+    records = manifest["weights"]["records"]
+    total = sum(r["length"] for r in records)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="checksums (weights.bin)", disable=not progress,
+               mininterval=0.5, leave=False)
+    arrays = {VOCAB_IDS: np.asarray(vocab_ids, np.int64)} if vocab_ids is not None else {}
+    try:
+        info = verify_weights(folder, records, src.by_name, arrays, lambda n, _: bar.update(n))
+        return {"passed": True, **info}
+    except WeightsCheckError as exc:
+        return {"passed": False, "error": str(exc)}
+    finally:
+        bar.close()
+
+
+def check_self(artifact: Artifact, lm, texts, ids, new_tokens: int, progress: bool) -> dict:
+    """(c) The whole artifact through ONNX Runtime: Medusa greedy equals plain greedy (root-only tree) of the
+    same graph. Artifacts over :data:`~.plan.SELF_CHECK_LIMIT` bytes decode fewer tokens of one prompt."""
+    from tqdm.auto import tqdm
+
+    big = artifact.manifest["weights"]["bytes"] > SELF_CHECK_LIMIT
+    if big:
+        texts, ids, new_tokens = texts[:1], ids[:1], min(new_tokens, SELF_CHECK_TOKENS)
+    eng = validation_engine(artifact)
+    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
+    kw = dict(max_new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids, max_context=artifact.model["max_context"])
+    prompts = []
+    for text, pid in tqdm(list(zip(texts, ids)), desc="validating: Medusa vs plain greedy (ONNX Runtime)",
+                          disable=not progress, unit="prompt"):
+        m = generate(eng, pid, artifact.tree, **kw)
+        v = generate(eng, pid, root, **kw)
+        j = next((i for i, (a, b) in enumerate(zip(m.tokens, v.tokens)) if a != b), None)
+        if j is None and len(m.tokens) != len(v.tokens):
+            j = min(len(m.tokens), len(v.tokens))
+        prompts.append({"prompt": text, "tokens": len(v.tokens), "identical": j is None, "first_divergence": j,
+                        "steps": m.steps, "plain_steps": v.steps})
+    return {"passed": all(p["identical"] for p in prompts), "new_tokens": new_tokens, "prompts": prompts,
+            "reduced": big}
+
+
+class DeviceEngine(TorchEngine):
+    """:class:`TorchEngine` over a reference on another device (inputs moved there, outputs back)."""
+
+    def __init__(self, model, k: int, device: str, max_context: int | None = None):
+        super().__init__(model, k, max_context=max_context)
+        self.device = device
+        self.kv_dtype = np.dtype(np.float32)
+
+    @torch.no_grad()
+    def step(self, input_ids, position_ids, mask, temperature, past):
+        dev = self.device
+        out = self.model.step(torch.from_numpy(input_ids).to(dev), torch.from_numpy(position_ids).to(dev),
+                              torch.from_numpy(mask).to(dev),
+                              [(torch.from_numpy(k).to(dev), torch.from_numpy(v).to(dev)) for k, v in past],
+                              torch.tensor([temperature], dtype=torch.float32, device=dev), self.k)
+        from medusa_runtime.loop import StepResult
+
+        cpu = lambda t: t.detach().cpu().numpy()  # noqa: E731
+        return StepResult(cpu(out.topk_ids[0]), cpu(out.topk_logprobs[0]), cpu(out.entropy[0]),
+                          cpu(out.token_logprobs[0]), cpu(out.hidden[0]), [(cpu(k), cpu(v)) for k, v in out.new_kv])
+
+    @torch.no_grad()
+    def heads(self, hidden, topk):
+        h = torch.from_numpy(hidden).to(self.device)
+        return self.model.heads_topk(h, topk).transpose(0, 1).cpu().numpy()
+
+
+def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool,
+              device: str = "cuda") -> dict:
+    """(d) The whole fp32 reference on the GPU (weights streamed there tensor by tensor) against the artifact on
+    ONNX Runtime: the full check's rules, with the reference's memory on the device."""
+    ref = reference_model(src, None, device)
+    runs = reference_runs(None, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                          progress=progress, engine=DeviceEngine(ref, artifact.manifest["step_topk"], device,
+                                                          artifact.model["max_context"]))
+    del ref
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                        engine=validation_engine(artifact), progress=progress).to_json()
+
+
+def _failure(name: str, record: dict) -> list[str]:
+    if record.get("passed", True):
+        return []
+    if name == "checksums":
+        return [f"checksums: {record['error']}"]
+    if name == "self":
+        bad = [p for p in record["prompts"] if not p["identical"]]
+        return [f"self: {p['prompt'][:40]!r}: Medusa diverges from plain greedy of the same graph at new token "
+                f"{p['first_divergence']}" for p in bad]
+    from .validate import PromptReport, ValidationReport
+
+    report = ValidationReport(record["precision"], record["new_tokens"],
+                              [PromptReport(**p) for p in record["prompts"]])
+    return [f"{name}: {f}" for f in report.failures()]
+
+
+def run_checks(plan: ValidationPlan, folder: Path, lm, src: ModelSources, cfg, *, prompts: list[str] | None = None,
+               vocab_ids=None, progress: bool = True, new_tokens: int | None = None) -> dict:
+    """Run ``plan.checks`` on the artifact in ``folder``; the manifest's ``validation`` record.
+
+    Returns:
+        ``{"passed", "ran", "skipped", "plan", "failures", "seconds", <check>: record ...}``; the full check's
+        report (precision, tolerance, prompts, ...) is also merged at the top level, as before this plan existed.
+    """
+    say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    artifact = load_artifact(folder)
+    manifest = artifact.manifest
+    texts, ids = prompt_ids(lm, prompts)
+    n = cfg.new_tokens if new_tokens is None else new_tokens
+    out: dict = {}
+    seconds = {}
+    for check in plan.checks:
+        t0 = time.perf_counter()
+        say(f"{check}: {CHECK_TEXT[check].format(layers=plan.layers)}")
+        if check == "full":
+            out[check] = check_full(artifact, lm, src, texts, ids, n, progress)
+        elif check == "truncated":
+            out[check] = check_truncated(folder, lm, src, cfg, plan.layers, artifact.tree, artifact.model["max_context"],
+                                         texts, ids, n, progress)
+        elif check == "checksums":
+            out[check] = check_checksums(folder, manifest, src, vocab_ids, progress)
+        elif check == "self":
+            out[check] = check_self(artifact, lm, texts, ids, n, progress)
+        elif check == "gpu":
+            out[check] = check_gpu(artifact, lm, src, texts, ids, n, progress)
+        seconds[check] = round(time.perf_counter() - t0, 2)
+        say(f"{check}: {'passed' if out[check]['passed'] else 'FAILED'} in {seconds[check]:.1f}s")
+    failures = [f for c in plan.checks for f in _failure(c, out[c])]
+    result = {**out.get("full", {}), "passed": not failures, "ran": list(plan.checks), "skipped": plan.skipped,
+              "failures": failures, "seconds": seconds, "plan": plan.to_json()}
+    result.update({c: r for c, r in out.items() if c != "full"})
+    return result
