@@ -20,10 +20,7 @@ from checkpoints import save_family_dir
 from conftest import FAMILIES, plain_greedy
 from medusa_export.cli.main import main
 
-# The fused graph implements the family switches in issue 13 (wt-i13); until it lands here, its
-# validation refuses these models and no artifact is written.
-GRAPHS = ("portable", pytest.param("fused", marks=pytest.mark.xfail(
-    run=False, reason="fused graph: family switches come with issue 13's export")))
+GRAPHS = ("portable", "fused")
 PROMPT = "Write a poem about the sea."
 N_NEW = 40
 
@@ -108,3 +105,15 @@ def test_runtime_token_ids_equal_transformers(artifacts, references, family, gra
         s = MedusaSession(artifacts(family, graph), threads=1, tree=tree)
         c = s.generate(prompt_ids=ids, max_new_tokens=N_NEW)
         assert c.token_ids == ref, (family, graph, tree)
+
+
+def test_fused_refuses_a_head_dim_not_a_multiple_of_16(tmp_path, capsys):
+    """GroupQueryAttention's head_dim: the refusal names it and the way out; nothing is left behind."""
+    from conftest import save_tiny_hf_dir
+
+    save_tiny_hf_dir(tmp_path / "hd8", hidden=32, heads=4, kv_heads=2)  # head_dim 8
+    out = tmp_path / "art"
+    assert main(["build", "--model", str(tmp_path / "hd8"), "--graph", "fused", "--tree", "4", "--out", str(out)]) == 2
+    assert ("--graph fused needs a head_dim that is a multiple of 16 (ONNX Runtime's GroupQueryAttention); this "
+            "model's is 8: use --graph portable") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hd8"]
