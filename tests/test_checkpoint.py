@@ -141,10 +141,9 @@ def test_missing_tensor_and_missing_config(tiny, tmp_path):
     hf, _ = tiny
     state = {k: v for k, v in hf.state_dict().items() if k != "model.norm.weight"}
     src = DictSource(state)
-    from medusa_export.loading.sources import config_of
     from medusa_export.loading.backbone import backbone_from_hf_model
 
-    cfg = config_of(backbone_from_hf_model(hf))
+    cfg = backbone_from_hf_model(hf).config
     with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' is missing"):
         check_backbone(src, cfg)
     assert set(backbone_shapes(cfg)) == set(state) | {"model.norm.weight"} - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

@@ -217,7 +217,6 @@ def cmd_verify(args) -> int:
     (:data:`EXIT_MISMATCH`) on a failure."""
     from medusa_runtime.artifact import load_artifact
 
-    from ..export.build import reference_problem
     from ..export.config import BuildConfig
     from ..loading.registry import load_registry
     from ..loading.sources import open_model
@@ -241,7 +240,7 @@ def cmd_verify(args) -> int:
                       new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
                       max_context=m["model"]["max_context"])
     plan = plan_validation(lm.sources, cfg.precision, m["weights"]["bytes"], graph=cfg.graph, checks=cfg.checks,
-                           layers=cfg.validate_layers, reference_problem=reference_problem(lm.sources, lm))
+                           layers=cfg.validate_layers)
     for line in plan.describe():
         print(f"  {line}", file=sys.stderr)
     v = run_checks(plan, art.path, lm, lm.sources, cfg, prompts=texts)

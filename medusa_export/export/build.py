@@ -189,7 +189,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     weights_plan = plan_graphs(src, cfg, tree.topk, vocab_ids, max_context)
     plan = plan_validation(src, cfg.precision, weights_plan.nbytes(), graph=cfg.graph, checks=cfg.checks,
-                           layers=cfg.validate_layers, validate=cfg.validate, reference_problem=reference_problem(src, lm))
+                           layers=cfg.validate_layers, validate=cfg.validate)
     say(f"pre-flight: {plan.available / 1e9:.1f} GB available; estimated peaks: "
         + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in plan.estimates.items()
                     if k == "export" or k in plan.checks or (k.startswith("gpu") and "gpu" in plan.checks)))
@@ -238,17 +238,3 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def reference_problem(src: ModelSources, lm: LoadedMedusa) -> str | None:
-    """None when the PyTorch reference can be built for this model (or is loaded), else why not."""
-    from ..errors import UnsupportedModelError
-    from ..loading.sources import reference_config
-
-    if lm.model is not None:
-        return None
-    try:
-        reference_config(src.config)
-    except UnsupportedModelError as exc:
-        return str(exc)
-    return None

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import CheckpointError, HeadsFormatError, MedusaError, UnsupportedModelError
+from ..errors import CheckpointError, HeadsFormatError, MedusaError
 from ..model.config import BackboneConfig
 from ..model.heads import HeadsConfig
 from . import fp8
@@ -57,22 +57,10 @@ class ModelSources:
         return 4 * n
 
 
-def config_of(backbone) -> BackboneConfig:
-    """The :class:`BackboneConfig` of an in-memory reference backbone (its config, or the older ``LlamaConfig``)."""
-    c = backbone.config
-    if isinstance(c, BackboneConfig):
-        return c
-    return BackboneConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                          num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                          num_key_value_heads=c.num_key_value_heads, rms_norm_eps=c.rms_norm_eps,
-                          rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                          max_position_embeddings=c.max_position_embeddings)
-
-
 def sources_from_model(model) -> ModelSources:
     """Sources over a :class:`~medusa_export.model.medusa.MedusaModel` already in memory (no copy)."""
     b = model.backbone
-    cfg = config_of(b)
+    cfg = b.config
     state = {}
     for k, v in b.state_dict().items():
         if k == "lm_head.weight":
@@ -270,31 +258,6 @@ def open_model(model: str, *, model_path: str | None = None, heads_path: str | N
         notes=model_notes(notes, template), sources=ModelSources(backbone, heads, cfg, hcfg))
 
 
-def reference_config(cfg: BackboneConfig):
-    """The config the PyTorch reference (``model/backbone.py``) is built from.
-
-    Raises:
-        UnsupportedModelError: a switch the reference does not implement yet (named).
-    """
-    from ..model import backbone as ref
-
-    if hasattr(ref, "Backbone") or getattr(ref, "LlamaConfig", None) is BackboneConfig:
-        return cfg  # the generalised reference (issue 14) takes a BackboneConfig and runs every switch
-    missing = [f for f in cfg.features if f != "tied_embeddings"]
-    if cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-        missing.append(f"head_dim={cfg.head_dim}")
-    if missing:
-        raise UnsupportedModelError(f"the PyTorch reference (model/backbone.py) does not implement "
-                                    f"{', '.join(missing)} yet, so checks against it cannot run for this "
-                                    f"{cfg.model_type} model; choose --checks checksums,self (or --no-validate)")
-    return ref.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                           intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-                           num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                           rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                           tie_word_embeddings=cfg.tie_word_embeddings,
-                           max_position_embeddings=cfg.max_position_embeddings)
-
-
 def reference_model(sources: ModelSources, num_layers: int | None = None, device: str = "cpu"):
     """The fp32 PyTorch reference (``model/``) built from the sources, tensor by tensor.
 
@@ -308,7 +271,6 @@ def reference_model(sources: ModelSources, num_layers: int | None = None, device
         A :class:`~medusa_export.model.medusa.MedusaModel` in eval mode.
 
     Raises:
-        UnsupportedModelError: the reference does not implement one of the model's switches.
         HeadsFormatError: the heads do not fit the backbone.
     """
     from ..model.medusa import MedusaModel
@@ -316,9 +278,8 @@ def reference_model(sources: ModelSources, num_layers: int | None = None, device
     from .heads_formats import heads_from_tensors
 
     cfg = sources.config if num_layers is None else sources.config.truncated(num_layers)
-    ref_cfg = reference_config(cfg)
     state = {k: sources.backbone.read(k).to(device=device, dtype=torch.float32) for k in backbone_shapes(cfg)}
-    backbone = backbone_from_state_dict(ref_cfg, state)
+    backbone = backbone_from_state_dict(cfg, state)
     del state
     tensors = {k: sources.heads.read(k).to(dtype=torch.float32) for k in sources.heads.keys()}
     h = sources.heads_config

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import BackboneConfig, rope_cos_sin as _rope_cos_sin
+from .config import BackboneConfig, rope_cos_sin
 
 #: Additive bias of a masked score (applied to float32 scores, so it cannot overflow in fp16).
 MASKED = torch.finfo(torch.float32).min
@@ -212,7 +212,7 @@ class Backbone(nn.Module):
         """
         cfg = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = _rope_cos_sin(position_ids, cfg, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, cfg, x.dtype)
         past_len = past[0][0].shape[1] if past else 0
         biases = {w: window_biases(position_ids, mask, past_len, w)
                   for w in {cfg.window(i) for i in range(cfg.num_hidden_layers)}}
@@ -229,19 +229,3 @@ class Backbone(nn.Module):
         shape = (1, length, c.num_key_value_heads, c.head_dim)
         return [(p.new_zeros(shape), p.new_zeros(shape)) for _ in range(c.num_hidden_layers)]
 
-
-# --- names export/ imports until issue 13's export rewrite lands (then removed) ------------------
-#: The previous name of :class:`~medusa_export.model.config.BackboneConfig`.
-LlamaConfig = BackboneConfig
-#: The previous name of :class:`Backbone`.
-LlamaBackbone = Backbone
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """Plain (unscaled) RoPE cos/sin [1, 1, S, D] in the old signature that ``export/fused.py``
-    calls; the model uses :func:`medusa_export.model.config.rope_cos_sin`, which applies
-    ``rope_scaling``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = position_ids[0].float()[:, None] * inv_freq[None, :]  # [S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-    return emb.cos().to(dtype)[None, None], emb.sin().to(dtype)[None, None]

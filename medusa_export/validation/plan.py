@@ -175,7 +175,7 @@ def parse_checks(spec: str) -> list[str] | None:
 
 def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, graph: str = "portable",
                     checks: str = "auto", layers: int = 2, validate: bool = True, available: int | None = None,
-                    gpu_free: int | None = -1, reference_problem: str | None = None) -> ValidationPlan:
+                    gpu_free: int | None = -1) -> ValidationPlan:
     """Estimate every stage and choose the checks (module docstring).
 
     Args:
@@ -188,8 +188,6 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
         validate: False: only the export is checked against memory (``--no-validate``).
         available: memory available (default: measured now).
         gpu_free: free GPU bytes (-1: measured now; None: no GPU).
-        reference_problem: None when the PyTorch reference implements the model, else why it does not (the
-            checks that need it are then skipped under "auto").
 
     Returns:
         The plan.
@@ -229,21 +227,15 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
                     f"here ({_gb(available)} available)")
         return f"needs about {_gb(est[check])}, {_gb(available)} available"
 
-    needs_reference = ("full", "truncated", "gpu")
     if wanted is not None:
         for c in wanted:
-            if c in needs_reference and reference_problem:
-                raise MedusaError(f"--checks {c}: {reference_problem}")
             if not fits(c):
                 raise InsufficientMemoryError(f"the {c} check {why_not(c)}; options: {options}")
         plan.checks = list(dict.fromkeys(wanted))
         plan.skipped = {c: "not asked for" for c in CHECKS if c not in plan.checks}
         return plan
     order = []
-    if reference_problem:
-        for c in needs_reference:
-            plan.skipped[c] = reference_problem
-    elif fits("full"):
+    if fits("full"):
         order.append("full")
     else:
         plan.skipped["full"] = why_not("full")
@@ -254,8 +246,6 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
     order.append("checksums")
     if "full" not in order:
         for c in ("self", "gpu"):
-            if c in plan.skipped:
-                continue
             if fits(c):
                 order.append(c)
             else:
