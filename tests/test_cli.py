@@ -20,7 +20,7 @@ import pytest
 from onnx.external_data_helper import ExternalDataInfo
 
 import medusa_export.loading.registry
-from conftest import make_tiny_medusa, save_tiny_hf_dir
+from conftest import make_counter_medusa, make_tiny_medusa, make_tiny_tokenizer, save_tiny_hf_dir
 from medusa_export.cli.main import build_parser, main
 from medusa_export.loading.accuracies import load_accuracies
 from medusa_export.loading.registry import DEFAULT_MODEL, load_model, load_registry
@@ -161,6 +161,67 @@ def test_verify_exits_1_when_the_weights_disagree(built, tiny_model_dir, tmp_pat
     assert out.count("MISMATCH") == 2 and "FAILED:" in err
     suite = ET.parse(junit).getroot()
     assert suite.get("tests") == "2" and suite.get("failures") == "2"
+
+
+@pytest.fixture(scope="module")
+def counter_dirs(tmp_path_factory):
+    """The counter model on disk (conftest.make_counter_medusa: after t the greedy token is t+1 and head k
+    guesses t+1+k, so Medusa accepts whole paths): an HF folder and its heads folder."""
+    from medusa_export.loading.transformers_twin import transformers_twin
+
+    root = tmp_path_factory.mktemp("counter")
+    model = make_counter_medusa()
+    transformers_twin(model.backbone).save_pretrained(root / "model", safe_serialization=True)
+    make_tiny_tokenizer().save_pretrained(root / "model")
+    save_heads(model.heads, root / "heads")
+    return root / "model", root / "heads"
+
+
+def test_a_broken_heads_graph_fails_verify(counter_dirs, tmp_path, capsys):
+    """Greedy tokens stay identical whatever the heads propose (the backbone verifies every candidate), so the
+    validation compares the tokens each tree step accepted with the fp32 reference's: heads.onnx with its own
+    projections scrambled (checksums rewritten, so the artifact loads) passes on tokens and fails on those."""
+    model_dir, heads_dir = counter_dirs
+    path = tmp_path / "counter"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["build", "--model", str(model_dir), "--heads", str(heads_dir), "--tree", "chain",
+                     "--max-context", "256", "--max-new-tokens", "12", "--out", str(path)]) == 0
+    v = json.loads((path / "manifest.json").read_text())["validation"]
+    assert v["passed"] and [p["accept_identical"] for p in v["prompts"]] == [True] * 3
+    assert min(p["mean_accepted"] for p in v["prompts"]) > 2  # the heads guess right: whole chains accepted
+    from medusa_export.validation.validate import validation_summary
+
+    assert "greedy tokens identical on 3/3 prompts x 12 tokens" in validation_summary(v)
+    assert "tokens accepted per tree step identical on 3/3" in validation_summary(v)
+
+    bad = tmp_path / "scrambled"
+    shutil.copytree(path, bad)
+    backbone_offsets = {ExternalDataInfo(t).offset for t in onnx.load(str(bad / "model.onnx"), load_external_data=False)
+                        .graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    heads_graph = onnx.load(str(bad / "heads.onnx"), load_external_data=False)
+    own = [t for t in heads_graph.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
+           and ExternalDataInfo(t).offset not in backbone_offsets and len(t.dims) >= 2 and t.dims[-2] == 300]
+    assert own, [t.name for t in heads_graph.graph.initializer]  # the heads' own [V, d] projections
+    for t in own:
+        info = ExternalDataInfo(t)
+        with open(bad / info.location, "r+b") as f:  # head k's row j now guesses another token
+            f.seek(info.offset)
+            w = np.frombuffer(f.read(info.length), dtype=np.float32).reshape(tuple(t.dims))
+            f.seek(info.offset)
+            f.write(np.roll(w, 7, axis=-2).tobytes())
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["checksums"][info.location] = {**manifest["checksums"][info.location],
+                                            "sha256": sha256_file(bad / info.location)}
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    load_artifact(bad, full_verify=True)
+    capsys.readouterr()
+
+    assert main(["verify", "--artifact", str(bad), "--model-path", str(model_dir), "--heads", str(heads_dir),
+                 "--checks", "full", "--max-new-tokens", "12"]) == EXIT_MISMATCH
+    out, err = capsys.readouterr()
+    assert out.count("full      identical") == 3 and "MISMATCH" not in out  # the tokens alone would pass
+    assert err.count("greedy tokens identical, but the tokens accepted per tree step differ from the reference's at "
+                     "tree step 1: reference 4, artifact 1") == 3, err
 
 
 def test_verify_of_a_local_model_needs_its_weights(built, capsys):

@@ -184,6 +184,40 @@ def test_truncated_check_catches_a_wrong_layer(ckpt, lm, tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("checks", ["full", "truncated"])
+def test_a_heads_writer_bug_fails_the_build_on_accepted_lengths(tmp_path, monkeypatch, checks):
+    """Greedy tokens stay identical whatever the heads propose, so the full and the truncated check compare the
+    tokens each tree step accepted with the fp32 reference's: a heads writer bug (here the heads' own projections
+    written with their rows rolled) fails the build. The counter model's heads guess right: whole chains."""
+    import medusa_export.export.weights as w
+    from conftest import make_counter_medusa, tiny_loaded
+    from medusa_export.validation.validate import ValidationError
+
+    lm = tiny_loaded(make_counter_medusa(), name="counter", tree="chain")
+    tree = make_tree([[0], [0, 0], [0, 0, 0]], num_heads=3)
+    path = build_artifact(lm, tree, tmp_path / "good", BuildConfig(new_tokens=12, checks=checks, validate_layers=1),
+                          progress=False)
+    v = json.loads((path / "manifest.json").read_text())["validation"]
+    rec = v if checks == "full" else v["truncated"]
+    assert [p["accept_identical"] for p in rec["prompts"]] == [True] * 3
+    real, rolled = w.produce, []
+
+    def broken(recipe, sources, arrays, chunk_elements=w.CHUNK_ELEMENTS):
+        for i, data in real(recipe, sources, arrays, chunk_elements):
+            if recipe.source == "heads" and recipe.keys[0].endswith(".1.weight"):  # {h}.{N}.weight [V, d], N = 1
+                rolled.append(recipe.keys[0])
+                data = np.roll(np.frombuffer(data, np.float32).reshape(300, 64), 7, axis=0).tobytes()
+            yield i, data
+
+    monkeypatch.setattr(w, "produce", broken)
+    with pytest.raises(ValidationError, match=rf"{checks}: .*greedy tokens identical, but the tokens accepted per "
+                                              r"tree step differ from the reference's at tree step 1: reference 4, "
+                                              r"artifact 1"):
+        build_artifact(lm, tree, tmp_path / "bad", BuildConfig(new_tokens=12, checks=checks, validate_layers=1),
+                       progress=False)
+    assert sorted(set(rolled)) == ["0.1.weight", "1.1.weight", "2.1.weight"] and not (tmp_path / "bad").exists()
+
+
 def test_device_check_runs_the_streamed_reference_on_a_device(lm, tmp_path):
     """Check (d) with the device set to the CPU (CI has no GPU): the reference is streamed onto the device
     tensor by tensor and compared with the artifact by the full check's rules."""

@@ -11,9 +11,14 @@ Three checks per prompt:
    precision's ``margin`` is reported as a near-tie instead of a failure.
 3. Medusa against plain greedy on the same graph: the artifact's tree and a root-only tree
    (one token per step) over the same ONNX Runtime engine must emit identical tokens.
+4. Accepted lengths against PyTorch: greedy tokens stay identical whatever the heads propose
+   (the backbone verifies every candidate), so a broken heads graph would pass checks 1-3. Where
+   the heads graph computes what the reference's heads compute (an fp32 artifact with fp32 heads
+   over the whole vocabulary, and every truncated check), the tokens each tree step accepted must
+   equal the reference's, step by step (:func:`exact_heads`).
 
 Which checks decide pass/fail is the precision's :attr:`Tolerance.reference`: "pytorch"
-(fp32, fp16: checks 1 and 2) or "vanilla" (the weight-only int8 / int4 graphs: check 3,
+(fp32, fp16: checks 1 and 2, and 4 where it applies) or "vanilla" (the weight-only int8 / int4 graphs: check 3,
 lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32).
 """
 
@@ -104,6 +109,12 @@ class PromptReport:
     vanilla_divergence: int | None = None  # first differing new token
     vanilla_token: int | None = None  # plain greedy's token there (Medusa's: ``medusa_token``)
     medusa_token: int | None = None
+    #: the tokens each tree step accepted equal the reference's (None: not compared, :func:`exact_heads`)
+    accept_identical: bool | None = None
+    accept_divergence_step: int | None = None  # first tree step (1 = the first after the prefill) that differs
+    reference_accepted: int | None = None  # tokens that step emitted: the reference's, the artifact's
+    artifact_accepted: int | None = None
+    mean_accepted: float | None = None  # the artifact's tokens per tree step (information)
 
 
 @dataclass
@@ -130,6 +141,11 @@ class ValidationReport:
             return (f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
                     f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
                     f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
+        if p.accept_identical is False:
+            return (f"{p.prompt[:40]!r}: greedy tokens identical, but the tokens accepted per tree step differ from "
+                    f"the reference's at tree step {p.accept_divergence_step}: reference {p.reference_accepted}, "
+                    f"artifact {p.artifact_accepted} (the heads graph proposes other candidates than the reference's "
+                    "heads)")
         return None
 
     @property
@@ -185,12 +201,19 @@ def _report_summary(v: dict) -> str:
         return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x {v['new_tokens']} tokens; "
                 f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
     worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
-    return f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
+    text = f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
+    compared = [p for p in prompts if p.get("accept_identical") is not None]
+    if compared:
+        text += (f"; tokens accepted per tree step identical on {sum(p['accept_identical'] for p in compared)}/"
+                 f"{len(compared)}")
+    return text
 
 
 _CHECKS = {
     "pytorch": "pass/fail: step outputs within tolerance of the fp32 PyTorch reference and greedy tokens identical "
-               "(near-ties allowed where margin > 0); vanilla_* fields: Medusa vs plain greedy on the same graph (information)",
+               "(near-ties allowed where margin > 0), and where the heads graph is the reference's (fp32 heads over "
+               "the whole vocabulary) the tokens accepted per tree step identical (accept_* fields); vanilla_* fields: "
+               "Medusa vs plain greedy on the same graph (information)",
     "vanilla": "pass/fail: Medusa greedy tokens == plain greedy decoding (root-only tree) of the same graph on ONNX "
                "Runtime; the PyTorch fields (identical, first_divergence, agreement, max_*_diff) are agreement with "
                "the fp32 reference (information)",
@@ -326,6 +349,16 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
     return runs
 
 
+def exact_heads(manifest: dict) -> bool:
+    """True when the artifact's graphs compute what the fp32 reference computes, heads included: an fp32
+    backbone with fp32 heads over the whole vocabulary (not ``--heads-precision int8|int4`` nor
+    ``--heads-vocab N``, whose candidates legitimately differ). Then the tokens accepted per tree step must
+    equal the reference's (the module docstring's check 4)."""
+    p = manifest["precision"]
+    return (tolerance(p["name"]).exact and p.get("heads", p["name"]) == "fp32"
+            and not manifest.get("heads_vocab", {}).get("subset", False))
+
+
 def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str], *, new_tokens: int = 64,
                  eos_token_ids: list[int] = (), engine: OrtEngine | None = None,
                  progress: bool = True) -> ValidationReport:
@@ -341,6 +374,7 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
     report = ValidationReport(precision, new_tokens)
+    compare_accepted = exact_heads(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model["max_context"])
     for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime against the reference and plain greedy",
                           disable=not progress, unit="prompt"):
@@ -348,7 +382,13 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
         a = generate(eng, run.prompt_ids, artifact.tree, **kw)
         v = a if artifact.tree.size == 1 else generate(eng, run.prompt_ids, root, **kw)  # a root-only tree *is* plain greedy
         rep = PromptReport(text, len(run.tokens), run.tokens == a.tokens, lp, ent, hid,
-                           vanilla_identical=v.tokens == a.tokens)
+                           vanilla_identical=v.tokens == a.tokens, mean_accepted=round(a.mean_accepted, 4))
+        if compare_accepted and rep.identical:  # diverging tokens already fail, and accept differently anyway
+            rep.accept_identical = a.step_tokens == run.step_tokens
+            if not rep.accept_identical:
+                j = _first_difference(run.step_tokens, a.step_tokens)
+                rep.accept_divergence_step = j + 1
+                rep.reference_accepted, rep.artifact_accepted = _at(run.step_tokens, j), _at(a.step_tokens, j)
         if not rep.vanilla_identical:
             j = _first_difference(v.tokens, a.tokens)
             rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
