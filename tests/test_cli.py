@@ -370,3 +370,25 @@ def test_base_model_chat_is_refused_plainly(base_model, capsys):
     err = capsys.readouterr().err
     assert "this artifact has no chat template (a base model): it cannot render chat messages" in err
     assert f"use `generate --artifact {art} --prompt TEXT` to continue a text" in err
+
+
+def test_modelopt_fp8_build_summary_and_verify(tmp_path, capsys):
+    """A modelopt FP8 folder (heads inside, medusa_heads.) streamed into an artifact: the summary's architecture
+    line names the quantization, the FP8 note is printed, the validation passes (dequantized weights on both
+    sides, heads included) and verify passes on the opened model too."""
+    from checkpoints import write_modelopt_fp8
+
+    write_modelopt_fp8(tmp_path / "fp8", "llama3", num_heads=3)
+    art = tmp_path / "art"
+    assert main(["build", "--model", str(tmp_path / "fp8"), "--tree", "4", "--out", str(art), "--max-context", "128",
+                 "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert ("  architecture: llama (rope_scaling=llama3); checkpoint modelopt FP8 (20 weights dequantized to float32)\n"
+            in captured.out)
+    assert "[note: FP8 (modelopt) checkpoint dequantized to the export precision for ONNX" in captured.err
+    assert "validation: PASSED" in captured.out
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["model"]["medusa_heads"] == 3 and m["validation"]["ran"] == ["full", "checksums"]
+    assert main(["verify", "--artifact", str(art), "--model-path", str(tmp_path / "fp8"), "--limit", "1",
+                 "--max-new-tokens", "6"]) == 0
+    assert "PASSED: 1 prompts, precision fp32 (checks: full, checksums)" in capsys.readouterr().out
