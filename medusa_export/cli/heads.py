@@ -14,6 +14,9 @@ from ..loading.registry import DEFAULT_MODEL
 
 DEFAULT_CACHE = ".cache/train-heads"
 
+#: ``--dtype`` names -> torch dtype names (torch is imported only when a command runs).
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
 
 def _caps(values: list[str] | None) -> dict[str, int]:
     caps = {}
@@ -67,15 +70,25 @@ def check_device(name: str) -> str:
     raise MedusaError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
 
 
+def _prompt_of(rid: str) -> str:
+    return rid.split("~s", 1)[0]
+
+
 def cmd_train_heads(args) -> int:
-    """Self-distil replies, cache hidden states, train Medusa-1 heads, save them (+ held-out accuracies)."""
+    """Self-distil replies (stored as token ids), recompute their features, train heads, save them (+ accuracies)."""
     import torch
 
     from ..model.heads import save_heads
-    from ..training.distill import (TrainConfig, build_train_data, generate_replies, is_sampled, load_generator,
-                                    load_hidden, select_prompts, teacher_topk, train_heads)
+    from ..training.batch_decode import BatchedDecoder
+    from ..training.distill import TrainConfig, load_generator, select_prompts, train_data, train_heads
+    from ..training.draft_vocab import draft_vocab_json, frequency_order, write_draft_vocab
+    from ..training.features import cached_features
+    from ..training.replies import decode_requests, generate_to_store, is_sampled, reply_id
+    from ..training.reply_store import ReplyStore, reply_token_count
 
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     train, held = select_prompts(_prompts(args.data), caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
     if args.exclude:  # e.g. the calibration prompts: never answered for training, never trained on
@@ -86,59 +99,81 @@ def cmd_train_heads(args) -> int:
     if args.samples < 1 or not args.temperature > 0:
         raise MedusaError(f"--samples must be at least 1 and --temperature above 0, got {args.samples} and "
                           f"{args.temperature}")
+    dtype = getattr(torch, DTYPES[args.dtype])
     gen = load_generator(args.model, model_path=args.model_path, device=check_device(args.device))
     cache = Path(args.cache)
-    common = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, eos_token_ids=gen.eos_token_ids,
-                  pad_token_id=gen.pad_token_id, budget_tokens=args.budget_tokens, sort_window=args.sort_window,
-                  part=_part(args.part), seed=args.seed)
-    # One cache; the held-out prompts are answered first (greedy only) and never trained on.
-    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, held, cache / "train", **common)
-    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, train, cache / "train",
-                               samples=args.samples, temperature=args.temperature, **common)
-    held_ids = {p.id for p in held}
-    held_replies = [r for r in replies if r.id in held_ids]
-    replies = [r for r in replies if r.id not in held_ids]
+    i_part, n_part = _part(args.part)
+    store = ReplyStore(cache / "replies", vocab_size=gen.lm_head.weight.shape[0],
+                       meta={"model": args.model, "max_new_tokens": args.max_new_tokens},
+                       part=f"p{i_part}of{n_part}" if n_part > 1 else "")
+    decoder = BatchedDecoder(gen.hf_model, batch_size=args.batch_size, dtype=dtype,
+                             capacity=args.max_prompt_tokens + args.max_new_tokens + 1)
+    have = store.ids()
+    common = dict(have=have, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, part=(i_part, n_part),
+                  sort_window=args.sort_window * args.batch_size)
+    # The held-out prompts are answered first (greedy only) and never trained on.
+    reqs = decode_requests(gen.tokenizer, gen.chat_template, held, **common)
+    reqs += decode_requests(gen.tokenizer, gen.chat_template, train, samples=args.samples,
+                            temperature=args.temperature, **common)
+    stats = generate_to_store(decoder, reqs, store, max_new_tokens=args.max_new_tokens,
+                              eos_token_ids=gen.eos_token_ids, budget_tokens=args.budget_tokens)
+    if stats["replies"]:
+        print(f"generated {stats['replies']} replies, {stats['tokens']} tokens in {stats['seconds']:.0f} s "
+              f"({stats['tokens_per_second']:.0f} reply tokens/s)", file=sys.stderr)
     if args.generate_only:
         return 0
-    if args.max_tokens is not None:  # a prefix of the cache (data-scaling runs)
+    by_id = {r.id: r for r in store.read()}
+    held_replies = [by_id[p.id] for p in held if p.id in by_id]
+    replies = [by_id[rid] for j in range(args.samples) for p in train if (rid := reply_id(p.id, j)) in by_id]
+    if args.max_tokens is not None:  # a prefix, greedy replies first (data-scaling runs)
         kept, total = [], 0
         for r in replies:
             if total >= args.max_tokens:
                 break
             kept.append(r)
-            total += len(r.tokens)
+            total += len(r.reply)
         replies = kept
+    if not replies:
+        raise MedusaError(f"no stored replies to train on in {cache / 'replies'}")
     cfg = TrainConfig(num_heads=args.num_heads, num_layers=args.num_layers, epochs=args.epochs,
-                      batch_tokens=args.batch_tokens, lr=args.lr, soft_topk=args.soft_topk, seed=args.seed)
-    hiddens = load_hidden(cache / "train", replies)
-    tokens = [r.tokens for r in replies]
-    teacher = None
-    if cfg.soft_topk:
-        n = sum(len(t) for t in tokens)
-        tfile = cache / "train" / f"teacher-top{cfg.soft_topk}-{n}.pt"
-        if tfile.is_file():
-            teacher = torch.load(str(tfile), weights_only=True)
-        else:
-            teacher = teacher_topk(torch.cat(hiddens), gen.lm_head.weight, cfg.soft_topk, progress=True)
-            torch.save(teacher, str(tfile))
-    data = build_train_data(tokens, hiddens, cfg.num_heads, lm_weight=gen.lm_head.weight,
-                            soft_topk=cfg.soft_topk, teacher=teacher)
-    del hiddens
+                      batch_tokens=args.batch_tokens, lr=args.lr, soft_topk=args.soft_topk,
+                      loss_decay=args.loss_decay, train_vocab=args.train_vocab, seed=args.seed)
+    tokens = [r.reply.tolist() for r in replies]
+    t_feat = time.perf_counter()
+    feats = cached_features(decoder, replies, cache / "features", soft_topk=cfg.soft_topk, source=args.model,
+                            batch_tokens=args.features_batch_tokens, progress=True)
+    feat_seconds = time.perf_counter() - t_feat
+    data = train_data(feats.hidden, tokens, cfg.num_heads, teacher=feats.teacher)
+    del feats
+    ids, counts = frequency_order(tokens)
+    draft = draft_vocab_json(ids, counts, vocab_size=gen.lm_head.weight.shape[0],
+                             source=f"train-heads replies ({len(replies)} replies, {reply_token_count(replies)} tokens)")
+    vocab_ids = None
+    if cfg.train_vocab:
+        from ..loading.draft_vocab import DraftVocab, subset_ids
+
+        vocab_ids = torch.as_tensor(subset_ids(DraftVocab(ids, draft["source"]), cfg.train_vocab,
+                                               gen.lm_head.weight.shape[0], 1, model=args.model))
     print(f"{len(replies)} replies, {data.num_tokens} training positions", file=sys.stderr)
-    ckpt = cache / "checkpoints" / (f"h{cfg.num_heads}l{cfg.num_layers}s{cfg.soft_topk}e{cfg.epochs}"
-                                    f"lr{cfg.lr}b{cfg.batch_tokens}n{data.num_tokens}.pt")
-    res = train_heads(data, gen.lm_head, cfg, checkpoint=ckpt)
+    ckpt = cache / "checkpoints" / (f"h{cfg.num_heads}l{cfg.num_layers}s{cfg.soft_topk}e{cfg.epochs}lr{cfg.lr}"
+                                    f"b{cfg.batch_tokens}d{cfg.loss_decay}v{cfg.train_vocab}n{data.num_tokens}.pt")
+    res = train_heads(data, gen.lm_head, cfg, checkpoint=ckpt, vocab_ids=vocab_ids)
     gen.hf_model.cpu()  # the heads share its lm_head: saving and held-out accuracies run on the CPU
     heads = res.heads
     recipe = {
-        "recipe": {**cfg.__dict__, "train_prompts": len(replies), "train_tokens": data.num_tokens,
-                   "data": args.data, "caps": _caps(args.cap), "holdout": args.holdout,
-                   "max_new_tokens": args.max_new_tokens, "samples": args.samples,
+        "recipe": {**cfg.__dict__, "train_prompts": len({_prompt_of(r.id) for r in replies}),
+                   "train_tokens": data.num_tokens, "data": args.data, "caps": _caps(args.cap),
+                   "holdout": args.holdout, "max_new_tokens": args.max_new_tokens, "samples": args.samples,
                    "temperature": args.temperature if args.samples > 1 else None, "device": args.device,
+                   "dtype": args.dtype,
                    "replies": {"greedy": sum(not is_sampled(r.id) for r in replies),
-                               "sampled": sum(is_sampled(r.id) for r in replies)},
-                   "loss": "sum_k 0.8^k CE(head k, token t+k+1)",
+                               "sampled": sum(is_sampled(r.id) for r in replies),
+                               "tokens": reply_token_count(replies)},
+                   "loss": f"sum_k {cfg.loss_decay}^k CE(head k, token t+k+1)"
+                           + (f" over the draft vocabulary's top {cfg.train_vocab} ids" if cfg.train_vocab else ""),
+                   "targets": f"teacher top-{cfg.soft_topk}" if cfg.soft_topk else "hard (the reply's tokens)",
                    "init": "seeds/001 §2.1.1: zero residual block, projection = the frozen shared lm_head",
+                   "features_seconds": round(feat_seconds, 1),
                    "train_seconds": round(res.seconds, 1),
                    "total_seconds": round(time.perf_counter() - t_start, 1),
                    "final": res.history[-1] if res.history else None},
@@ -146,16 +181,21 @@ def cmd_train_heads(args) -> int:
         "command": "medusa-export " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     }
     save_heads(heads, args.out, extra=recipe)
+    write_draft_vocab(draft, args.out)
     if held_replies:
         from ..training.calibrate import head_accuracies, save_accuracies
 
-        acc = head_accuracies(heads, [h.float() for h in load_hidden(cache / "train", held_replies)],
-                              [r.tokens for r in held_replies])
+        held_feats = cached_features(decoder, held_replies, cache / "features", source=args.model)
+        hid, start = [], 0
+        for n in held_feats.lengths:
+            hid.append(held_feats.hidden[start:start + n].float())
+            start += n
+        acc = head_accuracies(heads, hid, [r.reply.tolist() for r in held_replies])
         save_accuracies(acc, args.out, source=f"held-out split of the training prompts ({len(held_replies)} prompts)",
-                        positions=sum(len(r.tokens) for r in held_replies))
+                        positions=sum(len(r.reply) for r in held_replies))
         print("held-out top-1 per head: " + ", ".join(f"{a:.3f}" for a in acc[:, 0]), file=sys.stderr)
-    print(f"heads written to {args.out} (train {res.seconds / 60:.1f} min, total "
-          f"{(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr)
+    print(f"heads written to {args.out} (features {feat_seconds / 60:.1f} min, train {res.seconds / 60:.1f} min, "
+          f"total {(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr)
     return 0
 
 
@@ -197,10 +237,11 @@ def add_heads_commands(sub) -> None:
 
     d = TrainConfig()
     p = sub.add_parser("train-heads", help="train Medusa heads on a frozen backbone (self-distillation)",
-                       description="The backbone answers the prompts greedily with its chat template (batched); "
-                                   "the heads learn on its cached hidden states with loss sum_k 0.8^k CE "
-                                   "(Medusa-1). Resumable: replies, hidden states and training checkpoints are "
-                                   "cached under --cache.")
+                       description="The backbone answers the prompts with its chat template (own batched decode "
+                                   "loop); the replies are stored as token ids, their hidden states (and the teacher's "
+                                   "top-S) recomputed in batched passes, and the heads learn on them with loss "
+                                   "sum_k 0.8^k CE (Medusa-1). Resumable: replies, features and training checkpoints "
+                                   "are cached under --cache.")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model or path (default: {DEFAULT_MODEL})")
     p.add_argument("--model-path", help="local backbone weights instead of the registry's source")
     p.add_argument("--data", action="append", required=True,
@@ -212,12 +253,20 @@ def add_heads_commands(sub) -> None:
                         "(default: 32)")
     p.add_argument("--out", required=True, help="output heads directory")
     p.add_argument("--cache", default=DEFAULT_CACHE, help=f"cache directory (default: {DEFAULT_CACHE})")
-    p.add_argument("--batch-size", type=int, default=32, help="generation batch (default: 32)")
-    p.add_argument("--max-new-tokens", type=int, default=384, help="reply length cap (default: 384)")
-    p.add_argument("--sort-window", type=int, default=2,
-                   help="sort prompts by length within windows of this many batches (default: 2)")
+    p.add_argument("--batch-size", type=int, default=64, help="rows decoded together (default: 64)")
+    p.add_argument("--max-new-tokens", type=int, default=320, help="reply length cap (default: 320)")
+    p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped (default: 768)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="generation and feature recomputation dtype (default: bf16; fp32 is ~4x slower on a CPU)")
+    p.add_argument("--threads", type=int, help="PyTorch CPU threads (default: PyTorch's; on a CPU shared with "
+                                               "other jobs 1 thread per process is much faster, see --part)")
+    p.add_argument("--features-batch-tokens", type=int, default=8192,
+                   help="padded tokens per teacher-forced pass when recomputing hidden states (default: 8192)")
+    p.add_argument("--sort-window", type=int, default=4,
+                   help="sort prompts by length within windows of this many batches (default: 4)")
     p.add_argument("--budget-tokens", type=int, help="stop generating once the cache holds this many reply tokens")
-    p.add_argument("--max-tokens", type=int, help="train on only the first N cached reply tokens")
+    p.add_argument("--max-tokens", type=int,
+                   help="train on only the first N stored reply tokens (greedy replies first, in prompt order)")
     p.add_argument("--generate-only", action="store_true", help="fill the caches and stop")
     p.add_argument("--exclude", action="append", default=[], metavar="JSONL",
                    help="prompts never answered or trained on, matched by id (repeatable; e.g. the "
@@ -239,6 +288,11 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default: {d.lr})")
     p.add_argument("--soft-topk", type=int, default=d.soft_topk,
                    help=f"soft targets: the backbone's top-S distribution; 0 = hard labels (default: {d.soft_topk})")
+    p.add_argument("--loss-decay", type=float, default=d.loss_decay,
+                   help=f"head k's loss weight is DECAY^k (1 = equal weights) (default: {d.loss_decay})")
+    p.add_argument("--train-vocab", type=int, default=d.train_vocab,
+                   help="train the projection on the N most frequent reply tokens only (FR-Spec; ~6x faster at "
+                        f"8192 for V=49152; export with build --heads-vocab); 0 = full vocabulary (default: {d.train_vocab})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
     p.set_defaults(func=cmd_train_heads)
 

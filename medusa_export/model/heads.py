@@ -94,8 +94,12 @@ class MedusaHeads(nn.Module):
             return torch.stack([head(hidden) for head in self.heads])  # [K, ..., V]
         return project_stacked(self.head_states(hidden), self._shared[0].weight)
 
-    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection."""
+    def head_states(self, hidden: torch.Tensor, path_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection.
+
+        ``path_ids`` (the tokens on the path, read by path-conditioned heads) is ignored: a Medusa
+        head sees h_t alone.
+        """
         n = self.config.num_layers
         return torch.stack([head[:n](hidden) for head in self.heads])
 

@@ -1,7 +1,7 @@
 """Head calibration: per-head top-i accuracies a_k^(i) on held-out prompts (seeds/001 §2.3.3).
 
-The backbone answers the prompts greedily (batched, hidden states captured: see
-:mod:`medusa_export.training.distill`); at every reply position the heads' top-k are compared
+The backbone answers the prompts greedily (batched, replies stored as token ids, hidden states
+recomputed: see :mod:`medusa_export.training.replies`); at every reply position the heads' top-k are compared
 with the tokens the backbone actually wrote next. Under greedy acceptance the Medusa
 output equals this greedy reply, so the same data also gives the exact acceptance of any
 tree by simulation (:func:`simulate_acceptance`), without running the decode loop.
@@ -169,27 +169,39 @@ class Calibration:
 
 def calibrate(gen, heads: MedusaHeads, prompts, cache_root: str | Path, *, max_new_tokens: int = 133,
               batch_size: int = 32, topk: int = 10, progress: bool = True) -> Calibration:
-    """Greedy replies (cached under ``cache_root``), then the heads' a_k^(i) on them.
+    """Greedy replies (stored under ``cache_root``), then the heads' a_k^(i) on them.
+
+    Replies are decoded and their hidden states recomputed in fp32 (where top-k ties matter), with
+    :class:`~medusa_export.training.batch_decode.BatchedDecoder`.
 
     Args:
         gen: a :class:`medusa_export.training.distill.Generator`.
         heads: the heads to measure.
         prompts: held-out :class:`~medusa_export.training.distill.Prompt` list (never trained on).
-        cache_root: replies and hidden states are cached in a sub-folder named after the
-            prompts' source, their count and ``max_new_tokens``.
+        cache_root: replies are stored in a sub-folder named after the prompts' source, their
+            count and ``max_new_tokens``; their hidden states are cached beside them.
     """
-    from .distill import generate_replies, load_hidden
+    from .batch_decode import BatchedDecoder
+    from .features import cached_features
+    from .replies import decode_requests, generate_to_store
+    from .reply_store import ReplyStore
 
     key = f"{prompts[0].source if prompts else 'none'}-{len(prompts)}p-{max_new_tokens}t"
     cache = Path(cache_root) / key
-    replies = generate_replies(gen.hf_model, gen.tokenizer, gen.chat_template, prompts, cache, batch_size=batch_size,
-                               max_new_tokens=max_new_tokens, max_prompt_tokens=10**9,
-                               eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, progress=progress,
-                               hidden_dtype=torch.float32)
-    wanted = {p.id for p in prompts}
-    replies = [r for r in replies if r.id in wanted]
-    hiddens = load_hidden(cache, replies)
-    tokens = [r.tokens for r in replies]
+    store = ReplyStore(cache / "replies", vocab_size=gen.lm_head.weight.shape[0],
+                       meta={"source": gen.source, "max_new_tokens": max_new_tokens, "dtype": "float32"})
+    reqs = decode_requests(gen.tokenizer, gen.chat_template, prompts, have=store.ids(), max_prompt_tokens=10**9)
+    decoder = BatchedDecoder(gen.hf_model, batch_size=batch_size, dtype=torch.float32,
+                             capacity=max((len(r.prompt) for r in reqs), default=0) + max_new_tokens + 1)
+    generate_to_store(decoder, reqs, store, max_new_tokens=max_new_tokens, eos_token_ids=gen.eos_token_ids,
+                      progress=progress)
+    by_id = {r.id: r for r in store.read()}
+    replies = [by_id[p.id] for p in prompts if p.id in by_id]
+    feats = cached_features(decoder, replies, cache, source=gen.source)
+    tokens = [r.reply.tolist() for r in replies]
     heads = heads.float().eval()
-    topks = [heads_topk(heads, h.float(), topk).numpy() for h in hiddens]
+    topks, start = [], 0
+    for n in feats.lengths:
+        topks.append(heads_topk(heads, feats.hidden[start:start + n].float(), topk).numpy())
+        start += n
     return Calibration(pooled_accuracies(tokens, topks), tokens, topks, int(sum(len(t) for t in tokens)))
