@@ -23,7 +23,8 @@ from .acceptance import TypicalConfig, accept_greedy, accept_typical, sample_top
 from .errors import ContextOverflowError
 from .kvcache import compact_in_place, fits, write_accepted
 from .stops import apply_stops
-from .tree import Tree, gather_candidates, make_tree
+from .candidates import DynamicTree, Proposal, dynamic_levels, dynamic_medusa, static_levels, static_medusa
+from .tree import Tree, make_tree
 
 
 class StepResult(NamedTuple):
@@ -56,6 +57,13 @@ class Engine(Protocol):
         ``hidden`` is a row slice of a step's ``StepResult.hidden`` (whatever type the
         engine returned there, e.g. a device buffer).
         """
+
+    # Optional, by head type and tree policy (see :func:`proposer`):
+    # * ``head_type``: "medusa" (default when absent) or "hydra" (path-conditioned heads);
+    # * ``heads_logprobs(hidden [R, d], topk) -> (ids int64 [R, K, topk], logprobs float32 [R, K, topk])``:
+    #   Medusa heads with their log-probabilities (per-step trees);
+    # * ``heads_level(depth, hidden [1, d], path_ids int64 [R, depth], topk) -> (ids [R, topk], logprobs [R, topk])``:
+    #   the path-conditioned head of that depth on R paths (root first), the heads of "hydra" engines.
 
     # Optional: ``make_cache(capacity) -> cache`` for engines that keep the KV cache in
     # their own memory (a GPU). The cache must offer what :class:`KVCache` offers
@@ -177,6 +185,51 @@ class HeadMajorKVCache(CacheState):
         self._advance(accepted, token_ids)
 
 
+def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda f, *a: f(*a)
+             ) -> Callable[[object, int], Proposal]:
+    """The candidate generator of a step for the engine's head type and the tree policy.
+
+    Args:
+        engine: the backend (``head_type`` and the heads methods, see :class:`Engine`).
+        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.candidates.DynamicTree` (per-step
+            trees of fixed size).
+        timed: ``timed(fn, *args)`` calls ``fn(*args)``; the loop passes one that adds the time
+            to the engine's share.
+
+    Returns:
+        ``propose(hidden_row, root) -> Proposal``: hidden_row is the [1, d] row of the last
+        accepted node's hidden state, root the next token.
+
+    Raises:
+        ValueError: an engine without what the head type or the tree policy needs.
+    """
+    head_type = getattr(engine, "head_type", "medusa")
+    topk = tree.topk
+    if head_type == "hydra":
+        if not hasattr(engine, "heads_level"):
+            raise ValueError("the engine's heads are path-conditioned but it has no heads_level()")
+
+        def levels(hidden_row):
+            return lambda depth, paths: timed(engine.heads_level, depth, hidden_row, paths, topk)
+
+        if isinstance(tree, DynamicTree):
+            return lambda hidden_row, root: dynamic_levels(root, levels(hidden_row), tree)
+        return lambda hidden_row, root: static_levels(root, tree, levels(hidden_row))
+    if head_type != "medusa":
+        raise ValueError(f"unknown head type {head_type!r}; this runtime runs medusa and hydra heads")
+    if isinstance(tree, DynamicTree):
+        if not hasattr(engine, "heads_logprobs"):
+            raise ValueError("per-step trees need the heads' log-probabilities, which this engine's heads graph "
+                             "does not return (rebuild the artifact)")
+
+        def propose_dynamic(hidden_row, root):
+            ids, logprobs = timed(engine.heads_logprobs, hidden_row, topk)
+            return dynamic_medusa(root, ids[0], logprobs[0], tree)
+
+        return propose_dynamic
+    return lambda hidden_row, root: static_medusa(root, timed(engine.heads, hidden_row, topk)[0], tree)
+
+
 @dataclass
 class GenerationResult:
     """Output of one generation.
@@ -219,7 +272,7 @@ def causal_mask(n: int) -> np.ndarray:
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
-    tree: Tree,
+    tree: Tree | DynamicTree,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -235,7 +288,8 @@ def generate(
         engine: the backend.
         prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
             ``cache`` given, these are the tokens *after* the cache's valid prefix.
-        tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps.
+        tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps; a
+            :class:`~medusa_runtime.candidates.DynamicTree` chooses a tree of its size every step.
         max_new_tokens: maximum emitted tokens (exact).
         eos_token_ids: tokens that end generation (not emitted).
         max_context: KV capacity in tokens. When the tree no longer fits, steps fall back
@@ -277,11 +331,13 @@ def generate(
         result.engine_seconds += time.perf_counter() - t
         return out
 
-    def heads_topk(hidden_row) -> np.ndarray:  # hidden_row: a [1, d] slice of StepResult.hidden
+    def timed(fn, *args):  # the heads' time is engine time
         t = time.perf_counter()
-        out = engine.heads(hidden_row, tree.topk)[0]
+        out = fn(*args)
         result.engine_seconds += time.perf_counter() - t
         return out
+
+    propose = proposer(engine, tree, timed) if tree.size > 1 else None
 
     def emit(step_tokens: list[int]) -> bool:
         stop = apply_stops(step_tokens, generated=len(result.tokens), max_new_tokens=max_new_tokens,
@@ -308,14 +364,16 @@ def generate(
     root = int(out.topk_ids[-1, 0]) if typical is None else sample_topk(out.topk_ids[-1], out.topk_logprobs[-1], rng)
     if emit([root]):
         return finish()
-    heads = heads_topk(out.hidden[n - 1 : n]) if tree.size > 1 else None
+    hidden_row = out.hidden[n - 1 : n]
     while True:
-        step_tree = tree if fits(cache.length, tree.size, cache.capacity) else root_tree
+        if propose is not None and fits(cache.length, tree.size, cache.capacity):
+            step_tree, tokens = propose(hidden_row, root)
+        else:
+            step_tree, tokens = root_tree, np.array([root], np.int64)
         if not fits(cache.length, step_tree.size, cache.capacity):
             result.finish_reason = "length"  # the context is full
             return finish()
         b = step_tree.buffers()
-        tokens = gather_candidates(root, heads, step_tree) if step_tree.size > 1 else np.array([root], np.int64)
         out = run(tokens, cache.length + b.depth, b.attention_mask)
         if typical is None:
             acc = accept_greedy(step_tree, tokens, out.topk_ids[:, 0])
@@ -329,6 +387,5 @@ def generate(
         if emit(step_tokens):
             return finish()
         root = acc.next_token
-        if tree.size > 1:
-            last = int(acc.accepted[-1])
-            heads = heads_topk(out.hidden[last : last + 1])
+        last = int(acc.accepted[-1])
+        hidden_row = out.hidden[last : last + 1]

@@ -357,6 +357,17 @@ def test_train_heads_command_end_to_end_and_resumes(tmp_path, capsys):
     assert main(args) == 0  # everything stored: nothing is generated or recomputed again
     assert "generated" not in capsys.readouterr().err
     assert len(list((tmp_path / "c" / "features").glob("features-*"))) == 2  # training and held-out replies
+    hydra = args[:args.index("--out")] + ["--out", str(tmp_path / "hy")] + args[args.index("--out") + 2:]
+    assert main(hydra + ["--head-type", "hydra", "--init-heads", str(tmp_path / "h")]) == 0
+    meta = json.loads((tmp_path / "hy" / "heads.json").read_text())
+    assert meta["head_type"] == "hydra" and "start equal to them" in meta["recipe"]["init"]
+    assert json.loads((tmp_path / "hy" / "accuracies.json").read_text())["head_type"] == "hydra"
+    assert main(["calibrate", "--model", str(tmp_path / "m"), "--heads", str(tmp_path / "hy"), "--data", str(prompts),
+                 "--cache", str(tmp_path / "c"), "--max-new-tokens", "12", "--budgets", "2", "6",
+                 "--batch-size", "4"]) == 0
+    acc = json.loads((tmp_path / "hy" / "accuracies.json").read_text())
+    assert set(acc["simulated"]) == {"static", "dynamic"} and set(acc["simulated"]["dynamic"]) == {"2", "6"}
+    assert len(acc["calibration"]["p_right"]) == 2
 
 
 def test_hashed_gumbel_noise_samples_the_softmax():

@@ -9,10 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+from medusa_runtime.autotree import DEFAULT_SIZES as AUTO_SIZES
+from medusa_runtime.candidates import DEFAULT_WIDTH
+
 from ..errors import MedusaError
 from ..loading.registry import DEFAULT_MODEL
 
 DEFAULT_CACHE = ".cache/train-heads"
+#: Tree sizes ``calibrate`` simulates by default: those ``--tree auto`` tries (1, plain decoding, needs none).
+CALIBRATED_SIZES = tuple(n for n in AUTO_SIZES if n > 1)
 
 #: ``--dtype`` names -> torch dtype names (torch is imported only when a command runs).
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -72,6 +77,51 @@ def check_device(name: str) -> str:
 
 def _prompt_of(rid: str) -> str:
     return rid.split("~s", 1)[0]
+
+
+def _init_note(args) -> str:
+    start = f"the heads in {args.init_heads}" if args.init_heads else "seeds/001 §2.1.1: zero residual block"
+    if args.head_type == "hydra":
+        start += ("; path weights zero, so the hydra heads start equal to them" if args.init_heads
+                  else " (path weights zero)")
+    return start + "; projection = the frozen shared lm_head"
+
+
+def _initial_heads(args, gen):
+    """The heads training starts from: None (fresh Medusa heads), fresh or Medusa-initialised hydra heads, or
+    ``--init-heads`` of the same type.
+
+    Raises:
+        MedusaError: ``--init-heads`` of another shape than --num-heads / --num-layers, or hydra heads
+            asked to start from heads with their own projections.
+    """
+    from ..loading.heads_formats import load_heads
+    from ..model.heads import HeadsConfig
+    from ..model.hydra_heads import HydraHeads
+
+    embed = gen.hf_model.model.embed_tokens
+    start = None
+    if args.init_heads:
+        start = load_heads(args.init_heads, gen.lm_head, embed)
+        c = start.config
+        if (c.num_heads, c.num_layers) != (args.num_heads, args.num_layers):
+            raise MedusaError(f"--init-heads {args.init_heads} has {c.num_heads} heads of {c.num_layers} blocks; "
+                              f"give --num-heads {c.num_heads} --num-layers {c.num_layers}")
+    if args.head_type == "hydra":
+        if start is None:
+            vocab, hidden = gen.lm_head.weight.shape
+            cfg = HeadsConfig(args.num_heads, args.num_layers, hidden, vocab, False, head_type="hydra")
+            return HydraHeads(cfg, gen.lm_head, embed)
+        if start.config.head_type == "hydra":
+            return start
+        try:
+            return HydraHeads.from_medusa(start, embed)
+        except ValueError as exc:
+            raise MedusaError(f"--init-heads {args.init_heads}: {exc}") from None
+    if start is not None and start.config.head_type != "medusa":
+        raise MedusaError(f"--init-heads {args.init_heads} holds {start.config.head_type} heads; add --head-type "
+                          f"{start.config.head_type}")
+    return start
 
 
 def cmd_train_heads(args) -> int:
@@ -155,9 +205,11 @@ def cmd_train_heads(args) -> int:
         vocab_ids = torch.as_tensor(subset_ids(DraftVocab(ids, draft["source"]), cfg.train_vocab,
                                                gen.lm_head.weight.shape[0], 1, model=args.model))
     print(f"{len(replies)} replies, {data.num_tokens} training positions", file=sys.stderr)
-    ckpt = cache / "checkpoints" / (f"h{cfg.num_heads}l{cfg.num_layers}s{cfg.soft_topk}e{cfg.epochs}lr{cfg.lr}"
-                                    f"b{cfg.batch_tokens}d{cfg.loss_decay}v{cfg.train_vocab}n{data.num_tokens}.pt")
-    res = train_heads(data, gen.lm_head, cfg, checkpoint=ckpt, vocab_ids=vocab_ids)
+    ckpt = cache / "checkpoints" / (f"{args.head_type}h{cfg.num_heads}l{cfg.num_layers}s{cfg.soft_topk}e{cfg.epochs}"
+                                    f"lr{cfg.lr}b{cfg.batch_tokens}d{cfg.loss_decay}v{cfg.train_vocab}"
+                                    f"n{data.num_tokens}{'-init' if args.init_heads else ''}.pt")
+    init = _initial_heads(args, gen)
+    res = train_heads(data, gen.lm_head, cfg, checkpoint=ckpt, vocab_ids=vocab_ids, heads=init)
     gen.hf_model.cpu()  # the heads share its lm_head: saving and held-out accuracies run on the CPU
     heads = res.heads
     recipe = {
@@ -172,7 +224,8 @@ def cmd_train_heads(args) -> int:
                    "loss": f"sum_k {cfg.loss_decay}^k CE(head k, token t+k+1)"
                            + (f" over the draft vocabulary's top {cfg.train_vocab} ids" if cfg.train_vocab else ""),
                    "targets": f"teacher top-{cfg.soft_topk}" if cfg.soft_topk else "hard (the reply's tokens)",
-                   "init": "seeds/001 §2.1.1: zero residual block, projection = the frozen shared lm_head",
+                   "head_type": args.head_type,
+                   "init": _init_note(args),
                    "features_seconds": round(feat_seconds, 1),
                    "train_seconds": round(res.seconds, 1),
                    "total_seconds": round(time.perf_counter() - t_start, 1),
@@ -192,7 +245,7 @@ def cmd_train_heads(args) -> int:
             start += n
         acc = head_accuracies(heads, hid, [r.reply.tolist() for r in held_replies])
         save_accuracies(acc, args.out, source=f"held-out split of the training prompts ({len(held_replies)} prompts)",
-                        positions=sum(len(r.reply) for r in held_replies))
+                        positions=sum(len(r.reply) for r in held_replies), head_type=heads.config.head_type)
         print("held-out top-1 per head: " + ", ".join(f"{a:.3f}" for a in acc[:, 0]), file=sys.stderr)
     print(f"heads written to {args.out} (features {feat_seconds / 60:.1f} min, train {res.seconds / 60:.1f} min, "
           f"total {(time.perf_counter() - t_start) / 60:.1f} min)", file=sys.stderr)
@@ -200,12 +253,15 @@ def cmd_train_heads(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Measure a_k^(i) on held-out prompts, save accuracies.json beside the heads, print trees."""
+    """Measure a_k^(i) and the probability map on held-out prompts, simulate static and per-step trees,
+    save accuracies.json beside the heads."""
+    import numpy as np
+    from medusa_runtime.candidates import DynamicTree
     from medusa_runtime.tree import expected_accept_length, greedy_tree
 
     from ..loading.heads_formats import load_heads
     from ..loading.registry import get_entry, models_dir
-    from ..training.calibrate import calibrate, save_accuracies, simulate_acceptance
+    from ..training.calibrate import calibrate, save_accuracies, simulate_dynamic, simulate_steps
     from ..training.distill import load_generator
 
     gen = load_generator(args.model, model_path=args.model_path)
@@ -215,24 +271,36 @@ def cmd_calibrate(args) -> int:
         if entry.heads.get("source") != "shipped":
             raise SystemExit("medusa-export: error: give --heads DIR (the model has no shipped heads)")
         heads_dir = str(models_dir() / entry.heads["path"])
-    heads = load_heads(heads_dir, gen.lm_head)
+    heads = load_heads(heads_dir, gen.lm_head, gen.hf_model.model.embed_tokens)
     prompts = _prompts(args.data)[: args.limit] if args.limit else _prompts(args.data)
     res = calibrate(gen, heads, prompts, Path(args.cache) / "calibrate", max_new_tokens=args.max_new_tokens,
                     batch_size=args.batch_size, topk=args.topk)
-    out = args.out or heads_dir
-    save_accuracies(res.accuracies, out, source=", ".join(args.data), positions=res.positions)
-    print("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in res.accuracies[:, 0]))
-    print(f"{'nodes':>6} {'depth':>5} {'expected':>9} {'simulated':>9}")
+    sim_tokens = args.max_new_tokens - 5  # replies run 5 tokens past the simulated length: the last step is scored
+    head_type = heads.config.head_type
+    print(f"{head_type} heads, top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in res.accuracies[:, 0]))
+    print(f"{'nodes':>6} {'depth':>5} {'expected':>9} {'static':>9} {'per-step':>9}")
+    simulated: dict[str, dict[int, float]] = {"static": {}, "dynamic": {}}
     for budget in args.budgets:
         tree = greedy_tree(budget, res.accuracies)
-        sim = simulate_acceptance(res.tokens, res.topk_ids, tree, max_new_tokens=args.max_new_tokens - 5)
-        print(f"{tree.size:>6} {tree.max_depth:>5} {expected_accept_length(tree, res.accuracies):>9.3f} {sim:>9.3f}")
-    print(f"accuracies written to {Path(out) / 'accuracies.json'}")
+        static = [s for t, k in zip(res.tokens, res.topk_ids)
+                  for s in simulate_steps(t, k, tree, max_new_tokens=sim_tokens, eos_token_ids=gen.eos_token_ids)]
+        spec = DynamicTree(budget, heads.config.num_heads, args.topk, args.width, res.probability_map)
+        dyn = [s for t, h, ids, lp in zip(res.tokens, res.hiddens, res.topk_ids, res.topk_logprobs)
+               for s in simulate_dynamic(heads, h, t, spec, max_new_tokens=sim_tokens,
+                                         eos_token_ids=gen.eos_token_ids, topk=(ids, lp))]
+        simulated["static"][budget], simulated["dynamic"][budget] = float(np.mean(static)), float(np.mean(dyn))
+        print(f"{tree.size:>6} {tree.max_depth:>5} {expected_accept_length(tree, res.accuracies):>9.3f} "
+              f"{simulated['static'][budget]:>9.3f} {simulated['dynamic'][budget]:>9.3f}", flush=True)
+    out = args.out or heads_dir
+    path = save_accuracies(res.accuracies, out, source=", ".join(args.data), positions=res.positions,
+                           head_type=head_type, calibration=res.probability_map, simulated=simulated)
+    print(f"accuracies, probability map and simulated tokens/step written to {path}")
     return 0
 
 
 def add_heads_commands(sub) -> None:
     """Register ``train-heads`` and ``calibrate``."""
+    from ..model.heads import HEAD_TYPES
     from ..training.distill import TrainConfig
 
     d = TrainConfig()
@@ -281,6 +349,11 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled replies (default: 0.7)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda or cuda:N: where generation, teacher targets and training run (default: cpu)")
+    p.add_argument("--head-type", choices=HEAD_TYPES, default=HEAD_TYPES[0],
+                   help="medusa: head k reads h_t alone (seeds/001); hydra: head k also reads the root and the "
+                        "path's tokens (path-conditioned, Hydra), candidates level by level (default: medusa)")
+    p.add_argument("--init-heads", metavar="DIR",
+                   help="start from these heads (Medusa heads start hydra heads equal to them); default: fresh heads")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help=f"K (default: {d.num_heads})")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help=f"residual blocks per head (default: {d.num_layers})")
     p.add_argument("--epochs", type=float, default=d.epochs, help=f"(default: {d.epochs})")
@@ -309,6 +382,9 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=133, help="reply length (default: 133)")
     p.add_argument("--batch-size", type=int, default=32, help="generation batch (default: 32)")
     p.add_argument("--topk", type=int, default=10, help="top-i measured per head (default: 10)")
-    p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64],
-                   help="tree sizes to report (default: 4 8 16 32 64)")
+    p.add_argument("--budgets", type=int, nargs="+", default=list(CALIBRATED_SIZES),
+                   help="tree sizes to simulate, static and per step; --tree auto reads the table "
+                        f"(default: {' '.join(map(str, CALIBRATED_SIZES))})")
+    p.add_argument("--width", type=int, default=DEFAULT_WIDTH,
+                   help=f"per-step trees of path-conditioned heads: nodes expanded per level (default: {DEFAULT_WIDTH})")
     p.set_defaults(func=cmd_calibrate)

@@ -6,7 +6,10 @@ File formats (key layout shared by all three, h = head, l = block, N = blocks):
 * FasterDecoding ``medusa_lm_head.pt`` (loaded with ``torch.load(weights_only=True)``);
 * the same tensors as ``medusa_lm_head.safetensors``;
 * ours: ``heads.safetensors`` + ``heads.json`` (:data:`~medusa_export.model.heads.HEADS_FORMAT`,
-  written by :func:`~medusa_export.model.heads.save_heads`).
+  written by :func:`~medusa_export.model.heads.save_heads`). Its ``head_type`` (absent =
+  "medusa") may also say "hydra": path-conditioned heads (:mod:`medusa_export.model.hydra_heads`,
+  keys ``{h}.0.res.*`` / ``{h}.0.linear.*`` of width (h + 2) d, then ``{h}.{l}.linear.*``),
+  which only our format holds.
 
 Every key and shape is checked against the backbone (strict loading, no key left over).
 """
@@ -21,7 +24,8 @@ import torch
 from torch import nn
 
 from ..errors import HeadsFormatError
-from ..model.heads import HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
+from ..model.heads import HEAD_TYPES, HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
+from ..model.hydra_heads import HydraHeads
 
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
 
@@ -151,7 +155,34 @@ def heads_from_tensors(
     return heads
 
 
-def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
+def hydra_heads_from_tensors(tensors: dict[str, torch.Tensor], lm_head: nn.Linear, embed_tokens: nn.Embedding, *,
+                             num_heads: int, num_layers: int) -> HydraHeads:
+    """Build :class:`HydraHeads` from checked tensors (strict: every key used, shapes equal).
+
+    Raises:
+        HeadsFormatError: a missing or unexpected key, or a shape that does not fit the backbone
+            (the message names the key and the expected shape).
+    """
+    vocab, hidden = lm_head.weight.shape
+    cfg = HeadsConfig(num_heads, num_layers, hidden, vocab, False, head_type="hydra")
+    heads = HydraHeads(cfg, lm_head, embed_tokens)
+    expected = {k.removeprefix("heads."): tuple(v.shape) for k, v in heads.state_dict().items()}
+    for key in tensors:
+        if key not in expected:
+            raise HeadsFormatError(f"unexpected key {key!r} in hydra heads file ({num_heads} heads, {num_layers} "
+                                   f"blocks each); expected keys like '0.0.res.weight', '0.1.linear.weight'")
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise HeadsFormatError(f"hydra heads file is missing key {key!r}")
+        if tuple(tensors[key].shape) != shape:
+            raise HeadsFormatError(f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {shape} "
+                                   f"(backbone hidden size {hidden})")
+    dtype = lm_head.weight.dtype
+    heads.load_state_dict({f"heads.{k}": v.to(dtype) for k, v in tensors.items()}, strict=True)
+    return heads.to(dtype)
+
+
+def load_heads(path: str | Path, lm_head: nn.Linear, embed_tokens: nn.Embedding | None = None) -> nn.Module:
     """Load heads from a directory or file in any supported format.
 
     Args:
@@ -161,9 +192,15 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
             those files directly.
         lm_head: the backbone's LM head [V, d]; used for checks and, for heads without
             their own projection, for the projection itself.
+        embed_tokens: the backbone's input embedding, needed by path-conditioned heads
+            (``head_type`` "hydra" in ``heads.json``).
+
+    Returns:
+        :class:`MedusaHeads`, or :class:`HydraHeads` when ``heads.json`` says ``"head_type": "hydra"``.
 
     Raises:
-        HeadsFormatError: nothing loadable at ``path``, or a key/shape/count mismatch.
+        HeadsFormatError: nothing loadable at ``path``, a key/shape/count mismatch, an unknown
+            head type, or hydra heads without ``embed_tokens``.
     """
     path = Path(path)
     if path.is_dir():
@@ -179,11 +216,24 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
     else:
         file = path
     num_heads = num_layers = None
+    head_type = "medusa"
     for cfg_name in (HEADS_CONFIG, "config.json"):
         cfg_path = file.parent / cfg_name
         if cfg_path.is_file():
             meta = json.loads(cfg_path.read_text())
             num_heads = meta.get("num_heads", meta.get("medusa_num_heads"))
             num_layers = meta.get("num_layers", meta.get("medusa_num_layers"))
+            if cfg_name == HEADS_CONFIG:
+                head_type = meta.get("head_type", "medusa")
             break
-    return heads_from_tensors(read_head_tensors(file), lm_head, num_heads=num_heads, num_layers=num_layers)
+    if head_type not in HEAD_TYPES:
+        raise HeadsFormatError(f"{file.parent / HEADS_CONFIG}: unknown head_type {head_type!r}; this version reads "
+                               f"{', '.join(HEAD_TYPES)}")
+    tensors = read_head_tensors(file)
+    if head_type == "hydra":
+        if embed_tokens is None:
+            raise HeadsFormatError(f"{file}: path-conditioned (hydra) heads need the backbone's input embedding")
+        if num_heads is None or num_layers is None:
+            raise HeadsFormatError(f"{file.parent / HEADS_CONFIG}: hydra heads need num_heads and num_layers")
+        return hydra_heads_from_tensors(tensors, lm_head, embed_tokens, num_heads=num_heads, num_layers=num_layers)
+    return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers)

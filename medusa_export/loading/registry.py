@@ -171,17 +171,19 @@ def load_model(
     hp = None
     if heads_path:
         hp = Path(heads_path)
-        heads = load_heads(hp, backbone.lm_head)
+        heads = load_heads(hp, backbone.lm_head, backbone.embed_tokens)
         medusa, heads_source = MedusaModel(backbone, heads), str(heads_path)
     elif heads_cfg["source"] == "init":
         medusa = MedusaModel.with_initial_heads(backbone, heads_cfg["num_heads"], heads_cfg["num_layers"])
         heads_source = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
     elif heads_cfg["source"] == "shipped":
         hp = models_dir() / heads_cfg["path"]
-        medusa, heads_source = MedusaModel(backbone, load_heads(hp, backbone.lm_head)), f"shipped:{heads_cfg['path']}"
+        heads, heads_source = load_heads(hp, backbone.lm_head, backbone.embed_tokens), f"shipped:{heads_cfg['path']}"
+        medusa = MedusaModel(backbone, heads)
     elif heads_cfg["source"] == "hf":
         hp = hf_cache_snapshot(heads_cfg["repo"])
-        medusa, heads_source = MedusaModel(backbone, load_heads(hp, backbone.lm_head)), heads_cfg["repo"]
+        medusa = MedusaModel(backbone, load_heads(hp, backbone.lm_head, backbone.embed_tokens))
+        heads_source = heads_cfg["repo"]
     else:
         raise ValueError(f"registry entry {entry.name!r}: unknown heads source {heads_cfg['source']!r}")
     medusa.heads.to(dtype)
