@@ -381,3 +381,43 @@ def test_hashed_gumbel_noise_samples_the_softmax():
     draws = (logits[None] - torch.log(-torch.log(u))).argmax(-1)
     freq = torch.bincount(draws, minlength=4).float() / n
     assert torch.allclose(freq, torch.softmax(logits, -1), atol=0.01)
+
+
+def test_projected_ce_matches_autograd():
+    from medusa_export.training.distill import ProjectedCE
+
+    torch.manual_seed(0)
+    states = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(20, 8).to(torch.bfloat16)
+    ids = torch.randint(0, 20, (6, 3))
+    p = torch.softmax(torch.randn(6, 3), -1)
+    g = torch.randn(6)
+    ce, top = ProjectedCE.apply(states, weight, ids, p)
+    (ce * g).sum().backward()
+    ref_states = states.detach().clone().requires_grad_(True)
+    z = torch.nn.functional.linear(ref_states.to(torch.bfloat16), weight).float()
+    ref = torch.logsumexp(z, -1) - (z.gather(1, ids) * p).sum(-1)
+    (ref * g).sum().backward()
+    assert torch.allclose(ce, ref) and torch.equal(top, z.argmax(-1))
+    assert torch.allclose(states.grad, ref_states.grad, atol=2e-2, rtol=2e-2)  # one bf16 rounding of the gradient
+
+
+def test_feature_chunks_computed_in_parts_are_read_back_whole(tiny, tmp_path):
+    hf, _, tok = tiny
+    dec = BatchedDecoder(hf, batch_size=3, capacity=128, dtype=torch.float32)
+    store = ReplyStore(tmp_path / "s", vocab_size=300)
+    generate_to_store(dec, decode_requests(tok, tok.chat_template, PROMPTS), store, max_new_tokens=5,
+                      eos_token_ids=[], progress=False)
+    reps = store.read()
+    for i in (0, 1):
+        assert cached_features(dec, reps, tmp_path / "f", soft_topk=2, part=(i, 2), chunk=2) is None
+    assert len(list((tmp_path / "f").glob("features-*"))) == 3
+
+    class NoForward(BatchedDecoder):
+        def forward(self, *a, **k):
+            raise AssertionError("every chunk is cached")
+
+    whole = cached_features(NoForward(hf, dtype=torch.float32), reps, tmp_path / "f", soft_topk=2, chunk=2)
+    ref = compute_features(dec, reps, soft_topk=2)
+    assert whole.lengths == ref.lengths and torch.allclose(whole.hidden, ref.hidden, atol=1e-6)
+    assert torch.equal(whole.teacher_ids, ref.teacher_ids)

@@ -137,8 +137,10 @@ def cmd_train_heads(args) -> int:
     from ..training.reply_store import ReplyStore, reply_token_count
 
     torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # One thread per process on a CPU by default: a decode step is hundreds of small ops, and on this shared
+    # 2-core machine two threads synchronising on them (and on the features' forward passes) ran 3x slower
+    # than one; more cores are used by --part processes side by side.
+    torch.set_num_threads(args.threads or (1 if args.device == "cpu" else torch.get_num_threads()))
     t_start = time.perf_counter()
     train, held = select_prompts(_prompts(args.data), caps=_caps(args.cap), seed=args.seed, holdout=args.holdout)
     if args.exclude:  # e.g. the calibration prompts: never answered for training, never trained on
@@ -191,8 +193,11 @@ def cmd_train_heads(args) -> int:
     tokens = [r.reply.tolist() for r in replies]
     t_feat = time.perf_counter()
     feats = cached_features(decoder, replies, cache / "features", soft_topk=cfg.soft_topk, source=args.model,
-                            batch_tokens=args.features_batch_tokens, progress=True)
+                            batch_tokens=args.features_batch_tokens, progress=True, part=(i_part, n_part))
     feat_seconds = time.perf_counter() - t_feat
+    if feats is None or args.features_only:  # a part, or only the features: the training run reads them
+        print(f"features of part {i_part}/{n_part} cached in {feat_seconds:.0f} s", file=sys.stderr)
+        return 0
     data = train_data(feats.hidden, tokens, cfg.num_heads, teacher=feats.teacher)
     del feats
     ids, counts = frequency_order(tokens)
@@ -326,8 +331,9 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are skipped (default: 768)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="generation and feature recomputation dtype (default: bf16; fp32 is ~4x slower on a CPU)")
-    p.add_argument("--threads", type=int, help="PyTorch CPU threads (default: PyTorch's; on a CPU shared with "
-                                               "other jobs 1 thread per process is much faster, see --part)")
+    p.add_argument("--threads", type=int,
+                   help="PyTorch threads (default on a CPU: 1; several one-thread processes (--part) use more "
+                        "cores better than threads on a shared machine; on an idle one, training gains from 2)")
     p.add_argument("--features-batch-tokens", type=int, default=8192,
                    help="padded tokens per teacher-forced pass when recomputing hidden states (default: 8192)")
     p.add_argument("--sort-window", type=int, default=4,
@@ -335,14 +341,17 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--budget-tokens", type=int, help="stop generating once the cache holds this many reply tokens")
     p.add_argument("--max-tokens", type=int,
                    help="train on only the first N stored reply tokens (greedy replies first, in prompt order)")
-    p.add_argument("--generate-only", action="store_true", help="fill the caches and stop")
+    p.add_argument("--generate-only", action="store_true", help="fill the reply store and stop")
+    p.add_argument("--features-only", action="store_true",
+                   help="also compute and cache the features (hidden states, teacher top-S), then stop; with --part, "
+                        "each process computes its share of the feature chunks")
     p.add_argument("--exclude", action="append", default=[], metavar="JSONL",
                    help="prompts never answered or trained on, matched by id (repeatable; e.g. the "
                         "calibration prompts given to 'calibrate')")
     p.add_argument("--part", default="0/1", metavar="I/N",
-                   help="answer only every N-th prompt from the I-th: run N processes (--generate-only, "
-                        "OMP_NUM_THREADS=1 each) side by side on the same cache, then train without --part "
-                        "(default: 0/1)")
+                   help="answer only every N-th prompt from the I-th (and, with --features-only, compute every N-th "
+                        "feature chunk): run N processes (one thread each) side by side on the same cache, then "
+                        "train without --part (default: 0/1)")
     p.add_argument("--samples", type=int, default=1,
                    help="replies per training prompt: the greedy one plus N-1 sampled at --temperature, more "
                         "self-distillation text from few prompts (default: 1)")

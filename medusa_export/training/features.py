@@ -159,18 +159,63 @@ def load_features(path: str | Path) -> ReplyFeatures:
     return ReplyFeatures(t["hidden"], t["lengths"].tolist(), ids.long() if ids is not None else None, t.get("teacher_p"))
 
 
-def cached_features(decoder: BatchedDecoder, replies: Sequence[StoredReply], cache_dir: str | Path, *,
-                    soft_topk: int = 0, batch_tokens: int = 8192, source: str = "",
-                    progress: bool = False) -> ReplyFeatures:
-    """:func:`compute_features`, read from ``cache_dir`` when these replies and settings were computed before.
+#: Replies per cached features file: the unit of resuming and of splitting the work between processes.
+CHUNK_REPLIES = 256
 
-    The file is ``features-<fingerprint>.safetensors`` (:func:`features_fingerprint` of the replies,
-    ``source``, the dtype and S), written after computing.
+
+def feature_chunks(replies: Sequence[StoredReply], chunk: int = CHUNK_REPLIES) -> list[range]:
+    """The reply index ranges cached as one file each (consecutive, ``chunk`` replies, the last shorter)."""
+    return [range(s, min(len(replies), s + chunk)) for s in range(0, len(replies), chunk)]
+
+
+def cached_features(decoder: BatchedDecoder, replies: Sequence[StoredReply], cache_dir: str | Path, *,
+                    soft_topk: int = 0, batch_tokens: int = 8192, source: str = "", progress: bool = False,
+                    part: tuple[int, int] = (0, 1), chunk: int = CHUNK_REPLIES) -> ReplyFeatures | None:
+    """:func:`compute_features`, cached in ``cache_dir`` one file per chunk of ``chunk`` replies.
+
+    A chunk's file is ``features-<fingerprint>.safetensors`` (:func:`features_fingerprint` of its
+    replies, ``source``, the dtype and S): a rerun on the same replies, an interrupted run, or a
+    run on a prefix of them (data-scaling) computes only the chunks not cached yet.
+
+    Args:
+        part: (i, n): compute only chunks i, i + n, ... (n processes side by side, one thread
+            each) and return None; with n = 1 every chunk is computed or read and the whole
+            result returned.
+
+    Returns:
+        The features of ``replies`` in order (None for a part of n > 1).
     """
-    key = features_fingerprint(replies, source=source, dtype=str(decoder.dtype), soft_topk=soft_topk)
-    path = Path(cache_dir) / f"features-{key}.safetensors"
-    if path.is_file():
-        return load_features(path)
-    feats = compute_features(decoder, replies, soft_topk=soft_topk, batch_tokens=batch_tokens, progress=progress)
-    save_features(feats, path)
-    return feats
+    from tqdm import tqdm
+
+    i_part, n_part = part
+    chunks = feature_chunks(replies, chunk)
+    out: list[ReplyFeatures] = []
+    bar = tqdm(total=len(chunks), desc="feature chunks", unit="chunk", disable=not progress, dynamic_ncols=True)
+    for j, rng in enumerate(chunks):
+        sub = [replies[i] for i in rng]
+        key = features_fingerprint(sub, source=source, dtype=str(decoder.dtype), soft_topk=soft_topk)
+        path = Path(cache_dir) / f"features-{key}.safetensors"
+        if n_part > 1 and j % n_part != i_part:
+            continue
+        if path.is_file():
+            feats = load_features(path) if n_part == 1 else None
+        else:
+            feats = compute_features(decoder, sub, soft_topk=soft_topk, batch_tokens=batch_tokens)
+            save_features(feats, path)
+        if feats is not None:
+            out.append(feats)
+        bar.update(1)
+    bar.close()
+    if n_part > 1:
+        return None
+    return concat_features(out, soft_topk)
+
+
+def concat_features(parts: Sequence[ReplyFeatures], soft_topk: int) -> ReplyFeatures:
+    """The features of consecutive reply sets, concatenated."""
+    if not parts:
+        return ReplyFeatures(torch.zeros(0, 0), [], None, None)
+    teacher = bool(soft_topk) and parts[0].teacher_ids is not None
+    return ReplyFeatures(torch.cat([f.hidden for f in parts]), [n for f in parts for n in f.lengths],
+                         torch.cat([f.teacher_ids for f in parts]) if teacher else None,
+                         torch.cat([f.teacher_p for f in parts]) if teacher else None)
