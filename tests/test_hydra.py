@@ -167,3 +167,49 @@ def test_probability_map_fit_by_hand():
     # two bins used: log 0.1 (2 of 4 right) and log 0.8 (2 of 4 right)
     assert m.logprobs.tolist() == pytest.approx([np.log(0.1), np.log(0.8)])
     assert m.p_right.tolist() == [[0.5, 0.5]]
+
+
+@pytest.fixture(scope="module")
+def attached(tiny, tmp_path_factory):
+    """A tiny artifact (built with its Medusa heads), and copies with log-prob Medusa heads and hydra heads."""
+    from conftest import tiny_loaded
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_export.heads_graphs import attach_heads
+    from medusa_export.training.calibrate import save_accuracies
+
+    _, model = tiny
+    root = tmp_path_factory.mktemp("attach")
+    acc = np.array([[0.5, 0.2, 0.1] + [0.01] * 7, [0.3, 0.1, 0.05] + [0.01] * 7, [0.2, 0.1, 0.05] + [0.01] * 7])
+    base = build_artifact(tiny_loaded(model, max_context=256), greedy_tree(8, acc), root / "base",
+                          BuildConfig(validate=False), progress=False)
+    out = {}
+    for kind, heads in (("medusa", model.heads), ("hydra", _hydra(model, noise=0.05))):
+        hdir = root / f"{kind}-heads"
+        save_heads(heads, hdir)
+        save_accuracies(acc, hdir, source="test", positions=1, head_type=kind)
+        lm = tiny_loaded(MedusaModel(model.backbone, heads).eval(), max_context=256)
+        lm = __import__("dataclasses").replace(lm, head_accuracies=acc)
+        out[kind] = attach_heads(base, lm, hdir, root / kind)
+    return out
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("tree_spec", ["8", "dynamic:8"])
+def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_type, tree_spec):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    _, model = tiny
+    art = load_artifact(attached[head_type])
+    assert art.head_type == head_type
+    engine = OrtEngine(art, threads=1)
+    tree = tree_from_spec(tree_spec, num_heads=3, accuracies=art.head_accuracies, topk=art.tree.topk)
+    got = generate(engine, PROMPT, tree, max_new_tokens=30)
+    plain = generate(engine, PROMPT, make_tree([], num_heads=3, topk=art.tree.topk), max_new_tokens=30)
+    assert got.tokens == plain.tokens  # lossless
+    m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
+    ref = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
+    assert got.tokens == ref.tokens and got.step_tokens == ref.step_tokens  # the same candidates as PyTorch
