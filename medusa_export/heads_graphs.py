@@ -131,6 +131,8 @@ class LevelGraph(nn.Module):
 
 
 def _export(module: nn.Module, args: tuple, dynamic_shapes, names_in, names_out, path: Path) -> None:
+    # The tracing call of export.portable, repeated rather than imported privately while that module is being
+    # replaced by the graph builder (issue 13); these graphs move into the builder with it.
     import logging
     import warnings
 

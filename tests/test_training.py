@@ -135,13 +135,19 @@ def test_reply_store_round_trip_resume_and_parts(tiny_gen, tmp_path):
         decode_requests(g.tokenizer, g.chat_template, PROMPTS, part=(2, 2))
 
 
-def test_recomputed_features_are_the_backbones_hidden_states_and_top_k(tiny, tiny_gen, tmp_path):
+def _stored_replies(tiny, folder, max_new_tokens):
+    """(fp32 decoder, greedy replies to PROMPTS stored in ``folder``)."""
     hf, _, tok = tiny
     dec = BatchedDecoder(hf, batch_size=3, capacity=128, dtype=torch.float32)
-    store = ReplyStore(tmp_path / "s", vocab_size=300)
-    generate_to_store(dec, decode_requests(tok, tok.chat_template, PROMPTS), store, max_new_tokens=9,
+    store = ReplyStore(folder, vocab_size=300)
+    generate_to_store(dec, decode_requests(tok, tok.chat_template, PROMPTS), store, max_new_tokens=max_new_tokens,
                       eos_token_ids=[], progress=False)
-    reps = store.read()
+    return dec, store.read()
+
+
+def test_recomputed_features_are_the_backbones_hidden_states_and_top_k(tiny, tmp_path):
+    hf = tiny[0]
+    dec, reps = _stored_replies(tiny, tmp_path / "s", 9)
     feats = compute_features(dec, reps, soft_topk=4, batch_tokens=40)  # several batches of unequal length
     assert feats.lengths == [9] * len(reps) and feats.hidden.shape == (9 * len(reps), 32)
     for j, r in enumerate(reps):
@@ -403,12 +409,8 @@ def test_projected_ce_matches_autograd():
 
 
 def test_feature_chunks_computed_in_parts_are_read_back_whole(tiny, tmp_path):
-    hf, _, tok = tiny
-    dec = BatchedDecoder(hf, batch_size=3, capacity=128, dtype=torch.float32)
-    store = ReplyStore(tmp_path / "s", vocab_size=300)
-    generate_to_store(dec, decode_requests(tok, tok.chat_template, PROMPTS), store, max_new_tokens=5,
-                      eos_token_ids=[], progress=False)
-    reps = store.read()
+    hf = tiny[0]
+    dec, reps = _stored_replies(tiny, tmp_path / "s", 5)
     for i in (0, 1):
         assert cached_features(dec, reps, tmp_path / "f", soft_topk=2, part=(i, 2), chunk=2) is None
     assert len(list((tmp_path / "f").glob("features-*"))) == 3
