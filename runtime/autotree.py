@@ -151,8 +151,16 @@ def choose_tree(trees: Mapping[int, Tree | DynamicTree], accuracies: np.ndarray,
 
 
 def is_auto(spec) -> bool:
-    """True for the ``--tree auto`` spec (any surrounding whitespace)."""
-    return isinstance(spec, str) and spec.strip() == AUTO
+    """True for the ``--tree auto`` and ``--tree auto:dynamic`` specs (any surrounding whitespace)."""
+    return auto_policy(spec) is not None
+
+
+def auto_policy(spec) -> str | None:
+    """The tree policy of an auto spec: "static" for ``auto``, "dynamic" for ``auto:dynamic`` (per-step
+    trees of each size), None for any other spec."""
+    if not isinstance(spec, str):
+        return None
+    return {AUTO: "static", f"{AUTO}:dynamic": "dynamic"}.get(spec.strip())
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

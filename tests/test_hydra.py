@@ -183,15 +183,23 @@ def attached(tiny, tmp_path_factory):
     acc = np.array([[0.5, 0.2, 0.1] + [0.01] * 7, [0.3, 0.1, 0.05] + [0.01] * 7, [0.2, 0.1, 0.05] + [0.01] * 7])
     base = build_artifact(tiny_loaded(model, max_context=256), greedy_tree(8, acc), root / "base",
                           BuildConfig(validate=False), progress=False)
+    import dataclasses
+
+    from medusa_export.loading.draft_vocab import DraftVocab
+
     out = {}
     for kind, heads in (("medusa", model.heads), ("hydra", _hydra(model, noise=0.05))):
         hdir = root / f"{kind}-heads"
         save_heads(heads, hdir)
         save_accuracies(acc, hdir, source="test", positions=1, head_type=kind)
         lm = tiny_loaded(MedusaModel(model.backbone, heads).eval(), max_context=256)
-        lm = __import__("dataclasses").replace(lm, head_accuracies=acc)
+        lm = dataclasses.replace(lm, head_accuracies=acc, draft_vocab=DraftVocab(SUBSET, "test"))
         out[kind] = attach_heads(base, lm, hdir, root / kind)
+        out[kind + "-subset"] = attach_heads(base, lm, hdir, root / f"{kind}-subset", heads_vocab=len(SUBSET))
     return out
+
+
+SUBSET = np.random.default_rng(0).permutation(300)[:64]  # a draft vocabulary's top 64 ids
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
@@ -213,3 +221,39 @@ def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_ty
     m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
     ref = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
     assert got.tokens == ref.tokens and got.step_tokens == ref.step_tokens  # the same candidates as PyTorch
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, attached, head_type):
+    """calibrate --heads-vocab N scores the heads as an artifact built with --heads-vocab N runs them."""
+    from medusa_export.training.batch_decode import BatchedDecoder
+    from medusa_export.training.calibrate import simulate_dynamic
+    from medusa_export.training.features import compute_features
+    from medusa_export.training.reply_store import StoredReply
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_engine import OrtEngine
+
+    hf, model = tiny
+    art = load_artifact(attached[head_type + "-subset"])
+    assert art.manifest["heads_vocab"]["size"] == 64
+    engine = OrtEngine(art, threads=1)
+    spec = DynamicTree(size=8, num_heads=3, topk=art.tree.topk)
+    got = generate(engine, PROMPT, spec, max_new_tokens=25)
+    reply = generate(engine, PROMPT, make_tree([], num_heads=3, topk=10), max_new_tokens=31).tokens
+    assert got.tokens == reply[:25]
+    heads = model.heads if head_type == "medusa" else _hydra(model, noise=0.05)
+    hidden = compute_features(BatchedDecoder(hf, dtype=torch.float32),
+                              [StoredReply("x", np.asarray(PROMPT), np.asarray(reply))]).hidden
+    steps = simulate_dynamic(heads, hidden, reply, spec, max_new_tokens=25, vocab_ids=SUBSET)
+    assert steps == got.step_tokens
+
+
+def test_session_resolves_per_step_trees_with_the_artifacts_calibration(attached):
+    from medusa_runtime.session import MedusaSession
+
+    s = MedusaSession(attached["hydra"], threads=1, tree="dynamic:6")
+    assert isinstance(s.tree, DynamicTree) and s.tree.size == 6
+    s = MedusaSession(attached["hydra"], threads=1, tree="auto:dynamic")
+    assert isinstance(s.tree, DynamicTree) or s.tree.size == 1  # per-step trees, or plain decoding
+    assert [r.size for r in s.tree_timings][:4] == [1, 2, 3, 4]

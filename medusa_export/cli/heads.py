@@ -269,6 +269,11 @@ def cmd_calibrate(args) -> int:
     from ..training.calibrate import calibrate, save_accuracies, simulate_dynamic, simulate_steps
     from ..training.distill import load_generator
 
+    import torch
+
+    if args.eval and args.out is None:
+        raise MedusaError("--eval writes its measurements to --out (never over the heads' calibration)")
+    torch.set_num_threads(args.threads or 1)  # see train-heads --threads
     gen = load_generator(args.model, model_path=args.model_path)
     heads_dir = args.heads
     if heads_dir is None:
@@ -278,23 +283,40 @@ def cmd_calibrate(args) -> int:
         heads_dir = str(models_dir() / entry.heads["path"])
     heads = load_heads(heads_dir, gen.lm_head, gen.hf_model.model.embed_tokens)
     prompts = _prompts(args.data)[: args.limit] if args.limit else _prompts(args.data)
+    vocab_ids = None
+    if args.heads_vocab:
+        from ..loading.draft_vocab import load_draft_vocab, subset_ids
+
+        vocab_ids = subset_ids(load_draft_vocab(heads_dir), args.heads_vocab, gen.lm_head.weight.shape[0], args.topk,
+                               model=args.model)
     res = calibrate(gen, heads, prompts, Path(args.cache) / "calibrate", max_new_tokens=args.max_new_tokens,
-                    batch_size=args.batch_size, topk=args.topk)
+                    batch_size=args.batch_size, topk=args.topk, vocab_ids=vocab_ids)
     sim_tokens = args.max_new_tokens - 5  # replies run 5 tokens past the simulated length: the last step is scored
     head_type = heads.config.head_type
+    tree_acc, prob_map = res.accuracies, res.probability_map
+    if args.eval:  # measure only: trees and per-step scores from the heads' own calibration, not from these prompts
+        from medusa_runtime.candidates import ProbabilityMap
+
+        from ..loading.accuracies import load_accuracies_doc
+
+        doc = load_accuracies_doc(heads_dir)
+        if doc is None or "calibration" not in doc:
+            raise MedusaError(f"--eval needs the heads' calibration (accuracies.json with a probability map beside "
+                              f"{heads_dir}): run calibrate on held-out prompts first")
+        tree_acc, prob_map = np.asarray(doc["accuracies"], dtype=np.float64), ProbabilityMap.from_json(doc["calibration"])
     print(f"{head_type} heads, top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in res.accuracies[:, 0]))
     print(f"{'nodes':>6} {'depth':>5} {'expected':>9} {'static':>9} {'per-step':>9}")
     simulated: dict[str, dict[int, float]] = {"static": {}, "dynamic": {}}
     for budget in args.budgets:
-        tree = greedy_tree(budget, res.accuracies)
+        tree = greedy_tree(budget, tree_acc)
         static = [s for t, k in zip(res.tokens, res.topk_ids)
                   for s in simulate_steps(t, k, tree, max_new_tokens=sim_tokens, eos_token_ids=gen.eos_token_ids)]
-        spec = DynamicTree(budget, heads.config.num_heads, args.topk, args.width, res.probability_map)
+        spec = DynamicTree(budget, heads.config.num_heads, args.topk, args.width, prob_map)
         dyn = [s for t, h, ids, lp in zip(res.tokens, res.hiddens, res.topk_ids, res.topk_logprobs)
                for s in simulate_dynamic(heads, h, t, spec, max_new_tokens=sim_tokens,
-                                         eos_token_ids=gen.eos_token_ids, topk=(ids, lp))]
+                                         eos_token_ids=gen.eos_token_ids, topk=(ids, lp), vocab_ids=vocab_ids)]
         simulated["static"][budget], simulated["dynamic"][budget] = float(np.mean(static)), float(np.mean(dyn))
-        print(f"{tree.size:>6} {tree.max_depth:>5} {expected_accept_length(tree, res.accuracies):>9.3f} "
+        print(f"{tree.size:>6} {tree.max_depth:>5} {expected_accept_length(tree, tree_acc):>9.3f} "
               f"{simulated['static'][budget]:>9.3f} {simulated['dynamic'][budget]:>9.3f}", flush=True)
     out = args.out or heads_dir
     path = save_accuracies(res.accuracies, out, source=", ".join(args.data), positions=res.positions,
@@ -394,6 +416,13 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=list(CALIBRATED_SIZES),
                    help="tree sizes to simulate, static and per step; --tree auto reads the table "
                         f"(default: {' '.join(map(str, CALIBRATED_SIZES))})")
+    p.add_argument("--threads", type=int, help="PyTorch threads (default: 1, see train-heads --threads)")
+    p.add_argument("--heads-vocab", type=int, default=0,
+                   help="measure the heads projected onto the top N ids of draft_vocab.json beside them, as an "
+                        "artifact built with --heads-vocab N runs them (default: 0, all V)")
+    p.add_argument("--eval", action="store_true",
+                   help="measure only (e.g. on MT-Bench): build the trees and score per-step trees with the heads' "
+                        "own calibration (accuracies.json beside them), write the measurements to --out")
     p.add_argument("--width", type=int, default=DEFAULT_WIDTH,
                    help=f"per-step trees of path-conditioned heads: nodes expanded per level (default: {DEFAULT_WIDTH})")
     p.set_defaults(func=cmd_calibrate)

@@ -40,9 +40,30 @@ def path_ids_of(tokens: Sequence[int], num_heads: int) -> torch.Tensor:
     return t[idx] if n else torch.zeros(0, num_heads, dtype=torch.long)
 
 
+class Projection:
+    """The heads' vocabulary projection as an artifact runs it: the shared weight, or its rows of a token subset
+    (``build --heads-vocab N``: the draft vocabulary's top N), with log-softmax and top-k over it.
+
+    Args:
+        heads: the heads (their shared projection).
+        vocab_ids: int64 [N] subset ids, or None for all V.
+    """
+
+    def __init__(self, heads: nn.Module, vocab_ids: np.ndarray | None = None):
+        w = heads.projection_weights()[0].detach().float()
+        self.ids = None if vocab_ids is None else torch.as_tensor(np.asarray(vocab_ids, dtype=np.int64))
+        self.weight = w if self.ids is None else w[self.ids]
+
+    def topk(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [..., d] -> (token ids int64 [..., k], log-probabilities float32 [..., k])."""
+        top = torch.topk(torch.log_softmax(states.float() @ self.weight.T, dim=-1), k, dim=-1)
+        ids = top.indices if self.ids is None else self.ids[top.indices]
+        return ids, top.values
+
+
 @torch.no_grad()
 def heads_topk(heads: nn.Module, hidden: torch.Tensor, topk: int, *, tokens: Sequence[int] | None = None,
-               chunk: int = 256, with_logprobs: bool = False):
+               chunk: int = 256, with_logprobs: bool = False, vocab_ids: np.ndarray | None = None):
     """Every head's best tokens at every position (fp32).
 
     Args:
@@ -52,6 +73,7 @@ def heads_topk(heads: nn.Module, hidden: torch.Tensor, topk: int, *, tokens: Seq
         topk: choices per head.
         tokens: the reply r_0..r_{n-1} (path-conditioned heads only).
         with_logprobs: also return their log-probabilities.
+        vocab_ids: the heads' token subset (:class:`Projection`), or None.
 
     Returns:
         int64 [n, K, topk] (and float32 [n, K, topk] log-probabilities with ``with_logprobs``).
@@ -66,13 +88,14 @@ def heads_topk(heads: nn.Module, hidden: torch.Tensor, topk: int, *, tokens: Seq
         if tokens is None:
             raise ValueError("path-conditioned heads need the reply's tokens")
         paths = path_ids_of(tokens, k_heads)
+    proj = Projection(heads, vocab_ids)
     ids, lps = [], []
     for s in range(0, hidden.shape[0], chunk):
         h = hidden[s:s + chunk].to(dtype)
-        logits = heads(h, paths[s:s + chunk]) if paths is not None else heads(h)  # [K, c, V]
-        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), topk, dim=-1)
-        ids.append(top.indices.permute(1, 0, 2))
-        lps.append(top.values.permute(1, 0, 2))
+        states = heads.head_states(h, paths[s:s + chunk] if paths is not None else None)  # [K, c, d]
+        top_ids, top_lp = proj.topk(states, topk)
+        ids.append(top_ids.permute(1, 0, 2))
+        lps.append(top_lp.permute(1, 0, 2))
     if not ids:
         empty = torch.zeros(0, k_heads, topk)
         return (empty.long(), empty) if with_logprobs else empty.long()
@@ -229,7 +252,8 @@ def proposal_accepted(proposal: Proposal, tokens: Sequence[int], root_index: int
 @torch.no_grad()
 def simulate_dynamic(heads: nn.Module, hidden: torch.Tensor, tokens: Sequence[int], spec: DynamicTree, *,
                      max_new_tokens: int, eos_token_ids: Sequence[int] = (),
-                     topk: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
+                     topk: tuple[np.ndarray, np.ndarray] | None = None,
+                     vocab_ids: np.ndarray | None = None) -> list[int]:
     """Tokens per step with per-step trees (:mod:`medusa_runtime.candidates`) on a known greedy reply.
 
     Medusa heads: the tree comes from the heads' top-k at the step's hidden state (``topk`` = the
@@ -237,23 +261,28 @@ def simulate_dynamic(heads: nn.Module, hidden: torch.Tensor, tokens: Sequence[in
     heads run level by level on the candidates' own paths, as the runtime does (only h_t and the
     embeddings are needed, not the backbone).
 
+    Args:
+        vocab_ids: the heads' token subset (:class:`Projection`), or None.
+
     Returns:
         accepted candidates + 1 for each step.
     """
     hidden = hidden.float()
     if heads.conditioned:
+        proj = Projection(heads, vocab_ids)
+
         def at(i: int) -> int:
             h = hidden[i:i + 1]
 
             def run_level(depth, paths):
-                logits = heads.level_logits(depth - 1, h, torch.as_tensor(paths))
-                top = torch.topk(torch.log_softmax(logits.float(), -1), spec.topk, dim=-1)
-                return top.indices.numpy(), top.values.numpy()
+                paths = torch.as_tensor(paths)
+                ids, lp = proj.topk(heads.head_state(depth - 1, h.expand(len(paths), -1), paths), spec.topk)
+                return ids.numpy(), lp.numpy()
 
             return proposal_accepted(dynamic_levels(int(tokens[i]), run_level, spec), tokens, i)
     else:
-        ids, lps = topk if topk is not None else (t.numpy() for t in heads_topk(heads, hidden, spec.topk,
-                                                                                  with_logprobs=True))
+        ids, lps = topk if topk is not None else (t.numpy() for t in heads_topk(
+            heads, hidden, spec.topk, with_logprobs=True, vocab_ids=vocab_ids))
 
         def at(i: int) -> int:
             return proposal_accepted(dynamic_medusa(int(tokens[i]), ids[i], lps[i], spec), tokens, i)
@@ -347,7 +376,8 @@ class Calibration:
 
 
 def calibrate(gen, heads: nn.Module, prompts, cache_root: str | Path, *, max_new_tokens: int = 133,
-              batch_size: int = 32, topk: int = 10, progress: bool = True) -> Calibration:
+              batch_size: int = 32, topk: int = 10, progress: bool = True,
+              vocab_ids: np.ndarray | None = None) -> Calibration:
     """Greedy replies (stored under ``cache_root``), then the heads' a_k^(i) on them.
 
     Replies are decoded and their hidden states recomputed in fp32 (where top-k ties matter), with
@@ -359,6 +389,7 @@ def calibrate(gen, heads: nn.Module, prompts, cache_root: str | Path, *, max_new
         prompts: held-out :class:`~medusa_export.training.distill.Prompt` list (never trained on).
         cache_root: replies are stored in a sub-folder named after the prompts' source, their
             count and ``max_new_tokens``; their hidden states are cached beside them.
+        vocab_ids: the heads' token subset (an artifact's ``--heads-vocab``), or None for all V.
     """
     from .batch_decode import BatchedDecoder
     from .features import cached_features
@@ -382,7 +413,7 @@ def calibrate(gen, heads: nn.Module, prompts, cache_root: str | Path, *, max_new
     topks, lps, hiddens, start = [], [], [], 0
     for n, t in zip(feats.lengths, tokens):
         h = feats.hidden[start:start + n].float()
-        ids, lp = heads_topk(heads, h, topk, tokens=t, with_logprobs=True)
+        ids, lp = heads_topk(heads, h, topk, tokens=t, with_logprobs=True, vocab_ids=vocab_ids)
         topks.append(ids.numpy())
         lps.append(lp.numpy())
         hiddens.append(h)
