@@ -29,7 +29,8 @@ artifact built by ``medusa-export build``. The contract, as the runtime reads it
 =========================  ==============  =====================================================
 
 Inside a level graph: Gather the paths' embeddings (the backbone's input embedding table,
-tied to the lm_head in SmolLM2, so stored once), concatenate [h_t, e(root), ..., e(x_{j-1})]
+tied to the lm_head in SmolLM2, so stored once), scale each to RMS 1, concatenate
+[h_t, n(e(root)), ..., n(e(x_{j-1}))]
 per row, head j's blocks (:class:`~medusa_export.model.hydra_heads.HydraHeads`), the shared
 projection (or its ``heads_vocab`` rows), LogSoftmax, TopK (and a Gather of the subset's ids).
 The runtime (:func:`medusa_runtime.loop.proposer`) runs level 1 on the root, then each level on
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 
 from .model.heads import project_stacked
+from .model.hydra_heads import rms_normalized
 
 #: Graph file of the level-``j`` heads of path-conditioned heads.
 LEVEL_FILE = "heads_level{}.onnx"
@@ -125,7 +127,7 @@ class LevelGraph(nn.Module):
 
     def forward(self, hidden_states, path_ids):
         r = path_ids.shape[0]
-        e = nn.functional.embedding(path_ids, self.embed).reshape(r, -1)  # [R, depth d]
+        e = rms_normalized(nn.functional.embedding(path_ids, self.embed)).reshape(r, -1)  # [R, depth d]
         x = torch.cat([hidden_states.expand(r, -1), e], dim=-1)  # [R, (depth + 1) d]
         return self.proj.topk(self.block(x), self.k)
 

@@ -5,14 +5,17 @@ the root t+1 (and, deeper in the tree, every token between) is already chosen wh
 (seeds/001 §2.1.1). A Hydra head (Ankner et al. 2024, arXiv 2402.05109; zankner/Hydra
 ``hydra/model/hydra_heads/mlp_head.py``, written anew here) reads them too::
 
-    x_k = [h_t, e(x_{t+1}), ..., e(x_{t+k})]                      width (k + 1) d
+    x_k = [h_t, n(e(x_{t+1})), ..., n(e(x_{t+k}))]                width (k + 1) d
     y_k = R_k x_k + SiLU(W_k x_k + b_k)                           first block: (k + 1) d -> d
     y_k = y_k + SiLU(W x + b)  (N - 1 more blocks, distinct)      as Medusa's residual blocks
     p^(k) = softmax(lm_head(y_k))                                 the backbone's shared, frozen projection
 
 where x_{t+1} is the root (the backbone's own next token), x_{t+2..t+k} the candidates on the
-path from the root to the node's parent, and e() the backbone's frozen input embedding. So
-candidates are produced level by level: head 1 on the root, head 2 on each chosen child, ...
+path from the root to the node's parent, e() the backbone's frozen input embedding and
+n(e) = e / rms(e) (mine, not in Hydra's reference: SmolLM2's embedding rows have an RMS of ~0.13
+against ~1.9 for h_t, which made the path weights learn ~15x slower than the others; with n()
+both inputs have a comparable scale). So candidates are produced level by level: head 1 on the
+root, head 2 on each chosen child, ...
 
 Initialisation (mine; Hydra's reference uses a default-initialised R_k): R_k = [I | 0],
 W_k = [W_medusa | 0], b_k = b_medusa, and later blocks copied, so a Hydra head made from
@@ -31,6 +34,16 @@ import torch
 from torch import nn
 
 from .heads import HeadsConfig, MedusaHeads, ResBlock, project_stacked
+
+
+#: Added to the mean square before the root in :func:`rms_normalized`.
+PATH_NORM_EPS = 1e-6
+
+
+def rms_normalized(e: torch.Tensor) -> torch.Tensor:
+    """e / sqrt(mean(e^2) + eps) over the last axis (float32 inside), in e's dtype."""
+    x = e.float()
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + PATH_NORM_EPS)).to(e.dtype)
 
 
 class PathBlock(nn.Module):
@@ -101,8 +114,8 @@ class HydraHeads(nn.Module):
         return out
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """int64 [...] -> [..., d] the backbone's input embeddings."""
-        return self._embed[0](ids)
+        """int64 [...] -> [..., d] the backbone's input embeddings, each scaled to RMS 1 (n() above)."""
+        return rms_normalized(self._embed[0](ids))
 
     def head_state(self, k: int, hidden: torch.Tensor, path_ids: torch.Tensor) -> torch.Tensor:
         """Head k's (0-based) state before the projection.
