@@ -167,8 +167,12 @@ def cmd_train_heads(args) -> int:
     reqs = decode_requests(gen.tokenizer, gen.chat_template, held, **common)
     reqs += decode_requests(gen.tokenizer, gen.chat_template, train, samples=args.samples,
                             temperature=args.temperature, **common)
+    budget = args.budget_tokens
+    if budget is not None and n_part > 1:  # this part's share of what the store still lacks
+        stored = reply_token_count(store.read())
+        budget = stored + max(0, budget - stored + n_part - 1) // n_part
     stats = generate_to_store(decoder, reqs, store, max_new_tokens=args.max_new_tokens,
-                              eos_token_ids=gen.eos_token_ids, budget_tokens=args.budget_tokens)
+                              eos_token_ids=gen.eos_token_ids, budget_tokens=budget)
     if stats["replies"]:
         print(f"generated {stats['replies']} replies, {stats['tokens']} tokens in {stats['seconds']:.0f} s "
               f"({stats['tokens_per_second']:.0f} reply tokens/s)", file=sys.stderr)
@@ -192,13 +196,20 @@ def cmd_train_heads(args) -> int:
                       loss_decay=args.loss_decay, train_vocab=args.train_vocab, seed=args.seed)
     tokens = [r.reply.tolist() for r in replies]
     t_feat = time.perf_counter()
-    feats = cached_features(decoder, replies, cache / "features", soft_topk=cfg.soft_topk, source=args.model,
+    # Features always hold the teacher's top-S for S >= the default (one lm_head product per position, ~1/4 of
+    # the forward pass): soft and hard-label trainings, and smaller S, share one set of cached features.
+    feats = cached_features(decoder, replies, cache / "features", soft_topk=max(cfg.soft_topk, TrainConfig.soft_topk),
+                            source=args.model,
                             batch_tokens=args.features_batch_tokens, progress=True, part=(i_part, n_part))
     feat_seconds = time.perf_counter() - t_feat
     if feats is None or args.features_only:  # a part, or only the features: the training run reads them
         print(f"features of part {i_part}/{n_part} cached in {feat_seconds:.0f} s", file=sys.stderr)
         return 0
-    data = train_data(feats.hidden, tokens, cfg.num_heads, teacher=feats.teacher)
+    teacher = None
+    if cfg.soft_topk:  # the first S of the cached top-S', renormalised
+        p = feats.teacher_p[:, :cfg.soft_topk]
+        teacher = (feats.teacher_ids[:, :cfg.soft_topk], p / p.sum(-1, keepdim=True))
+    data = train_data(feats.hidden, tokens, cfg.num_heads, teacher=teacher)
     del feats
     ids, counts = frequency_order(tokens)
     draft = draft_vocab_json(ids, counts, vocab_size=gen.lm_head.weight.shape[0],
