@@ -271,7 +271,9 @@ def dynamic_levels(root: int, run_level: RunLevel, spec: DynamicTree) -> Proposa
     depth-(d-1) candidates of largest v, giving W k children with v = v(parent) c_d(q). Every
     candidate of every level competes; the T - 1 of largest v form the tree. Levels stop early
     when the beam's best v is below the (T-1)-th best v found so far (nothing deeper can enter:
-    OPT-Tree's stopping rule), which saves head runs on uncertain steps.
+    OPT-Tree's stopping rule), which saves head runs on uncertain steps. The beam never needs more
+    than T - 1 nodes: a node of the best tree is among the T - 1 best overall, so among the T - 1
+    best of its level; with W >= T - 1 the tree is the exact optimum.
 
     Args:
         root: the backbone's next token.
@@ -290,7 +292,7 @@ def dynamic_levels(root: int, run_level: RunLevel, spec: DynamicTree) -> Proposa
     cand_v: list[float] = [float(x) for x in v]
     level = list(range(k))  # indices of the newest level's candidates
     for d in range(2, spec.num_heads + 1):
-        beam = sorted(level, key=lambda c: -cand_v[c])[:spec.width]
+        beam = sorted(level, key=lambda c: -cand_v[c])[:min(spec.width, need)]
         if len(cand_v) >= need and cand_v[beam[0]] < np.partition(np.asarray(cand_v), -need)[-need]:
             break  # deeper candidates score below the T-1 best already found
         ids, lp = run_level(d, np.stack([cand_tokens[c] for c in beam]))
