@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from ..errors import HeadsFormatError, UnknownModelError, WeightsNotFoundError
-from ..model.heads import MedusaHeads
 from ..model.medusa import MedusaModel
 from .accuracies import load_accuracies
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
@@ -272,14 +271,19 @@ def entry_template(entry: ModelEntry) -> str | None:
 
 
 def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str | None = None,
-                     lm_head: torch.nn.Linear | None = None) -> tuple[MedusaHeads | None, str, Path | None]:
-    """The Medusa heads of a registry entry (or ``heads_path``) for a loaded backbone.
+                     lm_head: torch.nn.Linear | None = None, embed_tokens: torch.nn.Embedding | None = None
+                     ) -> tuple[torch.nn.Module | None, str, Path | None]:
+    """The heads of a registry entry (or ``heads_path``) for a loaded backbone.
+
+    Medusa heads, or path-conditioned ones (:class:`~..model.hydra_heads.HydraHeads`, our heads
+    format with ``head_type`` "hydra", which read the backbone's input embedding).
 
     Args:
         entry: the registry entry (its ``heads`` source).
         loaded: the loaded backbone (its lm_head; heads stored in its checkpoint).
         heads_path: heads directory/file overriding the entry's.
         lm_head: the LM head the heads check against and share (default: the backbone's).
+        embed_tokens: the input embedding path-conditioned heads read (default: the backbone's).
 
     Returns:
         (the heads, or None for the entry's §2.1.1 initial heads; where they came from; the folder
@@ -300,7 +304,8 @@ def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str 
         heads = heads_from_tensors(embedded.tensors, lm_head, num_heads=embedded.num_heads,
                                    num_layers=embedded.num_layers, counts_from=f"{loaded.source}/config.json")
     else:
-        heads = load_heads(choice.path, lm_head)
+        embed = embed_tokens if embed_tokens is not None else loaded.backbone.embed_tokens
+        heads = load_heads(choice.path, lm_head, embed)
     return heads, choice.description, choice.path
 
 

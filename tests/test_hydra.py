@@ -1,0 +1,262 @@
+"""Path-conditioned (Hydra) heads: module, file format, lossless decoding, training (tiny random models)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from medusa_export.errors import HeadsFormatError
+from medusa_export.loading.heads_formats import load_heads
+from medusa_export.model.decode import medusa_generate
+from medusa_export.model.heads import save_heads
+from medusa_export.model.hydra_heads import HydraHeads
+from medusa_export.model.medusa import MedusaModel
+from medusa_export.training.distill import TrainConfig, heads_loss, train_data, train_heads
+from medusa_runtime.candidates import DynamicTree
+from medusa_runtime.tree import greedy_tree, make_tree
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import make_tiny_medusa
+
+    return make_tiny_medusa(vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=2,
+                            head_noise=0.05)
+
+
+def _hydra(model, noise=0.0, seed=0):
+    heads = HydraHeads.from_medusa(model.heads, model.backbone.embed_tokens)
+    if noise:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise)
+    return heads
+
+
+def test_hydra_heads_made_from_medusa_heads_compute_the_same(tiny):
+    _, model = tiny
+    hydra = _hydra(model)
+    h = torch.randn(5, 32)
+    path = torch.randint(0, 300, (5, 3))
+    with torch.no_grad():
+        assert torch.allclose(hydra(h, path), model.heads(h), atol=1e-5)
+        for k in range(3):
+            assert torch.allclose(hydra.level_logits(k, h[:1], path[:, :k + 1]), model.heads(h[:1])[k].expand(5, -1),
+                                  atol=1e-5)
+
+
+def test_head_k_reads_only_the_first_k_plus_1_path_tokens(tiny):
+    _, model = tiny
+    hydra = _hydra(model, noise=0.1)
+    h = torch.randn(4, 32)
+    path = torch.randint(0, 300, (4, 3))
+    other = path.clone()
+    other[:, 2] = (other[:, 2] + 1) % 300
+    with torch.no_grad():
+        a, b = hydra(h, path), hydra(h, other)
+    assert torch.equal(a[:2], b[:2]) and not torch.allclose(a[2], b[2])  # heads 1-2 never see token 3
+    other[:, 0] = (other[:, 0] + 1) % 300
+    with torch.no_grad():
+        assert not torch.allclose(hydra(h, other)[0], a[0])  # head 1 reads the root
+
+
+def test_hydra_heads_file_round_trip_and_errors(tiny, tmp_path):
+    _, model = tiny
+    hydra = _hydra(model, noise=0.1)
+    save_heads(hydra, tmp_path / "h", extra={"recipe": {"x": 1}})
+    back = load_heads(tmp_path / "h", model.backbone.lm_head, model.backbone.embed_tokens)
+    assert isinstance(back, HydraHeads) and back.config == hydra.config
+    for k, v in hydra.head_state_dict().items():
+        assert torch.equal(back.head_state_dict()[k], v), k
+    with pytest.raises(HeadsFormatError, match="need the backbone's input embedding"):
+        load_heads(tmp_path / "h", model.backbone.lm_head)
+    tensors = hydra.head_state_dict()
+    tensors["1.0.res.weight"] = tensors["1.0.res.weight"][:, :64]
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "h" / "heads.safetensors"))
+    with pytest.raises(HeadsFormatError, match=r"'1.0.res.weight' has shape \(32, 64\), expected \(32, 96\)"):
+        load_heads(tmp_path / "h", model.backbone.lm_head, model.backbone.embed_tokens)
+
+
+PROMPT = [5, 17, 33, 2, 90, 41]
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+def test_decoding_is_lossless_for_every_head_type_and_tree_policy(tiny, head_type, tree_kind):
+    _, model = tiny
+    plain = medusa_generate(model, PROMPT, make_tree([], num_heads=3), max_new_tokens=30)
+    m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
+    acc = np.array([[0.5, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]])
+    tree = greedy_tree(12, acc, topk=3) if tree_kind == "static" else DynamicTree(size=12, num_heads=3, topk=3,
+                                                                                   width=3)
+    out = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
+    assert out.tokens == plain.tokens
+    assert len(out.step_tokens) < len(plain.step_tokens)  # the heads guess some tokens right
+
+
+def test_hydra_training_learns_what_only_the_path_tells(tiny):
+    """Replies where each token follows from the one before (r_{i+1} = f(r_i)) and hidden states that are
+    noise: a path-conditioned head can learn them from the root, a Medusa head cannot."""
+    _, model = tiny
+    torch.manual_seed(0)
+    replies = []
+    for _ in range(12):
+        t = [int(torch.randint(0, 30, ()))]
+        for _ in range(39):
+            t.append((t[-1] * 7 + 3) % 30)
+        replies.append(t)
+    data = train_data(torch.randn(480, 32), replies, 3)
+    lm = model.backbone.lm_head
+    cfg = TrainConfig(num_heads=3, epochs=30, batch_tokens=64, lr=3e-2, warmup_steps=2, soft_topk=0)
+    hydra = train_heads(data, lm, cfg, progress=False, heads=_hydra(model)).heads
+    medusa = train_heads(data, lm, cfg, progress=False).heads
+    assert isinstance(hydra, HydraHeads)
+    w = lm.weight.detach().to(torch.bfloat16)
+    every = data.batch(torch.arange(data.num_tokens))
+    with torch.no_grad():
+        _, _, hits_h = heads_loss(hydra, w, every)
+        _, _, hits_m = heads_loss(medusa, w, every)
+    n = every[4].sum(0)
+    # The tiny random lm_head (std 0.02) makes confident logits slow to learn: the gap is what counts.
+    assert (hits_h / n).min() > 0.25 and (hits_h / n).min() > 3 * (hits_m / n).max()
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
+def test_simulation_on_the_greedy_reply_matches_the_decode_loop(tiny, head_type, tree_kind):
+    """Greedy output = the greedy reply, so any head type and tree policy can be scored offline
+    from the reply's hidden states (calibrate), step for step as the runtime decodes."""
+    from medusa_export.training.batch_decode import BatchedDecoder
+    from medusa_export.training.calibrate import heads_topk, simulate_dynamic, simulate_steps
+    from medusa_export.training.features import compute_features
+    from medusa_export.training.reply_store import StoredReply
+
+    hf, model = tiny
+    m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
+    acc = np.array([[0.5, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]])
+    tree = greedy_tree(10, acc, topk=3) if tree_kind == "static" else DynamicTree(size=10, num_heads=3, topk=3,
+                                                                                   width=2)
+    ref = medusa_generate(m, PROMPT, tree, max_new_tokens=25)
+    reply = medusa_generate(m, PROMPT, make_tree([], num_heads=3), max_new_tokens=31).tokens
+    hidden = compute_features(BatchedDecoder(hf, dtype=torch.float32),
+                              [StoredReply("x", np.asarray(PROMPT), np.asarray(reply))]).hidden
+    if tree_kind == "static":
+        steps = simulate_steps(reply, heads_topk(m.heads, hidden, 3, tokens=reply).numpy(), tree, max_new_tokens=25)
+    else:
+        steps = simulate_dynamic(m.heads, hidden, reply, tree, max_new_tokens=25)
+    assert steps == ref.step_tokens
+
+
+def test_probability_map_fit_by_hand():
+    from medusa_export.training.calibrate import _isotonic, fit_probability_map
+
+    assert _isotonic(np.array([0.1, 0.5, 0.3, 0.9]), np.array([1.0, 1.0, 3.0, 1.0])).tolist() == \
+        pytest.approx([0.1, 0.35, 0.35, 0.9])
+    tokens = [[1, 2, 3, 4, 5]]
+    ids = np.zeros((5, 1, 2), dtype=np.int64)
+    ids[:, 0, 0] = [2, 3, 9, 9, 0]  # head 1's first choice right at positions 0 and 1
+    ids[:, 0, 1] = [7, 7, 4, 5, 0]  # second choice right at 2 and 3
+    lps = np.zeros((5, 1, 2))
+    lps[:, 0, 0] = np.log(0.8)
+    lps[:, 0, 1] = np.log(0.1)
+    m = fit_probability_map(tokens, [ids], [lps], bins=4, lowest=-4.0)
+    # two bins used: log 0.1 (2 of 4 right) and log 0.8 (2 of 4 right)
+    assert m.logprobs.tolist() == pytest.approx([np.log(0.1), np.log(0.8)])
+    assert m.p_right.tolist() == [[0.5, 0.5]]
+
+
+@pytest.fixture(scope="module")
+def attached(tiny, tmp_path_factory):
+    """A tiny artifact (built with its Medusa heads), and copies with log-prob Medusa heads and hydra heads."""
+    from conftest import tiny_loaded
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_export.heads_graphs import attach_heads
+    from medusa_export.training.calibrate import save_accuracies
+
+    _, model = tiny
+    root = tmp_path_factory.mktemp("attach")
+    acc = np.array([[0.5, 0.2, 0.1] + [0.01] * 7, [0.3, 0.1, 0.05] + [0.01] * 7, [0.2, 0.1, 0.05] + [0.01] * 7])
+    base = build_artifact(tiny_loaded(model, max_context=256), greedy_tree(8, acc), root / "base",
+                          BuildConfig(validate=False), progress=False)
+    import dataclasses
+
+    from medusa_export.loading.draft_vocab import DraftVocab
+
+    out = {}
+    for kind, heads in (("medusa", model.heads), ("hydra", _hydra(model, noise=0.05))):
+        hdir = root / f"{kind}-heads"
+        save_heads(heads, hdir)
+        save_accuracies(acc, hdir, source="test", positions=1, head_type=kind)
+        lm = tiny_loaded(MedusaModel(model.backbone, heads).eval(), max_context=256)
+        lm = dataclasses.replace(lm, head_accuracies=acc, draft_vocab=DraftVocab(SUBSET, "test"))
+        out[kind] = attach_heads(base, lm, hdir, root / kind)
+        out[kind + "-subset"] = attach_heads(base, lm, hdir, root / f"{kind}-subset", heads_vocab=len(SUBSET))
+    return out
+
+
+SUBSET = np.random.default_rng(0).permutation(300)[:64]  # a draft vocabulary's top 64 ids
+
+
+@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+@pytest.mark.parametrize("tree_spec", ["8", "dynamic:8"])
+def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_type, tree_spec):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    _, model = tiny
+    art = load_artifact(attached[head_type])
+    assert art.head_type == head_type
+    engine = OrtEngine(art, threads=1)
+    tree = tree_from_spec(tree_spec, num_heads=3, accuracies=art.head_accuracies, topk=art.tree.topk)
+    got = generate(engine, PROMPT, tree, max_new_tokens=30)
+    plain = generate(engine, PROMPT, make_tree([], num_heads=3, topk=art.tree.topk), max_new_tokens=30)
+    assert got.tokens == plain.tokens  # lossless
+    m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
+    ref = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
+    assert got.tokens == ref.tokens and got.step_tokens == ref.step_tokens  # the same candidates as PyTorch
+
+
+@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, attached, head_type):
+    """calibrate --heads-vocab N scores the heads as an artifact built with --heads-vocab N runs them."""
+    from medusa_export.training.batch_decode import BatchedDecoder
+    from medusa_export.training.calibrate import simulate_dynamic
+    from medusa_export.training.features import compute_features
+    from medusa_export.training.reply_store import StoredReply
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_engine import OrtEngine
+
+    hf, model = tiny
+    art = load_artifact(attached[head_type + "-subset"])
+    assert art.manifest["heads_vocab"]["size"] == 64
+    engine = OrtEngine(art, threads=1)
+    spec = DynamicTree(size=8, num_heads=3, topk=art.tree.topk)
+    got = generate(engine, PROMPT, spec, max_new_tokens=25)
+    reply = generate(engine, PROMPT, make_tree([], num_heads=3, topk=10), max_new_tokens=31).tokens
+    assert got.tokens == reply[:25]
+    heads = model.heads if head_type == "medusa" else _hydra(model, noise=0.05)
+    hidden = compute_features(BatchedDecoder(hf, dtype=torch.float32),
+                              [StoredReply("x", np.asarray(PROMPT), np.asarray(reply))]).hidden
+    steps = simulate_dynamic(heads, hidden, reply, spec, max_new_tokens=25, vocab_ids=SUBSET)
+    assert steps == got.step_tokens
+
+
+@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
+def test_session_resolves_per_step_trees_with_the_artifacts_calibration(attached):
+    from medusa_runtime.session import MedusaSession
+
+    s = MedusaSession(attached["hydra"], threads=1, tree="dynamic:6")
+    assert isinstance(s.tree, DynamicTree) and s.tree.size == 6
+    s = MedusaSession(attached["hydra"], threads=1, tree="auto:dynamic")
+    assert isinstance(s.tree, DynamicTree) or s.tree.size == 1  # per-step trees, or plain decoding
+    assert [r.size for r in s.tree_timings][:4] == [1, 2, 3, 4]
