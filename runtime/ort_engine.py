@@ -241,8 +241,8 @@ class OrtEngine:
 
     def heads_level(self, depth: int, hidden: np.ndarray, path_ids: np.ndarray, topk: int
                     ) -> tuple[np.ndarray, np.ndarray]:
-        """Path-conditioned head ``depth`` (1-based): hidden [1, d], path_ids int64 [R, depth] -> (ids int64
-        [R, topk], log-probabilities float32 [R, topk]) (``heads_level{depth}.onnx``)."""
+        """Path-conditioned head ``depth`` (1-based): hidden [1, d] (or [R, d], a row per path), path_ids int64
+        [R, depth] -> (ids int64 [R, topk], log-probabilities float32 [R, topk]) (``heads_level{depth}.onnx``)."""
         sess = self.level_sessions[depth - 1]
         feed = {"hidden_states": np.ascontiguousarray(hidden, self.hidden_dtype),
                 "path_ids": np.ascontiguousarray(path_ids, np.int64)}

@@ -161,7 +161,9 @@ class MedusaSession:
         backend: engine backend name (see :mod:`medusa_runtime.engines`).
         threads: intra-op threads for CPU work (None: ONNX Runtime's default).
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
-        tree: override the artifact's tree (a :class:`Tree` or a ``--tree`` spec such as "8",
+        tree: override the artifact's tree (default: its static tree, or the per-step trees of its
+            ``manifest.tree.policy`` when it was built with ``--tree dynamic:T`` and the engine runs them;
+            a :class:`Tree` or a ``--tree`` spec such as "8",
             "chain", "dynamic:6": a 6-node tree chosen every step from the heads' calibrated
             probabilities); backends with a fixed tree shape (TensorRT) may reject it.
             ``"auto"`` times the tree step at several sizes on this engine and keeps the one
@@ -197,8 +199,10 @@ class MedusaSession:
 
     def _resolve_tree(self, tree: Tree | DynamicTree | str | None) -> Tree | DynamicTree:
         base = self.artifact.tree
-        if tree is None:
-            return base
+        if tree is None:  # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
+            tree = self.artifact.manifest.get("tree", {}).get("policy")
+            if not tree or not hasattr(self.engine, "heads_logprobs"):  # engines of fixed trees run the static one
+                return base
         acc = self.artifact.head_accuracies
         art = self.artifact
         if is_auto(tree):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -171,38 +173,38 @@ def test_probability_map_fit_by_hand():
 
 @pytest.fixture(scope="module")
 def attached(tiny, tmp_path_factory):
-    """A tiny artifact (built with its Medusa heads), and copies with log-prob Medusa heads and hydra heads."""
+    """Tiny artifacts written by ``build`` with log-prob Medusa heads and with hydra heads, each with the full
+    vocabulary and with a 64-id subset (--heads-vocab 64); the hydra one validated by build's own checks."""
+    import dataclasses
+
     from conftest import tiny_loaded
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_export.heads_graphs import attach_heads
+    from medusa_export.loading.accuracies import load_accuracies_doc
+    from medusa_export.loading.draft_vocab import DraftVocab
     from medusa_export.training.calibrate import save_accuracies
 
     _, model = tiny
-    root = tmp_path_factory.mktemp("attach")
+    root = tmp_path_factory.mktemp("built")
     acc = np.array([[0.5, 0.2, 0.1] + [0.01] * 7, [0.3, 0.1, 0.05] + [0.01] * 7, [0.2, 0.1, 0.05] + [0.01] * 7])
-    base = build_artifact(tiny_loaded(model, max_context=256), greedy_tree(8, acc), root / "base",
-                          BuildConfig(validate=False), progress=False)
-    import dataclasses
-
-    from medusa_export.loading.draft_vocab import DraftVocab
-
-    out = {}
+    out = {"_acc": acc, "_heads": {}}
     for kind, heads in (("medusa", model.heads), ("hydra", _hydra(model, noise=0.05))):
+        out["_heads"][kind] = heads
         hdir = root / f"{kind}-heads"
         save_heads(heads, hdir)
         save_accuracies(acc, hdir, source="test", positions=1, head_type=kind)
         lm = tiny_loaded(MedusaModel(model.backbone, heads).eval(), max_context=256)
-        lm = dataclasses.replace(lm, head_accuracies=acc, draft_vocab=DraftVocab(SUBSET, "test"))
-        out[kind] = attach_heads(base, lm, hdir, root / kind)
-        out[kind + "-subset"] = attach_heads(base, lm, hdir, root / f"{kind}-subset", heads_vocab=len(SUBSET))
+        lm = dataclasses.replace(lm, head_accuracies=acc, accuracies_doc=load_accuracies_doc(hdir),
+                                 draft_vocab=DraftVocab(SUBSET, "test"))
+        for name, vocab in ((kind, 0), (kind + "-subset", len(SUBSET))):
+            cfg = BuildConfig(validate=name == "hydra", heads_vocab=vocab, new_tokens=12)
+            out[name] = build_artifact(lm, greedy_tree(8, acc), root / name, cfg, progress=False)
     return out
 
 
 SUBSET = np.random.default_rng(0).permutation(300)[:64]  # a draft vocabulary's top 64 ids
 
 
-@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("tree_spec", ["8", "dynamic:8"])
 def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_type, tree_spec):
@@ -224,7 +226,6 @@ def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_ty
     assert got.tokens == ref.tokens and got.step_tokens == ref.step_tokens  # the same candidates as PyTorch
 
 
-@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, attached, head_type):
     """calibrate --heads-vocab N scores the heads as an artifact built with --heads-vocab N runs them."""
@@ -251,7 +252,6 @@ def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, a
     assert steps == got.step_tokens
 
 
-@pytest.mark.skip(reason="the stopgap heads_graphs needs portable.merge_weights (gone on main); build writes these graphs next")
 def test_session_resolves_per_step_trees_with_the_artifacts_calibration(attached):
     from medusa_runtime.session import MedusaSession
 
@@ -260,3 +260,109 @@ def test_session_resolves_per_step_trees_with_the_artifacts_calibration(attached
     s = MedusaSession(attached["hydra"], threads=1, tree="auto:dynamic")
     assert isinstance(s.tree, DynamicTree) or s.tree.size == 1  # per-step trees, or plain decoding
     assert [r.size for r in s.tree_timings][:4] == [1, 2, 3, 4]
+
+
+def test_build_writes_the_heads_graphs_of_each_head_type(attached):
+    """Medusa heads: heads.onnx with ids and log-probabilities; hydra heads: one level graph per head; the
+    manifest names them, its heads.type says which, tree.json carries the heads' calibration doc; build's own
+    validation ran on the hydra artifact and passed."""
+    from medusa_runtime.artifact import load_artifact
+
+    med, hyd = load_artifact(attached["medusa"]), load_artifact(attached["hydra"])
+    assert med.manifest["heads"]["type"] == "medusa" and hyd.manifest["heads"]["type"] == "hydra"
+    assert [t["name"] for t in med.manifest["graphs"]["heads"]["outputs"]] == ["medusa_topk_ids", "medusa_topk_logprobs"]
+    assert sorted(k for k in hyd.manifest["graphs"] if k != "model") == ["heads_level1", "heads_level2", "heads_level3"]
+    assert hyd.manifest["files"]["heads_level2"] == "heads_level2.onnx" and "heads" not in hyd.manifest["files"]
+    assert [t["shape"] for t in hyd.manifest["graphs"]["heads_level2"]["inputs"]] == [["H", 32], ["R", 2]]
+    assert hyd.manifest["validation"]["passed"] is True
+    assert json.loads((hyd.path / "tree.json").read_text())["head_type"] == "hydra"
+    assert hyd.manifest["trt_readiness"]["graphs"].keys() >= {"model", "heads_level1", "heads_level3"}
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_level_graph_takes_one_hidden_row_or_one_per_path(attached, head_type):
+    """The ORT heads equal PyTorch's on the same rows: ids exactly, log-probabilities to fp32 rounding;
+    a level graph broadcasts one h_t over the paths or reads one row per path (batched sequences)."""
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.ort_engine import OrtEngine
+
+    art = load_artifact(attached[head_type])
+    engine = OrtEngine(art, threads=1)
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((2, 32)).astype(np.float32)
+    k = art.tree.topk
+    if head_type == "medusa":
+        ids, lp = engine.heads_logprobs(hidden, k)
+        logits = attached_model_logits(attached, head_type, torch.from_numpy(hidden))  # [K, 2, V]
+        ref = torch.log_softmax(logits, -1).topk(k, dim=-1)
+        assert ids.tolist() == ref.indices.transpose(0, 1).tolist()
+        np.testing.assert_allclose(lp, ref.values.transpose(0, 1).numpy(), atol=1e-5)
+        return
+    paths = np.array([[5, 9], [5, 17], [250, 3]])
+    one, one_lp = engine.heads_level(2, hidden[:1], paths, k)
+    per, per_lp = engine.heads_level(2, np.repeat(hidden[:1], 3, axis=0), paths, k)
+    assert one.tolist() == per.tolist() and np.array_equal(one_lp, per_lp)
+    logits = attached_model_logits(attached, head_type, torch.from_numpy(hidden[:1]).expand(3, -1),
+                                   torch.from_numpy(paths), depth=2)
+    ref = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    assert one.tolist() == ref.indices.tolist()
+    np.testing.assert_allclose(one_lp, ref.values.numpy(), atol=1e-5)
+
+
+def attached_model_logits(attached, head_type, hidden, paths=None, depth=0):
+    """PyTorch logits of the heads the ``attached`` artifacts were built from (kept beside them)."""
+    heads = attached["_heads"][head_type]
+    with torch.no_grad():
+        if paths is None:
+            return heads(hidden)
+        return heads.level_logits(depth - 1, hidden, paths)
+
+
+def test_build_records_per_step_trees_and_the_session_runs_them(tiny, attached, tmp_path):
+    """build --tree dynamic:T: the static tree is the T-node greedy tree, the policy is in the manifest and
+    tree.json, and a session on the artifact runs per-step trees by default (tokens = plain greedy)."""
+    import dataclasses
+
+    from conftest import tiny_loaded
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.session import MedusaSession
+
+    _, model = tiny
+    acc = attached["_acc"]
+    lm = dataclasses.replace(tiny_loaded(MedusaModel(model.backbone, attached["_heads"]["hydra"]).eval(),
+                                         max_context=256), head_accuracies=acc)
+    path = build_artifact(lm, greedy_tree(6, acc), tmp_path / "dyn", BuildConfig(validate=False), progress=False,
+                          tree_policy="dynamic")
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["tree"]["policy"] == "dynamic:6" and m["tree"]["size"] == 6
+    s = MedusaSession(path, threads=1)
+    assert isinstance(s.tree, DynamicTree) and s.tree.size == 6
+    plain = MedusaSession(path, threads=1, tree="root")
+    got = s.generate(prompt_ids=PROMPT, max_new_tokens=20)
+    assert got.token_ids == plain.generate(prompt_ids=PROMPT, max_new_tokens=20).token_ids
+    assert max(got.result.step_tokens) > 1  # the heads' candidates were accepted at some step
+
+
+def test_cli_build_of_hydra_heads_with_per_step_trees(tiny, tmp_path):
+    """``medusa-export build --heads HYDRA_DIR --tree dynamic:4`` from a model folder: the hydra heads are opened
+    as sources (heads.json's counts, shapes checked), written as level graphs, validated against the PyTorch
+    reference, and the artifact runs per-step trees by default."""
+    import contextlib
+    import io
+
+    from conftest import save_tiny_hf_dir
+    from medusa_export.cli.main import main
+    from medusa_runtime.session import MedusaSession
+
+    _, model = tiny
+    save_tiny_hf_dir(tmp_path / "model", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=2,
+                     head_noise=0.05)
+    save_heads(_hydra(model, noise=0.05), tmp_path / "heads")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["build", "--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--tree",
+                     "dynamic:4", "--max-context", "256", "--max-new-tokens", "8", "--out", str(tmp_path / "a")]) == 0
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["heads"]["type"] == "hydra" and m["tree"]["policy"] == "dynamic:4" and m["validation"]["passed"]
+    s = MedusaSession(tmp_path / "a", threads=1)
+    assert isinstance(s.tree, DynamicTree) and s.tree.size == 4

@@ -314,28 +314,55 @@ def stated_head_type(folder: Path) -> str:
     return head_type
 
 
-def hydra_heads_from_tensors(tensors: dict[str, torch.Tensor], lm_head: nn.Linear, embed_tokens: nn.Embedding, *,
-                             num_heads: int, num_layers: int) -> HydraHeads:
-    """Build :class:`HydraHeads` from checked tensors (strict: every key used, shapes equal).
+def hydra_expected_shapes(num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Every key of a hydra heads file and its shape (:mod:`medusa_export.model.hydra_heads` docstring)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for h in range(num_heads):
+        for part in ("res", "linear"):
+            out[f"{h}.0.{part}.weight"], out[f"{h}.0.{part}.bias"] = (hidden, (h + 2) * hidden), (hidden,)
+        for lay in range(1, num_layers):
+            out[f"{h}.{lay}.linear.weight"], out[f"{h}.{lay}.linear.bias"] = (hidden, hidden), (hidden,)
+    return out
+
+
+def hydra_heads_config(shapes: dict[str, tuple], *, hidden: int, vocab: int, num_heads: int,
+                       num_layers: int) -> HeadsConfig:
+    """The structure of hydra heads, checked strictly against their tensors' shapes (every key used, shapes equal).
+
+    Args:
+        shapes: key -> shape of the heads file's tensors (no prefix).
+        hidden, vocab: the backbone's d and V.
+        num_heads, num_layers: what ``heads.json`` states.
 
     Raises:
         HeadsFormatError: a missing or unexpected key, or a shape that does not fit the backbone
             (the message names the key and the expected shape).
     """
-    vocab, hidden = lm_head.weight.shape
-    cfg = HeadsConfig(num_heads, num_layers, hidden, vocab, False, head_type="hydra")
-    heads = HydraHeads(cfg, lm_head, embed_tokens)
-    expected = {k.removeprefix("heads."): tuple(v.shape) for k, v in heads.state_dict().items()}
-    for key in tensors:
+    expected = hydra_expected_shapes(num_heads, num_layers, hidden)
+    for key in shapes:
         if key not in expected:
             raise HeadsFormatError(f"unexpected key {key!r} in hydra heads file ({num_heads} heads, {num_layers} "
                                    f"blocks each); expected keys like '0.0.res.weight', '0.1.linear.weight'")
     for key, shape in expected.items():
-        if key not in tensors:
+        if key not in shapes:
             raise HeadsFormatError(f"hydra heads file is missing key {key!r}")
-        if tuple(tensors[key].shape) != shape:
-            raise HeadsFormatError(f"key {key!r} has shape {tuple(tensors[key].shape)}, expected {shape} "
+        if tuple(shapes[key]) != shape:
+            raise HeadsFormatError(f"key {key!r} has shape {tuple(shapes[key])}, expected {shape} "
                                    f"(backbone hidden size {hidden})")
+    return HeadsConfig(num_heads, num_layers, hidden, vocab, False, head_type="hydra")
+
+
+def hydra_heads_from_tensors(tensors: dict[str, torch.Tensor], lm_head: nn.Linear, embed_tokens: nn.Embedding, *,
+                             num_heads: int, num_layers: int) -> HydraHeads:
+    """Build :class:`HydraHeads` from checked tensors (strict: every key used, shapes equal).
+
+    Raises:
+        HeadsFormatError: see :func:`hydra_heads_config`.
+    """
+    vocab, hidden = lm_head.weight.shape
+    cfg = hydra_heads_config({k: tuple(v.shape) for k, v in tensors.items()}, hidden=hidden, vocab=vocab,
+                             num_heads=num_heads, num_layers=num_layers)
+    heads = HydraHeads(cfg, lm_head, embed_tokens)
     dtype = lm_head.weight.dtype
     heads.load_state_dict({f"heads.{k}": v.to(dtype) for k, v in tensors.items()}, strict=True)
     return heads.to(dtype)

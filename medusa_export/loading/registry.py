@@ -28,7 +28,7 @@ import torch
 
 from ..errors import HeadsFormatError, UnknownModelError, WeightsNotFoundError
 from ..model.medusa import MedusaModel
-from .accuracies import load_accuracies
+from .accuracies import load_accuracies, load_accuracies_doc
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
 from .draft_vocab import DraftVocab, load_draft_vocab
 from .heads_formats import HEAD_PREFIXES, heads_from_tensors, load_heads
@@ -117,6 +117,9 @@ class LoadedMedusa:
     max_context: int
     #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
     head_accuracies: np.ndarray | None = None
+    #: the whole ``accuracies.json`` beside the heads (its ``calibration`` and ``simulated`` go into the artifact's
+    #: ``tree.json`` for per-step trees and ``--tree auto``), or None.
+    accuracies_doc: dict | None = None
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
     #: projects the heads onto its top N (:mod:`medusa_export.loading.draft_vocab`).
     draft_vocab: DraftVocab | None = None
@@ -352,6 +355,7 @@ def load_model(
         default_tree=entry.default_tree,
         max_context=entry.max_context,
         head_accuracies=load_accuracies(hp) if hp is not None else None,
+        accuracies_doc=load_accuracies_doc(hp) if hp is not None else None,
         draft_vocab=load_draft_vocab(hp),
         quantization=loaded.quantization,
         kept_scales=loaded.kept_scales,
