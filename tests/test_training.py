@@ -502,3 +502,23 @@ def test_feature_chunks_computed_in_parts_are_read_back_whole(tiny, tmp_path):
     ref = compute_features(dec, reps, soft_topk=2)
     assert whole.lengths == ref.lengths and torch.allclose(whole.hidden, ref.hidden, atol=1e-6)
     assert torch.equal(whole.teacher_ids, ref.teacher_ids)
+
+
+def test_batched_decoder_refuses_other_families_by_name():
+    """A model outside Llama / Mistral / Qwen2 / Qwen3 (here GPT-2), or a supported family's config whose layers
+    are neither full nor sliding attention: a typed error naming what is supported, before anything is read."""
+    import transformers
+
+    from medusa_export.errors import UnsupportedModelError
+    from medusa_export.training.batch_decode import layer_windows
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40))
+    with pytest.raises(UnsupportedModelError, match=r"Llama 1/2/3.x \(llama\), Mistral \(mistral\), Qwen2 / Qwen2.5 "
+                                                     r"\(qwen2\), Qwen3 \(qwen3\) families; this model is 'gpt2'"):
+        BatchedDecoder(gpt2)
+    cfg = transformers.Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(UnsupportedModelError, match="this model has chunked_attention"):
+        layer_windows(cfg)
+    mistral = transformers.MistralConfig(num_hidden_layers=3, sliding_window=8)
+    qwen = transformers.Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert layer_windows(mistral) == [8, 8, 8] and layer_windows(qwen) == [None, 8, 8]

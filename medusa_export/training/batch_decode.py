@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch.nn import functional as F
 
-from ..errors import MedusaError
+from ..errors import MedusaError, UnsupportedModelError
+from ..loading.architectures import ARCHITECTURES
 
 #: The KV buffers grow and shrink in steps of this many slots (a whole-buffer copy each time).
 SLOT_CHUNK = 64
@@ -67,12 +68,43 @@ def layer_windows(cfg) -> list[int | None]:
     ``layer_types`` names the sliding layers where the config has it (Qwen2, Qwen3: derived from
     ``use_sliding_window`` / ``max_window_layers``); otherwise ``sliding_window`` applies to every
     layer when set (Mistral), as transformers' own models apply them.
+
+    Raises:
+        UnsupportedModelError: a layer type other than full or sliding attention (the valid ones are named).
     """
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types:
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise UnsupportedModelError(f"batched decoding runs full_attention and sliding_attention layers; this "
+                                        f"model has {', '.join(other)}")
         return [window if t == "sliding_attention" and window else None for t in types]
     return [window or None] * cfg.num_hidden_layers
+
+
+def check_decodable(hf_model) -> None:
+    """Refuse, by name, a transformers model :class:`BatchedDecoder` cannot run.
+
+    Raises:
+        UnsupportedModelError: a ``model_type`` outside the supported families
+            (:data:`~medusa_export.loading.architectures.ARCHITECTURES`), or a model of one without the
+            Llama-style modules the loop reads (``model.rotary_emb``, ``model.layers[i].self_attn.q_proj``...).
+    """
+    kind = getattr(hf_model.config, "model_type", None)
+    families = ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
+    if kind not in ARCHITECTURES:
+        raise UnsupportedModelError(f"batched decoding runs the {families} families; this model is "
+                                    f"{kind!r} ({type(hf_model).__name__})")
+    inner = getattr(hf_model, "model", None)
+    layer = getattr(inner, "layers", [None])[0]
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    needs = {"model.rotary_emb": getattr(inner, "rotary_emb", None), "self_attn.q_proj": getattr(attn, "q_proj", None),
+             "mlp.gate_proj": getattr(mlp, "gate_proj", None), "lm_head": getattr(hf_model, "lm_head", None)}
+    missing = [k for k, v in needs.items() if v is None]
+    if missing:
+        raise UnsupportedModelError(f"batched decoding reads the Llama-style modules of the {families} families; "
+                                    f"this {type(hf_model).__name__} has no {', '.join(missing)}")
 
 
 @dataclass
@@ -137,15 +169,14 @@ class BatchedDecoder:
         dtype: compute and KV dtype (bf16 or fp32); the norms and softmax run in fp32.
 
     Raises:
-        MedusaError: a model this loop cannot run (no rotary embedding).
+        UnsupportedModelError: a model this loop cannot run (:func:`check_decodable`; the message names the
+            supported families).
     """
 
     def __init__(self, hf_model, *, batch_size: int = 64, capacity: int = 1152, dtype: torch.dtype = torch.bfloat16):
+        check_decodable(hf_model)
         cfg = hf_model.config
         inner = hf_model.model
-        if not hasattr(inner, "rotary_emb"):
-            raise MedusaError(f"batched decoding needs a rotary-embedding model of the Llama family, got "
-                              f"{type(hf_model).__name__}")
         self.device = next(hf_model.parameters()).device
         self.dtype = dtype
         self.batch_size = batch_size
