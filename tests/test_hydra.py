@@ -366,3 +366,17 @@ def test_cli_build_of_hydra_heads_with_per_step_trees(tiny, tmp_path):
     assert m["heads"]["type"] == "hydra" and m["tree"]["policy"] == "dynamic:4" and m["validation"]["passed"]
     s = MedusaSession(tmp_path / "a", threads=1)
     assert isinstance(s.tree, DynamicTree) and s.tree.size == 4
+
+
+def test_triton_repository_of_hydra_heads_serves_each_level_graph(attached, tmp_path):
+    """The Triton repository's engine models: NAME_step and one NAME_heads_level{j} per level, each the artifact's
+    graph with its manifest inputs and outputs."""
+    from medusa_export.triton.repository import TritonConfig, write_repository
+
+    repo = write_repository(attached["hydra"], tmp_path / "repo", TritonConfig(threads=1, artifact_mode="link"))
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == [
+        "medusa", "medusa_heads_level1", "medusa_heads_level2", "medusa_heads_level3", "medusa_step"]
+    text = (repo / "medusa_heads_level2" / "config.pbtxt").read_text()
+    assert 'name: "path_ids"' in text and 'name: "level_topk_logprobs"' in text
+    assert (repo / "medusa_heads_level2" / "1" / "model.onnx").read_bytes() == \
+        (attached["hydra"] / "heads_level2.onnx").read_bytes()
