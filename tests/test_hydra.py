@@ -380,3 +380,24 @@ def test_triton_repository_of_hydra_heads_serves_each_level_graph(attached, tmp_
     assert 'name: "path_ids"' in text and 'name: "level_topk_logprobs"' in text
     assert (repo / "medusa_heads_level2" / "1" / "model.onnx").read_bytes() == \
         (attached["hydra"] / "heads_level2.onnx").read_bytes()
+
+
+def test_build_auto_dynamic_records_the_chosen_per_step_size(attached, tiny, tmp_path):
+    """build --tree auto:dynamic: per-step trees of each size timed on the built artifact; the chosen size is the
+    static tree's and the policy's (or plain decoding, then no policy)."""
+    import dataclasses
+
+    from conftest import tiny_loaded
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.autotree import DEFAULT_SIZES
+
+    _, model = tiny
+    acc = attached["_acc"]
+    lm = dataclasses.replace(tiny_loaded(model, max_context=256), head_accuracies=acc)
+    path = build_artifact(lm, greedy_tree(max(DEFAULT_SIZES), acc), tmp_path / "auto", BuildConfig(validate=False),
+                          progress=False, auto_tree=True, tree_policy="dynamic")
+    tree = json.loads((path / "manifest.json").read_text())["tree"]
+    assert tree["selection"]["chosen"] == tree["size"]
+    assert tree.get("policy") == (f"dynamic:{tree['size']}" if tree["size"] > 1 else None)
+    assert json.loads((path / "tree.json").read_text()).get("policy") == tree.get("policy")
