@@ -14,8 +14,30 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .candidates import ProbabilityMap
 from .errors import ArtifactError, MedusaError
 from .tree import Tree, tree_from_json
+
+#: Head types an artifact may declare (``manifest["heads"]["type"]``; absent = "medusa").
+HEAD_TYPES = ("medusa", "hydra")
+
+
+def head_type(manifest: dict) -> str:
+    """The artifact's head type: "medusa" (Medusa heads, one run of ``heads.onnx`` per step) or "hydra"
+    (path-conditioned heads, ``heads_level{j}.onnx`` run level by level).
+
+    Raises:
+        ArtifactError: an unknown type.
+    """
+    kind = manifest.get("heads", {}).get("type", HEAD_TYPES[0])
+    if kind not in HEAD_TYPES:
+        raise ArtifactError(f"unknown heads.type {kind!r}; this runtime reads {', '.join(HEAD_TYPES)}")
+    return kind
+
+
+def level_graph(depth: int) -> str:
+    """The manifest's ``graphs`` / ``files`` key of the level-``depth`` graph of path-conditioned heads."""
+    return f"heads_level{depth}"
 
 ARTIFACT_FORMAT = "medusa-export-artifact"
 ARTIFACT_VERSION = 1
@@ -43,12 +65,17 @@ class Artifact:
         tree: the tree the artifact was built for.
         head_accuracies: float64 [K, topk] calibrated a_k^(i) the tree was built from
             (seeds/001 §2.3.3), or None when the build had no calibration.
+        calibration: the heads' probability map (``tree.json`` ``calibration``; per-step trees), or None.
+        simulated: {"static" | "dynamic": {nodes: tokens per step}} simulated by ``calibrate`` for
+            these heads (``tree.json`` ``simulated``; ``--tree auto``), or None.
     """
 
     path: Path
     manifest: dict
     tree: Tree
     head_accuracies: np.ndarray | None = None
+    calibration: ProbabilityMap | None = None
+    simulated: dict | None = None
 
     def file(self, key: str) -> Path:
         """Absolute path of a file named in manifest["files"][key]."""
@@ -57,6 +84,11 @@ class Artifact:
     @property
     def model(self) -> dict:
         return self.manifest["model"]
+
+    @property
+    def head_type(self) -> str:
+        """"medusa" (also when the manifest has no ``heads`` entry) or "hydra"."""
+        return head_type(self.manifest)
 
 
 def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
@@ -110,7 +142,17 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     if tree.size != manifest["tree"]["size"]:
         raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest['tree']['size']}")
     check_model_vs_graphs(manifest, mpath, tree)
-    return Artifact(path, manifest, tree, _accuracies(tree_data, path, manifest["model"]["medusa_heads"]))
+    calibration = simulated = None
+    if isinstance(tree_data, dict):
+        try:
+            if tree_data.get("calibration") is not None:
+                calibration = ProbabilityMap.from_json(tree_data["calibration"])
+            if tree_data.get("simulated") is not None:
+                simulated = {str(p): {int(n): float(v) for n, v in t.items()} for p, t in tree_data["simulated"].items()}
+        except (MedusaError, KeyError, TypeError, ValueError) as exc:
+            raise ArtifactError(f"{path}: tree.json calibration/simulated: {exc}") from None
+    return Artifact(path, manifest, tree, _accuracies(tree_data, path, manifest["model"]["medusa_heads"]),
+                    calibration, simulated)
 
 
 def _accuracies(tree_data, path: Path, num_heads: int) -> np.ndarray | None:
@@ -157,8 +199,10 @@ def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
     try:
         m = manifest["model"]
         step = manifest["graphs"]["model"]["inputs"]
-        heads_out = manifest["graphs"]["heads"]["outputs"]
         layers, kv_heads, head_dim, heads = m["num_layers"], m["num_kv_heads"], m["head_dim"], m["medusa_heads"]
+        kind = head_type(manifest)
+        heads_out = ([manifest["graphs"][level_graph(j)]["outputs"] for j in range(1, heads + 1)] if kind == "hydra"
+                     else [manifest["graphs"]["heads"]["outputs"]])
     except (KeyError, TypeError) as exc:
         raise ArtifactError(f"{mpath}: incomplete model or graphs section (missing {exc})") from None
     past = [t["name"] for t in step if t["name"].startswith("past_key_values.")]
@@ -170,7 +214,13 @@ def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
     if heads_and_dim != [kv_heads, head_dim]:
         raise ArtifactError(f"{mpath}: the KV inputs are {kv} but the model section says "
                             f"{kv_heads} KV heads of dimension {head_dim}")
-    topk_ids = _dims(heads_out, "medusa_topk_ids") or []
+    if kind == "hydra":
+        for j, outs in enumerate(heads_out, start=1):
+            ids = _dims(outs, "level_topk_ids") or []
+            if ids[1:] != [tree.topk]:
+                raise ArtifactError(f"{mpath}: heads level {j} outputs {ids} but the tree uses top-{tree.topk}")
+        return
+    topk_ids = _dims(heads_out[0], "medusa_topk_ids") or []
     if topk_ids[1:] != [heads, tree.topk]:
         raise ArtifactError(f"{mpath}: the heads graph outputs {topk_ids} but the manifest has {heads} Medusa heads "
                             f"and the tree uses top-{tree.topk}")

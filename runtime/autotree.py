@@ -6,9 +6,13 @@ step's cost grows with the node count, so the best tree is the one that maximise
 
     tokens/s(N) = E[accepted tokens per step](N) / (t_step(N) + t_heads)
 
-where E[...] comes from the greedy tree of N nodes under the calibrated head accuracies
-(seeds/001 §2.3.3, :func:`medusa_runtime.tree.expected_accept_length`) and the times are
-measured on the target engine. N = 1 is plain decoding (no heads run).
+where E[...] is what ``medusa-export calibrate`` simulated for the head type and tree policy in
+use (``simulated`` in ``accuracies.json`` / ``tree.json``: static greedy trees or per-step trees
+of N nodes, on held-out replies), else the expected accepted length of the greedy tree of N
+nodes under the calibrated head accuracies (seeds/001 §2.3.3,
+:func:`medusa_runtime.tree.expected_accept_length`), and the times are measured on the target
+engine: the tree step, and the heads with the candidate selection (per size: per-step trees and
+path-conditioned heads cost more with more nodes). N = 1 is plain decoding (no heads run).
 
 :func:`choose_tree` is the pure choice from measured times; :func:`time_tree_steps` does the
 measuring; :func:`auto_tree` combines both.
@@ -23,8 +27,12 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .candidates import DEFAULT_WIDTH, DynamicTree, ProbabilityMap
 from .errors import InvalidTreeError
 from .tree import DEFAULT_TOPK, Tree, default_accuracies, expected_accept_length, greedy_tree, make_tree
+
+#: Tree policies: one fixed tree, or a tree of fixed size chosen every step.
+POLICIES = ("static", "dynamic")
 
 #: The ``--tree`` spec that selects this module.
 AUTO = "auto"
@@ -62,39 +70,66 @@ class TreeTiming:
 
 
 def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: int,
-                    topk: int = DEFAULT_TOPK) -> dict[int, Tree]:
-    """The greedy tree of each size (size 1: the root alone).
+                    topk: int = DEFAULT_TOPK, policy: str = "static", calibration: ProbabilityMap | None = None,
+                    width: int = DEFAULT_WIDTH) -> dict[int, Tree | DynamicTree]:
+    """The tree of each size under a policy (size 1: the root alone).
 
     Args:
         accuracies: float [K', topk'] calibrated a_k^(i); rows beyond ``num_heads`` and
             columns beyond ``topk`` are ignored.
         sizes: node counts (each >= 1).
         num_heads, topk: the engine's heads and candidate top-k.
+        policy: "static" (the greedy tree of each size) or "dynamic" (a per-step tree of each size).
+        calibration, width: of the per-step trees.
 
     Raises:
-        InvalidTreeError: a size < 1, or accuracies not 2-D.
+        InvalidTreeError: a size < 1, accuracies not 2-D, or an unknown policy.
     """
     acc = np.asarray(accuracies, dtype=np.float64)
     if acc.ndim != 2:
         raise InvalidTreeError(f"accuracies must be [num_heads, topk], got shape {acc.shape}")
+    if policy not in POLICIES:
+        raise InvalidTreeError(f"unknown tree policy {policy!r}; choose {' or '.join(POLICIES)}")
     acc = acc[:num_heads, :topk]
-    out = {}
+    out: dict[int, Tree | DynamicTree] = {}
     for n in sorted(set(int(s) for s in sizes)):
         if n < 1:
             raise InvalidTreeError(f"tree sizes must be >= 1 node, got {n}")
-        out[n] = make_tree([], num_heads=num_heads, topk=topk) if n == 1 else greedy_tree(n, acc, topk=topk)
+        if n == 1:
+            out[n] = make_tree([], num_heads=num_heads, topk=topk)
+        elif policy == "dynamic":
+            out[n] = DynamicTree(n, num_heads, topk, width, calibration)
+        else:
+            out[n] = greedy_tree(n, acc, topk=topk)
     return out
 
 
-def choose_tree(trees: Mapping[int, Tree], accuracies: np.ndarray, step_ms: Mapping[int, float],
-                heads_ms: float) -> tuple[Tree, list[TreeTiming]]:
+def expected_tokens(tree: Tree | DynamicTree, accuracies: np.ndarray,
+                    simulated: Mapping[int, float] | None = None) -> float:
+    """Expected tokens per step of a tree: the simulated value for its size when there is one, else the
+    greedy tree's expected accepted length under ``accuracies`` (seeds/001 §2.3.3; for a per-step tree a
+    lower bound: each step's tree is chosen to beat the fixed one)."""
+    if tree.size == 1:
+        return 1.0
+    if simulated and tree.size in simulated:
+        return float(simulated[tree.size])
+    acc = np.asarray(accuracies, dtype=np.float64)
+    static = tree if isinstance(tree, Tree) else greedy_tree(tree.size, acc, topk=min(tree.topk, acc.shape[1]))
+    return expected_accept_length(static, acc)
+
+
+def choose_tree(trees: Mapping[int, Tree | DynamicTree], accuracies: np.ndarray, step_ms: Mapping[int, float],
+                heads_ms: float | Mapping[int, float], simulated: Mapping[int, float] | None = None
+                ) -> tuple[Tree | DynamicTree, list[TreeTiming]]:
     """Pick the tree with the most expected tokens per second (pure; no timing).
 
     Args:
         trees: size -> tree (:func:`candidate_trees`).
         accuracies: float [K, topk] a_k^(i) used for the expected accepted length.
         step_ms: size -> measured step time in ms (every key of ``trees``).
-        heads_ms: measured heads-graph time per step in ms (not charged to size 1).
+        heads_ms: measured heads time per step in ms (with the candidate selection), one value for
+            every size or size -> ms (not charged to size 1).
+        simulated: size -> simulated tokens per step of the policy in use (:func:`expected_tokens`).
 
     Returns:
         (the best tree, the table of every size in increasing size). Ties go to the smaller tree.
@@ -108,15 +143,24 @@ def choose_tree(trees: Mapping[int, Tree], accuracies: np.ndarray, step_ms: Mapp
     if missing:
         raise InvalidTreeError(f"no measured step time for tree sizes {missing}")
     acc = np.asarray(accuracies, dtype=np.float64)
-    table = [TreeTiming(n, expected_accept_length(t, acc) if t.size > 1 else 1.0, float(step_ms[n]),
-                        float(heads_ms) if t.size > 1 else 0.0) for n, t in sorted(trees.items())]
+    heads = heads_ms if isinstance(heads_ms, Mapping) else {n: float(heads_ms) for n in trees}
+    table = [TreeTiming(n, expected_tokens(t, acc, simulated), float(step_ms[n]),
+                        float(heads.get(n, 0.0)) if t.size > 1 else 0.0) for n, t in sorted(trees.items())]
     best = max(table, key=lambda r: (r.tokens_per_second, -r.size))
     return trees[best.size], table
 
 
 def is_auto(spec) -> bool:
-    """True for the ``--tree auto`` spec (any surrounding whitespace)."""
-    return isinstance(spec, str) and spec.strip() == AUTO
+    """True for the ``--tree auto`` and ``--tree auto:dynamic`` specs (any surrounding whitespace)."""
+    return auto_policy(spec) is not None
+
+
+def auto_policy(spec) -> str | None:
+    """The tree policy of an auto spec: "static" for ``auto``, "dynamic" for ``auto:dynamic`` (per-step
+    trees of each size), None for any other spec."""
+    if not isinstance(spec, str):
+        return None
+    return {AUTO: "static", f"{AUTO}:dynamic": "dynamic"}.get(spec.strip())
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -131,13 +175,16 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
-def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEFAULT_PAST_LENGTH,
+def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_length: int = DEFAULT_PAST_LENGTH,
                     repeats: int = 5, warmup: int = 1,
-                    progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], float]:
-    """Time one tree step of each tree, and the heads graph, on ``engine``.
+                    progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+    """Time one tree step of each tree, and the heads with the candidate selection, on ``engine``.
 
-    Each step runs the tree's real attention mask and positions after ``past_length``
-    cached tokens (zeros; the values do not change the cost of dense kernels).
+    Each step runs a T-node tree's real attention mask and positions after ``past_length``
+    cached tokens (zeros; the values do not change the cost of dense kernels; a per-step tree
+    is timed on a fixed tree of its size, the same shapes). The heads are timed as the decode
+    loop runs them (:func:`medusa_runtime.loop.proposer`): Medusa heads once, path-conditioned
+    heads level by level, plus the host's choice of a per-step tree.
 
     Args:
         engine: a :class:`medusa_runtime.loop.Engine` with numpy KV (``make_cache`` engines
@@ -149,9 +196,9 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
         progress: called with a short line per measured size.
 
     Returns:
-        (size -> median step ms, median heads-graph ms for one row).
+        (size -> median step ms, size -> median heads ms (0 for size 1)).
     """
-    from .loop import KVCache
+    from .loop import KVCache, proposer
 
     capacity = past_length + max(trees)
     cache = KVCache.for_engine(engine, capacity)
@@ -161,7 +208,8 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
     out = None
     steps = {}
     for n, tree in sorted(trees.items()):
-        b = tree.buffers()
+        shape = tree if isinstance(tree, Tree) else greedy_tree(n, default_accuracies(tree.num_heads, tree.topk))
+        b = shape.buffers()
         ids = np.zeros((1, n), dtype=np.int64)
         pos = (past_length + b.depth)[None].astype(np.int64)
 
@@ -185,16 +233,25 @@ def time_tree_steps(engine, trees: Mapping[int, Tree], *, past_length: int = DEF
     if progress:
         for n in steps:
             progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
-    topk = next(iter(trees.values())).topk
-    heads_ms = median_ms(lambda: engine.heads(out.hidden[:1], topk), repeats, warmup)
+    heads_ms: dict[int, float] = {}
+    hidden = out.hidden[:1]
+    for n, tree in sorted(trees.items()):
+        if tree.size == 1:
+            heads_ms[n] = 0.0
+            continue
+        propose = proposer(engine, tree)
+        heads_ms[n] = median_ms(lambda: propose(hidden, 0), repeats, warmup)
     if progress:
-        progress(f"heads graph: {heads_ms:.2f} ms per step")
+        progress("heads and candidates: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in heads_ms.items() if n > 1)
+                 + " ms per step")
     return step_ms, heads_ms
 
 
 def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = None,
               sizes: Sequence[int] = DEFAULT_SIZES, past_length: int = DEFAULT_PAST_LENGTH, repeats: int = 5,
-              topk: int = DEFAULT_TOPK, progress: Callable[[str], None] | None = None) -> tuple[Tree, list[TreeTiming]]:
+              topk: int = DEFAULT_TOPK, progress: Callable[[str], None] | None = None, policy: str = "static",
+              calibration: ProbabilityMap | None = None, simulated: Mapping[str, Mapping[int, float]] | None = None
+              ) -> tuple[Tree | DynamicTree, list[TreeTiming]]:
     """Measure, then choose: the tree with the most expected tokens per second on ``engine``.
 
     Args:
@@ -207,12 +264,16 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
         past_length, repeats: see :func:`time_tree_steps`.
         topk: candidate top-k (at most the heads graph's).
         progress: called with a line per measurement.
+        policy: "static" or "dynamic" (per-step trees of each size).
+        calibration: the heads' probability map (per-step trees).
+        simulated: {policy: {size: tokens per step}} from ``calibrate`` for these heads (the
+            expected tokens of the policy in use; sizes without a value use the accuracies).
 
     Returns:
         (the chosen tree, the table of every size).
 
     Raises:
-        InvalidTreeError: bad sizes or accuracies, or no size fits ``capacity``.
+        InvalidTreeError: bad sizes, accuracies or policy, or no size fits ``capacity``.
     """
     if accuracies is None:
         accuracies = default_accuracies(engine.num_heads, topk)
@@ -221,9 +282,11 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
         if not sizes:
             raise InvalidTreeError(f"no tree size fits half of a {capacity}-token context")
         past_length = min(past_length, capacity - max(sizes))
-    trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk)
+    trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk, policy=policy,
+                            calibration=calibration)
     step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)
-    return choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms)
+    table = {int(n): float(v) for n, v in (simulated or {}).get(policy, {}).items()}
+    return choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms, table)
 
 
 def format_table(table: Sequence[TreeTiming], chosen: int) -> str:

@@ -11,7 +11,9 @@ only decides who runs when:
   different lengths never share a call), then every running sequence takes one tree step;
 * a tree step over B sequences is one :meth:`BatchEngine.step_rows` call, or B calls when
   the engine says ``row_by_row`` (the looped reference below); the heads of the sequences that
-  need them run after it (one call over the B rows, or one per row likewise).
+  need them run after it (one call over the B rows, or one per row likewise): Medusa heads in
+  one call, path-conditioned heads one call per tree level, each over the paths every sequence
+  chose at the level before (:class:`~medusa_runtime.candidates.HeadsCall`).
 
 KV rows are per sequence (``BatchEngine.row_cache``): compaction after acceptance
 (:meth:`~medusa_runtime.loop.KVCache.keep`) writes only the slots of the sequence's own row.
@@ -30,7 +32,9 @@ Batched engine interface (:class:`BatchEngine`): the geometry and limits of
 * ``row_by_row``: True when ``step_rows`` runs one call per row, so that the scheduler runs
   each row's heads before the next row's step (engines whose outputs live in reused
   device buffers stay correct);
-* ``heads(hidden [R, d], topk)``: the heads over R rows.
+* ``heads(hidden [R, d], topk)``: the heads over R rows; by head type and tree policy also
+  ``heads_logprobs`` and ``heads_level`` (:class:`~medusa_runtime.loop.Engine`), where
+  ``heads_level`` takes one hidden row per path (``[R, d]``) when paths of several sequences share a call.
 
 :class:`LoopedBatchEngine` implements it with one batch-1 call of any
 :class:`~medusa_runtime.loop.Engine` per row: the reference, and the engine for artifacts
@@ -48,8 +52,9 @@ import numpy as np
 
 from .acceptance import SamplingConfig
 from .errors import ContextOverflowError, InvalidSettingError
+from .candidates import DynamicTree, HeadsCall
 from .loop import (Decoding, Engine, GenerationResult, KVCache, RowInputs, StepResult, check_request, context_capacity,
-                   engine_sampling_route, engine_step)
+                   engine_sampling_route, engine_step, run_heads)
 from .tree import Tree
 
 #: Sequences per step when none is given (the CLI's --batch-size; Triton's batch_size parameter).
@@ -77,6 +82,31 @@ class BatchEngine(Protocol):
 
     def heads(self, hidden, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens."""
+
+
+def run_heads_rows(engine, rows: Sequence, calls: Sequence[HeadsCall]) -> list:
+    """The heads calls of several sequences in one engine call (the same kind, depth and top-k).
+
+    Args:
+        engine: the backend.
+        rows: each sequence's [1, d] hidden row (host arrays).
+        calls: each sequence's :class:`~medusa_runtime.candidates.HeadsCall`.
+
+    Returns:
+        Per sequence, what :func:`~medusa_runtime.loop.run_heads` would return for it alone.
+    """
+    kind, topk = calls[0].kind, calls[0].topk
+    if kind == "topk":
+        out = engine.heads(np.concatenate(rows), topk)
+        return [out[i] for i in range(len(rows))]
+    if kind == "logprobs":
+        ids, logprobs = engine.heads_logprobs(np.concatenate(rows), topk)
+        return [(ids[i], logprobs[i]) for i in range(len(rows))]
+    counts = [len(c.path_ids) for c in calls]  # "level": one hidden row per path
+    hidden = np.concatenate([np.repeat(r, n, axis=0) for r, n in zip(rows, counts)])
+    ids, logprobs = engine.heads_level(calls[0].depth, hidden, np.concatenate([c.path_ids for c in calls]), topk)
+    ends = np.cumsum(counts)
+    return [(ids[e - n:e], logprobs[e - n:e]) for e, n in zip(ends, counts)]
 
 
 class LoopedBatchEngine:
@@ -137,7 +167,7 @@ class SequenceRequest:
     max_new_tokens: int
     sampling: SamplingConfig | None = None
     on_tokens: Callable[[list[int]], bool | int | None] | None = None
-    tree: Tree | None = None
+    tree: Tree | DynamicTree | None = None
     tag: object = None
 
 
@@ -201,7 +231,7 @@ class Scheduler:
         ContextOverflowError: ``capacity`` exceeds the engine's context.
     """
 
-    def __init__(self, engine, tree: Tree, *, max_batch: int = DEFAULT_BATCH_SIZE, capacity: int | None = None,
+    def __init__(self, engine, tree: Tree | DynamicTree, *, max_batch: int = DEFAULT_BATCH_SIZE, capacity: int | None = None,
                  eos_token_ids: Sequence[int] = ()):
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise InvalidSettingError(f"the batch size must be an integer >= 1, got {max_batch!r}")
@@ -350,24 +380,30 @@ class Scheduler:
                 s.result.prefill_seconds = seconds
 
     def _heads(self, need: list[SequenceState], finished: list[SequenceState]) -> None:
-        """The heads of the sequences that need them: one call over their rows when the rows are host
-        arrays, else one call per row."""
-        if not need:
-            return
-        rows = [s._decoding.heads_row for s in need]
-        topk = [s._decoding.tree.topk for s in need]
-        t = time.perf_counter()
-        try:
-            if len(need) > 1 and all(isinstance(r, np.ndarray) for r in rows) and len(set(topk)) == 1:
-                out = self.engine.heads(np.concatenate(rows), topk[0])
-                per_row = [out[i] for i in range(len(need))]
-            else:
-                per_row = [self.engine.heads(r, k)[0] for r, k in zip(rows, topk)]
-        except Exception as exc:  # noqa: BLE001
+        """The heads of the sequences that need them, call after call until each has its next step's
+        candidates (one call for Medusa heads, one per tree level for path-conditioned heads): the calls of
+        the same kind, level and top-k in one engine call when the rows are host arrays, else one per row."""
+        while need:
+            groups: dict[tuple, list[SequenceState]] = {}
             for s in need:
-                self._fail(s, exc, finished)
-            return
-        dt = time.perf_counter() - t
-        for s, top in zip(need, per_row):
-            s._decoding.set_heads(top)
-            s.result.engine_seconds += dt
+                call, row = s._decoding.heads_call, s._decoding.heads_row
+                key = (call.kind, call.depth, call.topk) if isinstance(row, np.ndarray) else ("row", id(s))
+                groups.setdefault(key, []).append(s)
+            for key, group in groups.items():
+                rows = [s._decoding.heads_row for s in group]
+                calls = [s._decoding.heads_call for s in group]
+                t = time.perf_counter()
+                try:
+                    if len(group) > 1:
+                        results = run_heads_rows(self.engine, rows, calls)
+                    else:
+                        results = [run_heads(self.engine, rows[0], calls[0])]
+                except Exception as exc:  # noqa: BLE001
+                    for s in group:
+                        self._fail(s, exc, finished)
+                    continue
+                dt = time.perf_counter() - t
+                for s, result in zip(group, results):
+                    s._decoding.set_heads(result)
+                    s.result.engine_seconds += dt
+            need = [s for s in need if s._decoding is not None and s._decoding.heads_row is not None]

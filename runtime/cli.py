@@ -77,8 +77,10 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
     p.add_argument("--tree", help="node budget (e.g. 8: the greedy tree from the heads' calibrated accuracies), "
                                   "preset (root, chain), JSON file of medusa_choices, or 'auto' (with an artifact: "
-                                  "time the tree step at several sizes and keep the most expected tokens/s) "
-                                  "(default: the artifact's tree, or the model's registered one)")
+                                  "time the tree step at several sizes and keep the most expected tokens/s), "
+                                  "'dynamic:T' (a T-node tree chosen every step) or 'auto:dynamic' (default: the "
+                                  "artifact's tree, per-step when it was built with --tree dynamic:T, or the model's "
+                                  "registered one)")
 
 
 def _session(args):

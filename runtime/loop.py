@@ -21,10 +21,11 @@ import numpy as np
 
 from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
                          sampling_route)
+from .candidates import HEAD_TYPES, DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
 from .errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
 from .kvcache import compact_in_place, fits, write_accepted
 from .stops import apply_stops
-from .tree import Tree, gather_candidates, make_tree
+from .tree import Tree, make_tree
 
 
 class StepResult(NamedTuple):
@@ -85,6 +86,16 @@ class Engine(Protocol):
         ``hidden`` is a row slice of a step's ``StepResult.hidden`` (whatever type the
         engine returned there, e.g. a device buffer).
         """
+
+    # Optional, by head type and tree policy (see :func:`run_heads`, :func:`check_heads`):
+    # * ``head_type``: "medusa" (default when absent) or "hydra" (path-conditioned heads);
+    # * ``heads_logprobs(hidden [R, d], topk) -> (ids int64 [R, K, topk], logprobs float32 [R, K, topk])``:
+    #   Medusa heads with their log-probabilities (per-step trees); ``has_heads_logprobs`` False says
+    #   the method exists but the artifact's graph lacks the output;
+    # * ``heads_level(depth, hidden [N, d], path_ids int64 [R, depth], topk) -> (ids [R, topk], logprobs [R, topk])``:
+    #   the path-conditioned head of that depth on R paths (root first), N = 1 (one h_t for every
+    #   path) or N = R (each path's own h_t: paths of several sequences in one call); the heads of
+    #   "hydra" engines.
 
     # Optional: ``make_cache(capacity) -> cache`` for engines that keep the KV cache in
     # their own memory (a GPU). The cache must offer what :class:`KVCache` offers
@@ -206,6 +217,76 @@ class HeadMajorKVCache(CacheState):
         self._advance(accepted, token_ids)
 
 
+def engine_head_type(engine: Engine) -> str:
+    """The engine's head type (``head_type``; "medusa" when it does not say)."""
+    return getattr(engine, "head_type", HEAD_TYPES[0])
+
+
+def check_heads(engine: Engine, tree: Tree | DynamicTree) -> None:
+    """Refuse a head type / tree policy the engine's heads cannot run (before any work).
+
+    Raises:
+        InvalidTreeError: an unknown head type, path-conditioned heads without ``heads_level``, or a
+            per-step tree of Medusa heads whose graph returns no log-probabilities (the message says
+            to rebuild the artifact or use a static tree).
+    """
+    if tree.size <= 1:
+        return
+    head_type = engine_head_type(engine)
+    if head_type not in HEAD_TYPES:
+        raise InvalidTreeError(f"unknown head type {head_type!r}; the runtime runs {', '.join(HEAD_TYPES)} heads")
+    if head_type == "hydra" and not hasattr(engine, "heads_level"):
+        raise InvalidTreeError("the heads are path-conditioned (hydra) but this engine cannot run them level by "
+                               "level (no heads_level)")
+    if head_type == "medusa" and isinstance(tree, DynamicTree) and not getattr(
+            engine, "has_heads_logprobs", hasattr(engine, "heads_logprobs")):
+        raise InvalidTreeError("per-step trees (--tree dynamic:T) need the heads' log-probabilities, which this "
+                               "artifact's heads graph does not return: rebuild it, or use a static --tree")
+
+
+def run_heads(engine: Engine, hidden_row, call: HeadsCall):
+    """Answer one :class:`~medusa_runtime.candidates.HeadsCall` of one sequence with the engine's heads.
+
+    Args:
+        engine: the backend.
+        hidden_row: [1, d] the hidden state of the sequence's last accepted node (a row slice of
+            ``StepResult.hidden``).
+        call: what the sequence's candidate choice needs.
+
+    Returns:
+        What the call's kind expects (see :class:`~medusa_runtime.candidates.HeadsCall`).
+    """
+    if call.kind == "topk":
+        return engine.heads(hidden_row, call.topk)[0]
+    if call.kind == "logprobs":
+        ids, logprobs = engine.heads_logprobs(hidden_row, call.topk)
+        return ids[0], logprobs[0]
+    return engine.heads_level(call.depth, hidden_row, call.path_ids, call.topk)
+
+
+def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda f, *a: f(*a)
+             ) -> Callable[[object, int], Proposal]:
+    """A step's candidates for the engine's head type and the tree policy, the heads run at once
+    (benchmarks and ``--tree auto`` time it; the decode loop runs the same plan through :class:`Decoding`).
+
+    Args:
+        engine: the backend (``head_type`` and the heads methods, see :class:`Engine`).
+        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.candidates.DynamicTree` (per-step
+            trees of fixed size).
+        timed: ``timed(fn, *args)`` calls ``fn(*args)`` (e.g. adding its time to a total).
+
+    Returns:
+        ``propose(hidden_row, root) -> Proposal``: hidden_row is the [1, d] row of the last
+        accepted node's hidden state, root the next token.
+
+    Raises:
+        InvalidTreeError: see :func:`check_heads`.
+    """
+    check_heads(engine, tree)
+    plan = plan_for(engine_head_type(engine), tree)
+    return lambda hidden_row, root: run_plan(plan(root), lambda call: timed(run_heads, engine, hidden_row, call))
+
+
 @dataclass
 class GenerationResult:
     """Output of one generation.
@@ -305,12 +386,13 @@ def engine_step(engine: Engine, inputs: RowInputs, past) -> StepResult:
     return engine.step(inputs.tokens[None], inputs.positions[None], inputs.mask, inputs.temperature, past, **kwargs)
 
 
-def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree, max_new_tokens: int) -> np.ndarray:
+def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree | DynamicTree,
+                  max_new_tokens: int) -> np.ndarray:
     """The prompt as int64 [n] after checking a generation's settings against the engine.
 
     Raises:
         InvalidSettingError: empty prompt, max_new_tokens not an integer >= 0.
-        InvalidTreeError: a tree deeper than the engine's heads.
+        InvalidTreeError: a tree deeper than the engine's heads, or one its heads cannot run (:func:`check_heads`).
     """
     prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
     if prompt.size == 0:
@@ -319,6 +401,7 @@ def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree, max_new
         raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if tree.max_depth > engine.num_heads:
         raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the engine's {engine.num_heads} Medusa heads")
+    check_heads(engine, tree)
     return prompt
 
 
@@ -329,9 +412,16 @@ class Decoding:
     The driver asks :meth:`inputs` for the next call (the prefill first, then tree steps), runs
     the engine on them over :attr:`cache`'s past, hands the result to :meth:`advance`
     (drawing, acceptance, KV compaction, stops and the ``on_tokens`` callback happen there),
-    then, when :attr:`heads_row` is set, runs the heads on it and hands their best tokens to
-    :meth:`set_heads`; until :meth:`inputs` returns None. Everything that depends on the
-    sequence (its sampling stream, stops, cache) lives here, so sequences never share state.
+    then, while :attr:`heads_row` is set, runs the heads call :attr:`heads_call` on it
+    (:func:`run_heads`) and hands the result to :meth:`set_heads`; until :meth:`inputs` returns
+    None. Everything that depends on the sequence (its sampling stream, stops, cache) lives
+    here, so sequences never share state.
+
+    The next step's candidates are a :data:`~medusa_runtime.candidates.Plan` of the engine's head
+    type and the tree policy (:func:`~medusa_runtime.candidates.plan_for`): Medusa heads need one
+    heads call (their top-k, with log-probabilities for a per-step tree); path-conditioned heads
+    one call per tree level, each on the paths the level before chose. Whoever drives the
+    sequence runs the calls, so the batch scheduler runs a level for all its sequences at once.
 
     Args: as :func:`generate`, plus ``cache``: the sequence's KV cache (its valid prefix precedes
         ``prompt_ids``).
@@ -342,7 +432,8 @@ class Decoding:
         ContextOverflowError: the prompt does not fit the cache.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], tree: Tree, *, max_new_tokens: int, cache,
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], tree: Tree | DynamicTree, *, max_new_tokens: int,
+                 cache,
                  eos_token_ids: Sequence[int] = (), sampling: SamplingConfig | None = None,
                  on_tokens: Callable[[list[int]], bool | int | None] | None = None):
         self.sampling = sampling if sampling is not None else SamplingConfig()
@@ -363,8 +454,11 @@ class Decoding:
         self.temperature = self.sampling.temperature if self.mode != "greedy" else 1.0
         self.uniforms = PositionUniforms(self.sampling.seed)
         self.heads_row = None  # the [1, d] hidden row whose heads the next step needs (set by advance)
+        self.heads_call: HeadsCall | None = None  # what to run on heads_row (set with it)
         self._root: int | None = None  # the next step's root (None: not prefilled yet)
-        self._heads: np.ndarray | None = None
+        self._plan_for = plan_for(engine_head_type(engine), tree) if tree.size > 1 else None
+        self._plan: Plan | None = None
+        self._proposal: Proposal | None = None  # the next step's tree and candidates
         self._pending: tuple | None = None  # (step tree or None for the prefill, tokens, draw positions)
 
     @property
@@ -401,14 +495,15 @@ class Decoding:
             draws[-1] = 0
             self._pending = (None, self.prompt, draws)
             return self._row_inputs(self.prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n), draws)
-        tree = self.tree if fits(cache.length, self.tree.size, cache.capacity) else self.root_tree
-        if not fits(cache.length, tree.size, cache.capacity):
+        proposal, self._proposal = self._proposal, None
+        if proposal is None or not fits(cache.length, proposal.tree.size, cache.capacity):
+            proposal = Proposal(self.root_tree, np.array([self._root], np.int64))
+        if not fits(cache.length, proposal.tree.size, cache.capacity):
             self.result.finish_reason = "length"  # the context is full
             self.done = True
             return None
+        tree, tokens = proposal
         b = tree.buffers()
-        root = self._root
-        tokens = gather_candidates(root, self._heads, tree) if tree.size > 1 else np.array([root], np.int64)
         draws = len(self.result.tokens) + b.depth  # generated position each node draws (the root is the last emitted)
         self._pending = (tree, tokens, draws)
         return self._row_inputs(tokens, cache.length + b.depth, b.attention_mask, draws)
@@ -476,19 +571,36 @@ class Decoding:
             self.result.accept_depths.append(acc.accept_length)
             self._root = acc.next_token
             last = int(acc.accepted[-1])
-        if not self.done and self.tree.size > 1:
+        if not self.done and self._plan_for is not None and fits(self.cache.length, self.tree.size,
+                                                                   self.cache.capacity):
+            self._plan = self._plan_for(self._root)
             self.heads_row = out.hidden[last : last + 1]
+            self._next_call(None)
 
-    def set_heads(self, topk_ids: np.ndarray) -> None:
-        """The heads' best tokens for :attr:`heads_row`: int [K, >=topk] (``engine.heads(row, topk)[0]``)."""
-        self._heads = topk_ids
-        self.heads_row = None
+    def _next_call(self, result) -> None:
+        """Send ``result`` into the plan (None: start it); keep its next call, or its proposal when done."""
+        try:
+            self.heads_call = next(self._plan) if result is None else self._plan.send(result)
+        except StopIteration as stop:
+            self._proposal, self._plan, self.heads_call, self.heads_row = stop.value, None, None, None
+
+    def set_heads(self, result) -> None:
+        """The result of :attr:`heads_call` on :attr:`heads_row` (:func:`run_heads`; for Medusa heads on
+        a static tree, ``engine.heads(row, topk)[0]``: int [K, >= topk]). Clears :attr:`heads_row` when
+        the next step's candidates are chosen; else :attr:`heads_call` is the next level's call.
+
+        Raises:
+            RuntimeError: no heads call is pending.
+        """
+        if self._plan is None:
+            raise RuntimeError("set_heads() without a pending heads call")
+        self._next_call(result)
 
 
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
-    tree: Tree,
+    tree: Tree | DynamicTree,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -509,7 +621,8 @@ def generate(
         engine: the backend.
         prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
             ``cache`` given, these are the tokens *after* the cache's valid prefix.
-        tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps.
+        tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps; a
+            :class:`~medusa_runtime.candidates.DynamicTree` chooses a tree of its size every step.
         max_new_tokens: maximum emitted tokens (exact), >= 0.
         eos_token_ids: tokens that end generation (not emitted).
         max_context: KV capacity in tokens (default: the engine's ``max_context``, i.e. the
@@ -542,9 +655,9 @@ def generate(
         if not dec.prefilled:
             result.prefill_seconds = result.engine_seconds
         dec.advance(out)
-        if dec.heads_row is not None:
+        while dec.heads_row is not None:
             t = time.perf_counter()
-            dec.set_heads(engine.heads(dec.heads_row, tree.topk)[0])
+            dec.set_heads(run_heads(engine, dec.heads_row, dec.heads_call))
             result.engine_seconds += time.perf_counter() - t
     if max_new_tokens > 0:
         result.host_seconds = time.perf_counter() - t_start - result.engine_seconds

@@ -167,6 +167,9 @@ class OrtCudaEngine:
         providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
         opts = session_options(threads)
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
+        if artifact.head_type != "medusa":
+            raise BackendUnavailableError(f"the ort-cuda backend runs Medusa heads (heads.onnx) only; this artifact's "
+                                          f"heads are {artifact.head_type!r}: use the ort (CPU) backend")
         self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
         for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
             check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))

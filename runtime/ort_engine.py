@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout, step_limits
-from .errors import ArtifactError, ContextOverflowError
+from .artifact import Artifact, kv_layout, level_graph, step_limits
+from .errors import ArtifactError, ContextOverflowError, MedusaError
 from .loop import HeadMajorKVCache, InPlacePast, KVCache, SamplerInputs, StepResult, sampler_feed
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
@@ -84,7 +84,8 @@ def check_graph_io(session, graph: dict, path) -> None:
 
 
 class OrtEngine:
-    """Runs ``model.onnx`` (backbone step) and ``heads.onnx`` with ONNX Runtime.
+    """Runs ``model.onnx`` (backbone step) and ``heads.onnx`` (or, for path-conditioned heads, the level
+    graphs ``heads_level{j}.onnx``) with ONNX Runtime.
 
     Args:
         artifact: a loaded artifact.
@@ -113,13 +114,20 @@ class OrtEngine:
         for key, value in (session_config or {}).items():
             opts.add_session_config_entry(key, value)
         providers = providers or ["CPUExecutionProvider"]
-        self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
+        self.head_type = artifact.head_type
+        heads_keys = ([level_graph(j) for j in range(1, self.num_heads + 1)] if self.head_type == "hydra"
+                      else ["heads"])
+        heads_sessions = {key: ort.InferenceSession(str(artifact.file(key)), opts, providers=providers)
+                          for key in heads_keys}
+        self.heads_session = heads_sessions.get("heads")
+        self.level_sessions = [heads_sessions[key] for key in heads_keys] if self.head_type == "hydra" else []
         if profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = profile_prefix
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
-        for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
+        for key, sess in (("model", self.step_session), *heads_sessions.items()):
             check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
+        self._heads_outputs = [o.name for o in self.heads_session.get_outputs()] if self.heads_session else []
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
         self._outputs = [o.name for o in self.step_session.get_outputs()]
         self._kv_outputs = [i for i, n in enumerate(self._outputs) if n.startswith("new_key_values.")]
@@ -213,4 +221,35 @@ class OrtEngine:
 
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, topk] (topk fixed by the artifact's heads graph)."""
-        return self.heads_session.run(None, {"hidden_states": np.ascontiguousarray(hidden, self.hidden_dtype)})[0]
+        self._medusa_heads()
+        return self.heads_session.run(["medusa_topk_ids"],
+                                      {"hidden_states": np.ascontiguousarray(hidden, self.hidden_dtype)})[0]
+
+    def heads_logprobs(self, hidden: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """hidden [R, d] -> (ids int64 [R, K, topk], log-probabilities float32 [R, K, topk]).
+
+        Raises:
+            MedusaError: the artifact's heads graph has no ``medusa_topk_logprobs`` output (built before it).
+        """
+        self._medusa_heads()
+        if "medusa_topk_logprobs" not in self._heads_outputs:
+            raise MedusaError("per-step trees need the heads' log-probabilities, and this artifact's heads graph "
+                              "has no medusa_topk_logprobs output: rebuild it (or use a static --tree)")
+        ids, lp = self.heads_session.run(["medusa_topk_ids", "medusa_topk_logprobs"],
+                                         {"hidden_states": np.ascontiguousarray(hidden, self.hidden_dtype)})
+        return ids, lp
+
+    def heads_level(self, depth: int, hidden: np.ndarray, path_ids: np.ndarray, topk: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """Path-conditioned head ``depth`` (1-based): hidden [1, d] (or [R, d], a row per path), path_ids int64
+        [R, depth] -> (ids int64 [R, topk], log-probabilities float32 [R, topk]) (``heads_level{depth}.onnx``)."""
+        sess = self.level_sessions[depth - 1]
+        feed = {"hidden_states": np.ascontiguousarray(hidden, self.hidden_dtype),
+                "path_ids": np.ascontiguousarray(path_ids, np.int64)}
+        ids, lp = sess.run(["level_topk_ids", "level_topk_logprobs"], feed)
+        return ids, lp
+
+    def _medusa_heads(self) -> None:
+        if self.heads_session is None:
+            raise MedusaError("this artifact's heads are path-conditioned (hydra): they run level by level "
+                              "(heads_level), not as one heads graph")

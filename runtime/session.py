@@ -27,8 +27,9 @@ from typing import Callable, Sequence
 
 from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
-from .autotree import TreeTiming, auto_tree, is_auto
+from .autotree import TreeTiming, auto_policy, auto_tree, is_auto
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
+from .candidates import DynamicTree
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import ChatTemplateError, MedusaError
 from .loop import GenerationResult, KVCache, engine_sampling_route, generate
@@ -160,11 +161,14 @@ class MedusaSession:
         backend: engine backend name (see :mod:`medusa_runtime.engines`).
         threads: intra-op threads for CPU work (None: ONNX Runtime's default).
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
-        tree: override the artifact's tree (a :class:`Tree` or a ``--tree`` spec such as "8",
-            "chain"); backends with a fixed tree shape (TensorRT) may reject it.
+        tree: override the artifact's tree (default: its static tree, or the per-step trees of its
+            ``manifest.tree.policy`` when it was built with ``--tree dynamic:T`` and the engine runs them;
+            a :class:`Tree` or a ``--tree`` spec such as "8",
+            "chain", "dynamic:6": a 6-node tree chosen every step from the heads' calibrated
+            probabilities); backends with a fixed tree shape (TensorRT) may reject it.
             ``"auto"`` times the tree step at several sizes on this engine and keeps the one
             with the most expected tokens per second (:mod:`medusa_runtime.autotree`; the
-            table is in :attr:`tree_timings`).
+            table is in :attr:`tree_timings`); ``"auto:dynamic"`` does so for per-step trees.
         full_verify: hash every file, even the large weights, when opening.
         progress: called with a line per measurement of ``tree="auto"`` (default: silent).
         **engine_options: passed to the backend (e.g. ``device_id``).
@@ -193,17 +197,22 @@ class MedusaSession:
         self._chat = _Chat()
         self._batch_engine = None
 
-    def _resolve_tree(self, tree: Tree | str | None) -> Tree:
+    def _resolve_tree(self, tree: Tree | DynamicTree | str | None) -> Tree | DynamicTree:
         base = self.artifact.tree
-        if tree is None:
-            return base
+        if tree is None:  # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
+            tree = self.artifact.manifest.get("tree", {}).get("policy")
+            if not tree or not hasattr(self.engine, "heads_logprobs"):  # engines of fixed trees run the static one
+                return base
         acc = self.artifact.head_accuracies
+        art = self.artifact
         if is_auto(tree):
             tree, self.tree_timings = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk,
-                                                progress=self._progress)
+                                                progress=self._progress, policy=auto_policy(tree),
+                                                calibration=art.calibration, simulated=art.simulated)
             return tree
-        if not isinstance(tree, Tree):
-            tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk, accuracies=acc)
+        if not isinstance(tree, (Tree, DynamicTree)):
+            tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk, accuracies=acc,
+                                  calibration=art.calibration)
         if tree.topk > base.topk or tree.max_depth > self.engine.num_heads:
             raise MedusaError(f"tree (topk {tree.topk}, depth {tree.max_depth}) exceeds the artifact's heads graph "
                               f"(topk {base.topk}, {self.engine.num_heads} heads)")

@@ -352,21 +352,34 @@ def tree_from_spec(
     num_heads: int,
     accuracies: np.ndarray | None = None,
     topk: int = DEFAULT_TOPK,
-) -> Tree:
-    """Resolve a ``--tree`` value: a node budget, a preset name or a JSON file path.
+    calibration=None,
+):
+    """Resolve a ``--tree`` value: a node budget, a per-step tree size, a preset name or a JSON file path.
 
     Args:
         spec: ``"64"`` / ``64`` (greedy tree of that many nodes from ``accuracies``, or
-            from :func:`default_accuracies` when None), a name in :data:`PRESETS`, or the
+            from :func:`default_accuracies` when None), ``"dynamic:6"`` (a tree of 6 nodes chosen
+            every step from the heads' probabilities: a
+            :class:`~medusa_runtime.candidates.DynamicTree`), a name in :data:`PRESETS`, or the
             path of a JSON file (either a bare list of paths or :meth:`Tree.to_json` output).
         num_heads: number of Medusa heads K.
         accuracies: float [K', topk] calibrated a_k^(i) or None. Rows beyond K are ignored.
         topk: candidate top-k for presets and JSON lists without their own.
+        calibration: the heads' :class:`~medusa_runtime.candidates.ProbabilityMap` for per-step
+            trees (None: raw probabilities).
+
+    Returns:
+        A :class:`Tree`, or a :class:`~medusa_runtime.candidates.DynamicTree` for ``dynamic:T``.
 
     Raises:
         InvalidTreeError: unknown preset / missing file / bad JSON / invalid tree. The
             message lists the valid presets.
     """
+    from .candidates import DynamicTree, parse_dynamic  # candidates imports this module
+
+    size = parse_dynamic(spec)
+    if size is not None:
+        return DynamicTree(size, num_heads, topk, calibration=calibration)
     text = str(spec).strip()
     if text.isdigit():
         acc = default_accuracies(num_heads, topk) if accuracies is None else np.asarray(accuracies)
@@ -383,8 +396,8 @@ def tree_from_spec(
     if path.suffix == ".json" or path.exists():
         return load_tree(path, num_heads=num_heads, topk=topk)
     raise InvalidTreeError(
-        f"unknown tree {text!r}: give a node budget (e.g. 64), a JSON file of medusa_choices, "
-        f"or a preset: {', '.join(sorted(PRESETS))}"
+        f"unknown tree {text!r}: give a node budget (e.g. 64), dynamic:T (a T-node tree chosen every step), "
+        f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
     )
 
 

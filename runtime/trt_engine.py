@@ -370,6 +370,10 @@ class TrtEngine:
         out = np.empty(shape, g.dtypes["medusa_topk_ids"])
         ptr = self._buf.get("heads.medusa_topk_ids", out.nbytes)
         ctx.set_tensor_address("medusa_topk_ids", ptr)
+        for name in g.dtypes:  # outputs this loop does not read (medusa_topk_logprobs): every output needs an address
+            if name not in ("hidden_states", "medusa_topk_ids"):
+                nbytes = int(np.prod(tuple(ctx.get_tensor_shape(name)))) * g.dtypes[name].itemsize
+                ctx.set_tensor_address(name, self._buf.get(f"heads.{name}", nbytes))
         if not ctx.execute_async_v3(self.cuda.stream_handle):
             raise RuntimeError("TensorRT failed to enqueue the heads")
         self.cuda.copy(out.ctypes.data, ptr, out.nbytes, self.cuda.D2H)

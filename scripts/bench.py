@@ -36,8 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.loop import KVCache, causal_mask
+from medusa_runtime.loop import KVCache, causal_mask, proposer
 from medusa_runtime.session import MedusaSession
+from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
@@ -84,7 +85,8 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
     past length; and the heads graph."""
     engine = session.engine
     tree = session.tree
-    b = tree.buffers()
+    shape = tree if isinstance(tree, Tree) else greedy_tree(tree.size, default_accuracies(tree.num_heads, tree.topk))
+    b = shape.buffers()  # a per-step tree is timed on a fixed tree of its size: the same shapes
     cap = session.max_context
     cache = KVCache.for_engine(engine, cap)
     rng = np.random.default_rng(0)
@@ -120,9 +122,10 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
     hidden = engine.step(np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64), causal_mask(1), 1.0,
                          KVCache.for_engine(engine, 1).past()).hidden
     heads = []
+    propose = proposer(engine, tree)  # the heads as the loop runs them, with the per-step tree choice
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        engine.heads(hidden[0:1], tree.topk)
+        propose(hidden[0:1], 0)
         heads.append(time.perf_counter() - start)
     return {"tree_size": tree.size, "by_past_length": rows, "heads_ms": 1e3 * statistics.median(heads[1:])}
 
@@ -229,7 +232,8 @@ def run(args) -> dict:
         "precision": m["precision"]["name"], "backend": session.backend, "threads": args.threads, "spin": args.spin,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
-                 "medusa_choices": [list(c) for c in session.tree.choices]},
+                 "medusa_choices": [list(c) for c in getattr(session.tree, "choices", ())],
+                 "policy": "static" if isinstance(session.tree, Tree) else "dynamic"},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": texts,
         "vanilla": summarize(vanilla, session.tree.max_depth),
         "medusa": summarize(medusa, session.tree.max_depth),
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-Bench question.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--threads", type=int, help="CPU threads (default: ONNX Runtime's choice)")
-    p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, a JSON file)")
+    p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, dynamic:6, a JSON file)")
     p.add_argument("--spin", action="store_true", help="let ONNX Runtime's idle threads busy-wait (dedicated machines)")
     p.add_argument("--past-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 256, 512, 1024],
                    help="past lengths for the step-time scan (default: 0,256,512,1024)")

@@ -1,11 +1,15 @@
 #!/usr/bin/env python
 """Step anatomy of artifacts on ONNX Runtime: backbone step time by tree size and past
-length, the heads graph's share of a Medusa step, output bytes per step compared with
+length, the heads' share of a Medusa step, output bytes per step compared with
 returning full [T, V] logits, and (``--profile``) which operators take a step's time.
+
+The heads column is what the decode loop runs before each step (:func:`medusa_runtime.loop.proposer`):
+one run of the Medusa heads graph, or the level graphs of path-conditioned heads (one run per
+level), plus the host's choice of the tree for ``--policy dynamic`` (per-step trees of each size).
 
 Usage:
     python scripts/bench_step.py ARTIFACT [ARTIFACT ...] [--sizes 1 4 16 64] [--past 256] [--repeats 20]
-        [--threads 2] [--json OUT] [--profile 1 16] [--profile-steps 10]
+        [--threads 2] [--policy static|dynamic] [--json OUT] [--profile 1 16] [--profile-steps 10]
 
 With several artifacts (e.g. the portable and the ``ort-fused`` graph of one model) the
 measurements are interleaved: each repeat times one step of every (size, artifact) in turn,
@@ -29,7 +33,8 @@ from typing import Callable, Hashable
 import numpy as np
 
 from medusa_runtime.artifact import load_artifact
-from medusa_runtime.loop import KVCache, causal_mask
+from medusa_runtime.candidates import DynamicTree
+from medusa_runtime.loop import KVCache, causal_mask, proposer
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import default_accuracies, greedy_tree, make_tree
 
@@ -98,8 +103,14 @@ class _Bench:
         pos = (self.past + b.depth)[None]
         return lambda: self.eng.step(tokens[None], pos, b.attention_mask, 1.0, self.cache.past())
 
-    def heads_fn(self) -> Callable[[], object]:
-        return lambda: self.eng.heads(self.hidden_row, self.art.tree.topk)
+    def heads_fn(self, size: int, policy: str) -> Callable[[], object]:
+        """The heads and candidate choice before a step of ``size`` nodes (a real hidden state, root token 0)."""
+        topk = self.art.tree.topk
+        tree = (DynamicTree(size, self.eng.num_heads, topk, calibration=self.art.calibration) if policy == "dynamic"
+                else greedy_tree(size, default_accuracies(self.eng.num_heads, topk) if self.art.head_accuracies is None
+                                 else self.art.head_accuracies[:, :topk], topk=topk))
+        propose = proposer(self.eng, tree)
+        return lambda: propose(self.hidden_row, 0)
 
 
 def _rows(bench: _Bench, times: dict, sizes: list[int]) -> list[dict]:
@@ -107,10 +118,10 @@ def _rows(bench: _Bench, times: dict, sizes: list[int]) -> list[dict]:
     eng = bench.eng
     vocab, hidden, k = m["model"]["vocab_size"], m["model"]["hidden_size"], m["step_topk"]
     kv_bytes_per_token = 2 * eng.num_layers * eng.num_kv_heads * eng.head_dim * np.dtype(eng.kv_dtype).itemsize
-    heads_ms = times[(bench.path, "heads")]
     rows = []
     for t in sizes:
         step_ms = times[(bench.path, t)]
+        heads_ms = times.get((bench.path, "heads", t), 0.0)
         out_bytes = t * k * 8 + t * k * 4 + t * 4 + t * t * 4 + t * hidden * np.dtype(eng.kv_dtype).itemsize + t * kv_bytes_per_token
         logits_bytes = t * vocab * 4 + t * hidden * np.dtype(eng.kv_dtype).itemsize + t * kv_bytes_per_token
         share = heads_ms / (step_ms + heads_ms) if t > 1 else 0.0
@@ -145,6 +156,8 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=256, help="past length (tokens) before the step")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--policy", choices=("static", "dynamic"), default="static",
+                    help="time the heads for static trees or per-step trees of each size")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--profile", type=int, nargs="*", help="tree sizes to profile with ONNX Runtime's profiler")
     ap.add_argument("--profile-steps", type=int, default=10, help="profiled steps per size (after 2 warm-up steps)")
@@ -164,15 +177,19 @@ def main() -> None:
         for b in benches:  # the same tokens for every artifact
             fns[(b.path, size)] = b.step_fn(size, tokens)
     for b in benches:
-        fns[(b.path, "heads")] = b.heads_fn()
+        for size in args.sizes:
+            if size > 1:
+                fns[(b.path, "heads", size)] = b.heads_fn(size, args.policy)
     times = interleaved_ms(fns, args.repeats)
 
     report = {"past": args.past, "repeats": args.repeats, "threads": args.threads, "artifacts": []}
     for b in benches:
         m = b.art.manifest
         rows = _rows(b, times, args.sizes)
-        report["artifacts"].append({"artifact": str(b.path), "flavour": m.get("flavour"), "rows": rows})
+        report["artifacts"].append({"artifact": str(b.path), "flavour": m.get("flavour"), "heads": b.art.head_type,
+                                    "policy": args.policy, "rows": rows})
         print(f"artifact {b.path}: {m['model']['name']}, {m['precision']['name']}, flavour {m.get('flavour')}, "
+              f"{b.art.head_type} heads, {args.policy} trees, "
               f"past length {args.past}, median of {args.repeats}" + (" (interleaved)" if len(benches) > 1 else ""))
         print(f"{'T':>4} {'step ms':>9} {'heads ms':>9} {'heads share':>12} {'out KB/step':>12} {'with [T,V] logits KB':>21}")
         for r in rows:

@@ -1,9 +1,10 @@
 """Write a model's draft vocabulary (token ids by frequency) from self-distillation replies.
 
-    python scripts/draft_vocab.py REPLIES.jsonl[.gz] --vocab-size 49152 --source "..." --out models/smollm2-135m
+    python scripts/draft_vocab.py REPLIES --vocab-size 49152 --source "..." --out models/smollm2-135m
 
-REPLIES holds one JSON object per line with a ``tokens`` list (the ``replies.jsonl`` of
-``medusa-export train-heads``). Use the heads' training replies, never evaluation data.
+REPLIES is a reply store folder (``<cache>/replies`` of ``medusa-export train-heads``, which also
+writes ``draft_vocab.json`` beside the heads it trains) or a JSONL file (optionally gzip) with a
+``tokens`` list per line. Use the heads' training replies, never evaluation data.
 See :mod:`medusa_export.training.draft_vocab`.
 """
 
@@ -18,8 +19,14 @@ from pathlib import Path
 from medusa_export.training.draft_vocab import draft_vocab_json, frequency_order, write_draft_vocab
 
 
-def read_replies(path: Path):
-    """Yield each line's ``tokens`` list (plain or gzip JSONL)."""
+def read_replies(path: Path, vocab_size: int):
+    """Yield each reply's tokens: from a reply store folder, or each line's ``tokens`` list (plain or gzip JSONL)."""
+    if path.is_dir():
+        from medusa_export.training.reply_store import ReplyStore
+
+        for r in ReplyStore(path, vocab_size=vocab_size).read():
+            yield r.reply.tolist()
+        return
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as fh:
         for line in fh:
@@ -34,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--source", required=True, help="one line: where the replies come from")
     p.add_argument("--out", type=Path, required=True, help="folder (beside the heads) for draft_vocab.json")
     args = p.parse_args(argv)
-    ids, counts = frequency_order(read_replies(args.replies))
+    ids, counts = frequency_order(read_replies(args.replies, args.vocab_size))
     if len(ids) and ids.max() >= args.vocab_size:
         p.error(f"the replies hold id {int(ids.max())} >= --vocab-size {args.vocab_size}")
     doc = draft_vocab_json(ids, counts, vocab_size=args.vocab_size, source=args.source)

@@ -39,7 +39,7 @@ run_until() {  # run_until DEADLINE_S args...: a generation stage, stopped at it
   local rc=$?
   if [ $rc -eq 124 ]; then echo "stopped at the deadline, cache kept"; elif [ $rc -ne 0 ]; then return $rc; fi
 }
-tokens() { "$PYTHON" -c "import json,sys; print(sum(len(json.loads(l)['tokens']) for l in open(sys.argv[1]) if l.strip()))" "$CACHE/train/replies.jsonl"; }
+tokens() { "$PYTHON" -c "import sys; from medusa_export.training.reply_store import ReplyStore, reply_token_count; print(reply_token_count(ReplyStore(sys.argv[1], vocab_size=49152).read()))" "$CACHE/replies"; }
 
 echo "== greedy replies (GSM8K capped at ${GSM8K:-1500})"
 run_until "${GREEDY_END:-150}" "${common[@]}" --cap "gsm8k_train=${GSM8K:-1500}" --generate-only --out "$OUT/unused" || exit 1

@@ -78,11 +78,26 @@ class RecordingEngine:
         return np.zeros((hidden.shape[0], self.num_heads, topk), np.int64)
 
 
+def test_auto_tree_uses_the_simulated_tokens_of_the_policy_in_use():
+    from medusa_runtime.candidates import DynamicTree
+
+    trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2, policy="dynamic")
+    assert isinstance(trees[4], DynamicTree) and trees[4].size == 4 and trees[1].size == 1
+    steps = {1: 10.0, 2: 11.0, 4: 20.0}
+    best, table = choose_tree(trees, ACC, steps, {1: 0.0, 2: 1.0, 4: 2.0}, simulated={2: 1.3, 4: 2.6})
+    assert [r.expected_tokens for r in table] == [1.0, 1.3, 2.6] and best.size == 4  # 2.6 / 22 ms beats 1 / 10 ms
+    _, table = choose_tree(trees, ACC, steps, {1: 0.0, 2: 1.0, 4: 2.0}, simulated={2: 1.3})
+    assert table[2].expected_tokens == pytest.approx(1 + 0.5 + 0.2 + 0.15)  # no value for 4: the greedy tree's
+    with pytest.raises(InvalidTreeError, match="unknown tree policy"):
+        candidate_trees(ACC, [2], num_heads=2, topk=2, policy="bushy")
+
+
 def test_time_tree_steps_feeds_each_tree_after_the_past():
     eng = RecordingEngine()
     trees = candidate_trees(ACC, [1, 4], num_heads=2, topk=2)
     step_ms, heads_ms = time_tree_steps(eng, trees, past_length=7, repeats=3, warmup=1)
-    assert sorted(step_ms) == [1, 4] and all(v >= 0 for v in step_ms.values()) and heads_ms >= 0
+    assert sorted(step_ms) == [1, 4] and all(v >= 0 for v in step_ms.values())
+    assert heads_ms[1] == 0.0 and heads_ms[4] >= 0  # plain decoding runs no heads
     assert len(eng.calls) == 2 * (1 + 3) and eng.heads_calls == 1 + 3
     ids, pos, mask, past = eng.calls[-1]
     b = trees[4].buffers()

@@ -263,7 +263,7 @@ def test_calibrate_writes_accuracies_that_trees_use(tiny_model_dir, tmp_path, ca
     acc = load_accuracies(heads)
     assert acc.shape == (3, 4) and (acc >= 0).all() and (acc.sum(1) <= 1 + 1e-9).all()
     assert json.loads((heads / "accuracies.json").read_text())["source"] == str(prompts)
-    assert out.startswith("top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in acc[:, 0]))
+    assert out.startswith("medusa heads, top-1 accuracy per head: " + ", ".join(f"{a:.3f}" for a in acc[:, 0]))
     rows = [line.split() for line in out.splitlines()[2:4]]
     assert [int(r[0]) for r in rows] == [4, 8]  # the greedy trees of each budget, from these accuracies
     lm = load_model(str(tiny_model_dir), heads_path=str(heads))  # --tree N reads them beside the heads

@@ -115,7 +115,8 @@ def cmd_chat(args) -> int:
 
 def cmd_build(args) -> int:
     """Export + validate an artifact, the weights streamed from the checkpoint (nothing materialised)."""
-    from medusa_runtime.autotree import DEFAULT_SIZES, is_auto
+    from medusa_runtime.autotree import DEFAULT_SIZES, auto_policy, is_auto
+    from medusa_runtime.candidates import parse_dynamic
     from medusa_runtime.tree import tree_from_spec
 
     from ..export.build import build_artifact
@@ -137,12 +138,15 @@ def cmd_build(args) -> int:
     num_heads = lm.sources.heads_config.num_heads
     spec = args.tree or lm.default_tree
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
-    tree = tree_from_spec(str(max(DEFAULT_SIZES)) if auto else spec, num_heads=num_heads,
-                          accuracies=lm.head_accuracies)
+    policy = auto_policy(spec) or ("dynamic" if parse_dynamic(spec) else "static")
+    # dynamic:T: the artifact's static tree is the T-node greedy tree (fixed-tree engines), the policy is recorded
+    static = str(max(DEFAULT_SIZES)) if auto else (str(parse_dynamic(spec)) if policy == "dynamic" else spec)
+    tree = tree_from_spec(static, num_heads=num_heads, accuracies=lm.head_accuracies)
     graph = "-fused" if cfg.graph == "fused" else ""
-    out = args.out or f"artifacts/{lm.name}-t{'auto' if auto else tree.size}-{cfg.precision}{graph}"
+    size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
+    out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None
-    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto)
+    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
     _print_summary(path, time.perf_counter() - t0, lm)
     return after_build(args, path)
 
@@ -178,14 +182,18 @@ def _print_summary(path, seconds: float, lm=None) -> None:
           f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
     if lm is not None:
         print(architecture_line(lm))
-    print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)")
+    policy = m["tree"].get("policy")
+    print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)"
+          + (f"; runtimes choose a {policy.split(':')[1]}-node tree every step ({policy})" if policy else ""))
+    if m.get("heads", {}).get("type", "medusa") != "medusa":
+        print(f"  heads: {m['heads']['type']} (path-conditioned): {m['heads']['runs']}")
     sel = m["tree"].get("selection")
     if sel:
         best = next(c for c in sel["candidates"] if c["size"] == sel["chosen"])
         print(f"        chosen by --tree auto: {best['expected_tokens_per_step']:.2f} expected tokens/step, "
               f"{best['step_ms'] + best['heads_ms']:.1f} ms/step here, {best['expected_tokens_per_second']:.1f} "
               f"expected tokens/s (all sizes: manifest tree.selection)")
-    for key in ("model", "heads", "weights"):
+    for key in ["model", *(k for k in m["files"] if k.startswith("heads")), "weights"]:
         f = m["files"][key]
         print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
     b = m.get("build")
@@ -340,8 +348,10 @@ def _add_build_parser(sub) -> None:
     _add_model_args(p)
     p.add_argument("--tree", help="node budget (e.g. 64: the greedy tree from the heads' calibrated accuracies), "
                                   "preset (root, chain), JSON file of medusa_choices, or 'auto' (after export, time "
-                                  "the tree step at several sizes here and keep the most expected tokens/s) "
-                                  "(default: the model's registered tree)")
+                                  "the tree step at several sizes here and keep the most expected tokens/s), "
+                                  "'dynamic:T' (the runtime chooses a T-node tree every step from the heads' "
+                                  "log-probabilities; the artifact's static tree is the T-node greedy tree) or "
+                                  "'auto:dynamic' (auto over per-step trees) (default: the model's registered tree)")
     p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION, + -fused for --graph fused)")
     p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
                    help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "

@@ -34,7 +34,7 @@ from .config import BuildConfig
 from .contract import HEADS_FILE, MODEL_FILE
 from .manifest import manifest_json, selection_json
 from .weights import WEIGHTS_FILE
-from .writer import WrittenGraphs, plan_graphs, write_graphs
+from .writer import WrittenGraphs, heads_files, plan_graphs, write_graphs
 
 
 class Stages:
@@ -75,15 +75,24 @@ def check_output_dir(out: Path) -> None:
         raise ArtifactError(f"output folder {out} cannot be written: {parent} is not writable")
 
 
-def _choose_tree_here(folder: Path, *, progress: bool) -> tuple[Tree, list]:
-    """``--tree auto`` on the artifact being built: time tree steps with ONNX Runtime, pick the best."""
+def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -> tuple[Tree, list, str]:
+    """``--tree auto`` (``auto:dynamic``) on the artifact being built: time tree steps with ONNX Runtime, pick the
+    best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
     from medusa_runtime.autotree import auto_tree
+    from medusa_runtime.candidates import DynamicTree
     from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.tree import tree_from_spec
 
     artifact = load_artifact(folder)
     say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
-    return auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model["max_context"],
-                     topk=artifact.tree.topk, progress=say)
+    tree, table = auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model["max_context"],
+                            topk=artifact.tree.topk, progress=say, policy=policy, calibration=artifact.calibration,
+                            simulated=artifact.simulated)
+    if isinstance(tree, DynamicTree):
+        static = tree_from_spec(str(tree.size), num_heads=tree.num_heads, accuracies=artifact.head_accuracies,
+                                topk=artifact.tree.topk)
+        return static, table, f"dynamic:{tree.size}"
+    return tree, table, ""
 
 
 def write_artifact(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig,
@@ -110,21 +119,39 @@ def vocab_origin(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> str:
 
 FILES = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
          "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
+#: What ``tree.json`` carries over from the heads' ``accuracies.json`` (``medusa-export calibrate``): the
+#: probability map of per-step trees, the simulated tokens per step of each policy (``--tree auto``).
+CALIBRATION_KEYS = ("calibration", "simulated", "head_type")
+
+
+def artifact_files(src: ModelSources) -> dict[str, str]:
+    """The artifact's file names by role; the heads' by head type (:func:`~.writer.heads_files`)."""
+    files = {k: v for k, v in FILES.items() if k != "heads"}
+    return {**files, **heads_files(src.heads_config.head_type, src.heads_config.num_heads)}
 
 
 def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int,
-                written: WrittenGraphs, vocab_ids: np.ndarray | None) -> dict:
-    """tree.json, the tokenizer, the chat template and the manifest (last: it checksums the others)."""
+                written: WrittenGraphs, vocab_ids: np.ndarray | None, policy: str = "") -> dict:
+    """tree.json, the tokenizer, the chat template and the manifest (last: it checksums the others).
+
+    ``policy`` "dynamic:T" records per-step trees (``tree.json`` / ``manifest.tree`` ``policy``; ``tree`` is then
+    the T-node static tree fixed-tree engines use); "" a static tree."""
     (folder / MANIFEST).unlink(missing_ok=True)
     tree_json = tree.to_json_with_buffers()
     if lm.head_accuracies is not None:  # lets runtimes build other trees (--tree N / auto) from the artifact
         tree_json["head_accuracies"] = np.asarray(lm.head_accuracies, dtype=float).round(6).tolist()
+    doc = lm.accuracies_doc or {}
+    tree_json.update({k: doc[k] for k in CALIBRATION_KEYS if doc.get(k) is not None})
+    if policy:
+        tree_json["policy"] = policy
     (folder / "tree.json").write_text(json.dumps(tree_json) + "\n")
     lm.tokenizer.save_pretrained(str(folder / "tokenizer"))
     (folder / "chat_template.jinja").write_text(lm.chat_template or "")
     dtype = "float16" if cfg.precision == "fp16" else "float32"
-    m = manifest_json(lm, src, tree, cfg, max_context, folder, FILES, written.weights, dtype, written.quantized,
-                      vocab_ids)
+    m = manifest_json(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, dtype,
+                      written.quantized, vocab_ids)
+    if policy:
+        m["tree"]["policy"] = policy
     _save_manifest(folder, m)
     return m
 
@@ -140,7 +167,8 @@ def _peak_rss() -> int:
 
 
 def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConfig = BuildConfig(), *,
-                   prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False) -> Path:
+                   prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False,
+                   tree_policy: str = "static") -> Path:
     """Export, validate and write an artifact to ``out`` (atomically).
 
     Args:
@@ -155,6 +183,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             step is timed at several sizes on ONNX Runtime on this machine and the tree with the
             most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
             goes to ``manifest["tree"]["selection"]``).
+        tree_policy: "static", or "dynamic" (``--tree dynamic:T`` / ``auto:dynamic``): the runtime chooses a
+            ``tree.size``-node tree every step from the heads' log-probabilities; recorded as
+            ``manifest["tree"]["policy"]`` = "dynamic:T" (``tree`` stays the static tree of fixed-tree engines).
 
     Returns:
         The artifact path.
@@ -202,7 +233,8 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     try:
         flavour = "fused step (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)" if cfg.graph == "fused" \
             else "portable step (standard ONNX ops)"
-        with stages(f"writing the graphs from the checkpoint: {flavour} + Medusa heads, weights streamed to "
+        heads = "Medusa heads" if src.heads_config.head_type == "medusa" else "path-conditioned heads (a graph per level)"
+        with stages(f"writing the graphs from the checkpoint: {flavour} + {heads}, weights streamed to "
                     f"{WEIGHTS_FILE} ({cfg.precision})"):
             written = write_graphs(tmp, src, cfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
                                    max_context=max_context, progress=progress)
@@ -210,11 +242,12 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
                 f"({written.weights['bytes'] / 1e9 / max(written.seconds, 1e-9):.2f} GB/s), "
                 f"{written.weights['tensors']} tensors")
         with stages("writing tree, tokenizer and manifest"):
-            manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids)
+            policy = f"dynamic:{tree.size}" if tree_policy == "dynamic" and not auto_tree else ""
+            manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids, policy)
         if auto_tree:
             with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
-                tree, table = _choose_tree_here(tmp, progress=progress)
-                manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids)
+                tree, table, policy = _choose_tree_here(tmp, progress=progress, policy=tree_policy)
+                manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids, policy)
                 manifest["tree"]["selection"] = selection_json(table, tree.size)
                 _save_manifest(tmp, manifest)
         with stages("checking the ONNX for TensorRT (no TensorRT needed)"):

@@ -15,6 +15,13 @@ OPSET = 18
 IR_VERSION = 10
 MODEL_FILE = "model.onnx"
 HEADS_FILE = "heads.onnx"
+#: Graph file of head j (1-based) of path-conditioned heads (``manifest["heads"]["type"] == "hydra"``).
+LEVEL_FILE = "heads_level{}.onnx"
+
+
+def level_key(depth: int) -> str:
+    """The manifest's ``graphs`` / ``files`` key of the level-``depth`` graph (the runtime's ``artifact.level_graph``)."""
+    return f"heads_level{depth}"
 
 
 @dataclass(frozen=True)
@@ -76,9 +83,27 @@ def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[Tenso
 
 
 def heads_io(hidden_size: int, num_heads: int, float_dtype: str, topk: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The heads graph's inputs and outputs."""
+    """The Medusa heads graph's inputs and outputs (``heads.onnx``)."""
     return (
         [TensorSpec("hidden_states", float_dtype, ("R", hidden_size), "hidden states to run the Medusa heads on")],
         [TensorSpec("medusa_topk_ids", "int64", ("R", num_heads, topk),
-                    "[r, k-1, i]: head k's i-th best guess for the token k+1 positions after row r's next token")],
+                    "[r, k-1, i]: head k's i-th best guess for the token k+1 positions after row r's next token"),
+         TensorSpec("medusa_topk_logprobs", "float32", ("R", num_heads, topk),
+                    "their log-probabilities (log-softmax over the heads' vocabulary: all V ids, or the heads_vocab "
+                    "subset); per-step trees (--tree dynamic:T) score candidates with them")],
+    )
+
+
+def level_io(hidden_size: int, depth: int, float_dtype: str, topk: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The level-``depth`` graph of path-conditioned heads (``heads_level{depth}.onnx``): its inputs and outputs."""
+    return (
+        [TensorSpec("hidden_states", float_dtype, ("H", hidden_size),
+                    "h_t, the last accepted node's hidden state: one row for every path (H = 1) or one per path (H = R)"),
+         TensorSpec("path_ids", "int64", ("R", depth),
+                    f"R paths: the root (the backbone's next token) and the {depth - 1} candidate tokens below it, "
+                    f"down to the parent of the nodes this level proposes")],
+        [TensorSpec("level_topk_ids", "int64", ("R", topk), f"head {depth}'s best tokens under each path, best first"),
+         TensorSpec("level_topk_logprobs", "float32", ("R", topk),
+                    "their log-probabilities (log-softmax over the heads' vocabulary: all V ids, or the heads_vocab "
+                    "subset)")],
     )

@@ -21,7 +21,7 @@ from ..loading.registry import LoadedMedusa
 from ..loading.sources import ModelSources
 from ..model.medusa import STEP_TOPK
 from .config import BuildConfig
-from .contract import OPSET, heads_io, step_io
+from .contract import OPSET, heads_io, level_io, level_key, step_io
 from .fused import FUSED_OPS, fused_step_io
 from .quantize import uses_contrib_ops
 
@@ -112,7 +112,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         max_context: KV capacity in tokens the graphs were built for.
         folder: the artifact folder; every file in it is checksummed (sha256, bytes), so the
             manifest is written last.
-        files: the artifact's file names by role (``model``, ``heads``, ``weights``, ``tree``,
+        files: the artifact's file names by role (``model``, ``heads`` or ``heads_level{j}``, ``weights``, ``tree``,
             ``tokenizer``, ``chat_template``).
         weights_info: what :meth:`~medusa_export.export.weights.WeightsWriter.close` returned (``records``: each
             tensor's offset, length, SHA-256 and recipe).
@@ -127,7 +127,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
     c = src.config
     h = src.heads_config
     layout, step_graph = _step_graph_json(src, cfg, dtype, max_context, tree.size, files["model"])
-    h_in, h_out = heads_io(c.hidden_size, h.num_heads, dtype, tree.topk)
+    heads_graphs = _heads_graphs_json(h, c.hidden_size, dtype, tree.topk, files)
     checksums = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = f.relative_to(folder).as_posix()
@@ -137,7 +137,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
 
     from .. import __version__
 
-    flavour, contrib = _flavour(folder, [files["model"], files["heads"]], cfg.graph)
+    flavour, contrib = _flavour(folder, [files["model"], *(g["file"] for g in heads_graphs.values())], cfg.graph)
     return {
         "format": ARTIFACT_FORMAT,
         "format_version": ARTIFACT_VERSION,
@@ -160,9 +160,10 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         "kv_layout": layout,
         "graphs": {
             "model": step_graph,
-            "heads": {"file": files["heads"], "inputs": [t.to_json() for t in h_in], "outputs": [t.to_json() for t in h_out],
-                      "dims": {"R": "hidden states to evaluate (1 in the decode loop)"}},
+            **heads_graphs,
         },
+        "heads": {"type": h.head_type, "num_heads": h.num_heads, "num_layers": h.num_layers,
+                  "runs": HEADS_RUNS[h.head_type]},
         "weights": {"file": files["weights"], **weights_info},
         "tree": {"file": files["tree"], "size": tree.size, "depth": tree.max_depth, "topk": tree.topk},
         "tokenizer": {"dir": "tokenizer", "eos_token_ids": lm.eos_token_ids, "chat_template": files["chat_template"]},
@@ -171,6 +172,27 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         "files": files,
         "checksums": checksums,
     }
+
+
+#: The manifest's ``heads.runs``: how a runtime runs each head type's graphs.
+HEADS_RUNS = {"medusa": "heads.onnx once per step, on the last accepted node's hidden state",
+              "hydra": "heads_level{j}.onnx once per tree level j = 1..K, on the paths that level expands"}
+
+
+def _heads_graphs_json(h, hidden_size: int, dtype: str, topk: int, files: dict[str, str]) -> dict:
+    """The manifest's ``graphs`` entries of the heads: ``heads`` (Medusa) or ``heads_level{j}`` (hydra)."""
+    if h.head_type == "hydra":
+        out = {}
+        for j in range(1, h.num_heads + 1):
+            ins, outs = level_io(hidden_size, j, dtype, topk)
+            out[level_key(j)] = {"file": files[level_key(j)], "inputs": [t.to_json() for t in ins],
+                                 "outputs": [t.to_json() for t in outs],
+                                 "dims": {"R": "paths evaluated at this level (the nodes it expands)",
+                                          "H": "1 (every path shares h_t) or R (one hidden row per path)"}}
+        return out
+    ins, outs = heads_io(hidden_size, h.num_heads, dtype, topk)
+    return {"heads": {"file": files["heads"], "inputs": [t.to_json() for t in ins], "outputs": [t.to_json() for t in outs],
+                      "dims": {"R": "hidden states to evaluate (1 in the decode loop)"}}}
 
 
 def selection_json(table: list, chosen: int) -> dict:

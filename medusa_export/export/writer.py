@@ -27,10 +27,10 @@ import onnx
 from ..loading.checkpoint import check_disk
 from ..loading.sources import ModelSources
 from .config import BuildConfig
-from .contract import HEADS_FILE, MODEL_FILE
+from .contract import HEADS_FILE, LEVEL_FILE, MODEL_FILE, level_key
 from .fused import write_fused_step
 from .graph import GraphBuilder
-from .heads_graph import write_heads
+from .heads_graph import write_heads, write_level
 from .portable import lm_head_key, write_portable_step
 from .weights import WEIGHTS_FILE, WeightsPlan, WeightsWriter
 
@@ -67,11 +67,25 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: in
         ins, outs = write_portable_step(step, bc, lm_q)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
     hp = cfg.resolved_heads_precision
-    heads = GraphBuilder(weights, "float16" if hp == "fp16" else "float32")
-    ins, outs = write_heads(heads, src.heads_config, lm_head_key(bc), topk, cfg.weight_only(hp, True), vocab_ids,
-                            vocab_origin)
+    hd, hq, hc = "float16" if hp == "fp16" else "float32", cfg.weight_only(hp, True), src.heads_config
+    if hc.head_type == "hydra":  # path-conditioned heads: one graph per tree level
+        for j in range(1, hc.num_heads + 1):
+            level = GraphBuilder(weights, hd)
+            ins, outs = write_level(level, hc, lm_head_key(bc), j, topk, hq, vocab_ids, vocab_origin)
+            graphs[LEVEL_FILE.format(j)] = (level, ins, outs, f"medusa_heads_level{j}", "medusa-export")
+        return graphs
+    heads = GraphBuilder(weights, hd)
+    ins, outs = write_heads(heads, hc, lm_head_key(bc), topk, hq, vocab_ids, vocab_origin)
     graphs[HEADS_FILE] = (heads, ins, outs, "medusa_heads", "medusa-export")
     return graphs
+
+
+def heads_files(head_type: str, num_heads: int) -> dict[str, str]:
+    """The heads graphs' manifest keys and file names: ``{"heads": "heads.onnx"}`` for Medusa heads,
+    ``{"heads_level{j}": "heads_level{j}.onnx"}`` for j = 1..K for path-conditioned ones."""
+    if head_type == "hydra":
+        return {level_key(j): LEVEL_FILE.format(j) for j in range(1, num_heads + 1)}
+    return {"heads": HEADS_FILE}
 
 
 def plan_graphs(src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None = None,
@@ -84,7 +98,8 @@ def plan_graphs(src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.nd
 
 def write_graphs(folder: Path, src: ModelSources, cfg: BuildConfig, topk: int, *, vocab_ids: np.ndarray | None = None,
                  vocab_origin: str = "", max_context: int = 2048, progress: bool = True) -> WrittenGraphs:
-    """Write ``model.onnx``, ``heads.onnx`` and ``weights.bin`` into ``folder`` from ``src``.
+    """Write ``model.onnx``, the heads graphs (``heads.onnx``, or ``heads_level{j}.onnx`` for path-conditioned
+    heads, :func:`heads_files`) and ``weights.bin`` into ``folder`` from ``src``.
 
     Args:
         folder: an existing, empty folder (the build's temporary one).

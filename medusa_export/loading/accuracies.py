@@ -18,8 +18,9 @@ ACCURACIES_FILE = "accuracies.json"
 ACCURACIES_FORMAT = "medusa-export-accuracies"
 
 
-def load_accuracies(heads_dir: str | Path) -> np.ndarray | None:
-    """The a_k^(i) saved beside a set of heads, or None when there are none.
+def load_accuracies_doc(heads_dir: str | Path) -> dict | None:
+    """The whole ``accuracies.json`` beside a set of heads (its ``calibration`` map and ``simulated``
+    tokens/step too, when ``calibrate`` wrote them), or None when there is none.
 
     ``heads_dir`` may also be a heads file; its folder is searched.
     """
@@ -27,6 +28,13 @@ def load_accuracies(heads_dir: str | Path) -> np.ndarray | None:
     if path is None:
         return None
     data = json.loads(path.read_text())
-    if data.get("format") != ACCURACIES_FORMAT:
-        return None
-    return np.asarray(data["accuracies"], dtype=np.float64)
+    return data if data.get("format") == ACCURACIES_FORMAT else None
+
+
+def load_accuracies(heads_dir: str | Path) -> np.ndarray | None:
+    """The a_k^(i) saved beside a set of heads, or None when there are none.
+
+    ``heads_dir`` may also be a heads file; its folder is searched.
+    """
+    data = load_accuracies_doc(heads_dir)
+    return None if data is None else np.asarray(data["accuracies"], dtype=np.float64)

@@ -21,7 +21,10 @@ Formats:
   ``models/medusa/weight.py`` ``load_medusa_hf(is_modelopt_ckpt=True)``; counts in config.json
   ``"medusa": {"num_medusa_heads", "num_medusa_layers"}``);
 * ours: ``heads.safetensors`` + ``heads.json`` (:data:`~medusa_export.model.heads.HEADS_FORMAT`,
-  written by :func:`~medusa_export.model.heads.save_heads`).
+  written by :func:`~medusa_export.model.heads.save_heads`). Its ``head_type`` (absent =
+  "medusa") may also say "hydra": path-conditioned heads (:mod:`medusa_export.model.hydra_heads`,
+  keys ``{h}.0.res.*`` / ``{h}.0.linear.*`` of width (h + 2) d, then ``{h}.{l}.linear.*``),
+  which only our format holds.
 
 Loading is strict: counts are inferred from the keys, every key must be one the structure
 expects and every expected key must be there (the error names the key), and shapes must match
@@ -41,7 +44,8 @@ import torch
 from torch import nn
 
 from ..errors import HeadsFormatError, MedusaError
-from ..model.heads import HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
+from ..model.heads import HEAD_TYPES, HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
+from ..model.hydra_heads import HydraHeads
 from . import fp8, hf_folder
 
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")
@@ -297,7 +301,74 @@ def _heads_in_model_folder(folder: Path) -> dict[str, torch.Tensor]:
     return heads
 
 
-def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
+def stated_head_type(folder: Path) -> str:
+    """The head type our ``heads.json`` in ``folder`` states ("medusa" when absent or without one).
+
+    Raises:
+        HeadsFormatError: a head type this version does not read (the valid ones are named).
+    """
+    cfg = folder / HEADS_CONFIG
+    head_type = json.loads(cfg.read_text()).get("head_type", "medusa") if cfg.is_file() else "medusa"
+    if head_type not in HEAD_TYPES:
+        raise HeadsFormatError(f"{cfg}: unknown head_type {head_type!r}; this version reads {', '.join(HEAD_TYPES)}")
+    return head_type
+
+
+def hydra_expected_shapes(num_heads: int, num_layers: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Every key of a hydra heads file and its shape (:mod:`medusa_export.model.hydra_heads` docstring)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for h in range(num_heads):
+        for part in ("res", "linear"):
+            out[f"{h}.0.{part}.weight"], out[f"{h}.0.{part}.bias"] = (hidden, (h + 2) * hidden), (hidden,)
+        for lay in range(1, num_layers):
+            out[f"{h}.{lay}.linear.weight"], out[f"{h}.{lay}.linear.bias"] = (hidden, hidden), (hidden,)
+    return out
+
+
+def hydra_heads_config(shapes: dict[str, tuple], *, hidden: int, vocab: int, num_heads: int,
+                       num_layers: int) -> HeadsConfig:
+    """The structure of hydra heads, checked strictly against their tensors' shapes (every key used, shapes equal).
+
+    Args:
+        shapes: key -> shape of the heads file's tensors (no prefix).
+        hidden, vocab: the backbone's d and V.
+        num_heads, num_layers: what ``heads.json`` states.
+
+    Raises:
+        HeadsFormatError: a missing or unexpected key, or a shape that does not fit the backbone
+            (the message names the key and the expected shape).
+    """
+    expected = hydra_expected_shapes(num_heads, num_layers, hidden)
+    for key in shapes:
+        if key not in expected:
+            raise HeadsFormatError(f"unexpected key {key!r} in hydra heads file ({num_heads} heads, {num_layers} "
+                                   f"blocks each); expected keys like '0.0.res.weight', '0.1.linear.weight'")
+    for key, shape in expected.items():
+        if key not in shapes:
+            raise HeadsFormatError(f"hydra heads file is missing key {key!r}")
+        if tuple(shapes[key]) != shape:
+            raise HeadsFormatError(f"key {key!r} has shape {tuple(shapes[key])}, expected {shape} "
+                                   f"(backbone hidden size {hidden})")
+    return HeadsConfig(num_heads, num_layers, hidden, vocab, False, head_type="hydra")
+
+
+def hydra_heads_from_tensors(tensors: dict[str, torch.Tensor], lm_head: nn.Linear, embed_tokens: nn.Embedding, *,
+                             num_heads: int, num_layers: int) -> HydraHeads:
+    """Build :class:`HydraHeads` from checked tensors (strict: every key used, shapes equal).
+
+    Raises:
+        HeadsFormatError: see :func:`hydra_heads_config`.
+    """
+    vocab, hidden = lm_head.weight.shape
+    cfg = hydra_heads_config({k: tuple(v.shape) for k, v in tensors.items()}, hidden=hidden, vocab=vocab,
+                             num_heads=num_heads, num_layers=num_layers)
+    heads = HydraHeads(cfg, lm_head, embed_tokens)
+    dtype = lm_head.weight.dtype
+    heads.load_state_dict({f"heads.{k}": v.to(dtype) for k, v in tensors.items()}, strict=True)
+    return heads.to(dtype)
+
+
+def load_heads(path: str | Path, lm_head: nn.Linear, embed_tokens: nn.Embedding | None = None) -> nn.Module:
     """Load heads from a directory or file in any supported format.
 
     Args:
@@ -307,9 +378,15 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
             modelopt; only the shards holding heads are read); or a heads file directly.
         lm_head: the backbone's LM head [V, d]; used for checks and, for heads without
             their own projection, for the projection itself.
+        embed_tokens: the backbone's input embedding, needed by path-conditioned heads
+            (``head_type`` "hydra" in ``heads.json``).
+
+    Returns:
+        :class:`MedusaHeads`, or :class:`HydraHeads` when ``heads.json`` says ``"head_type": "hydra"``.
 
     Raises:
-        HeadsFormatError: nothing loadable at ``path``, or a key/shape/count mismatch.
+        HeadsFormatError: nothing loadable at ``path``, a key/shape/count mismatch, an unknown
+            head type, or hydra heads without ``embed_tokens``.
     """
     path = Path(path)
     if path.is_dir():
@@ -320,4 +397,10 @@ def load_heads(path: str | Path, lm_head: nn.Linear) -> MedusaHeads:
         folder = path.parent
         tensors = read_head_tensors(path)
     num_heads, num_layers, counts_from = config_counts(folder)
+    if stated_head_type(folder) == "hydra":
+        if embed_tokens is None:
+            raise HeadsFormatError(f"{path}: path-conditioned (hydra) heads need the backbone's input embedding")
+        if num_heads is None or num_layers is None:
+            raise HeadsFormatError(f"{folder / HEADS_CONFIG}: hydra heads need num_heads and num_layers")
+        return hydra_heads_from_tensors(tensors, lm_head, embed_tokens, num_heads=num_heads, num_layers=num_layers)
     return heads_from_tensors(tensors, lm_head, num_heads=num_heads, num_layers=num_layers, counts_from=counts_from)

@@ -27,9 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import HeadsFormatError, UnknownModelError, WeightsNotFoundError
-from ..model.heads import MedusaHeads
 from ..model.medusa import MedusaModel
-from .accuracies import load_accuracies
+from .accuracies import load_accuracies, load_accuracies_doc
 from .backbone import LoadedBackbone, find_package_file, hf_cache_snapshot, load_backbone
 from .draft_vocab import DraftVocab, load_draft_vocab
 from .heads_formats import HEAD_PREFIXES, heads_from_tensors, load_heads
@@ -118,6 +117,9 @@ class LoadedMedusa:
     max_context: int
     #: calibrated a_k^(i) [K, topk] from ``accuracies.json`` beside the heads (None: none).
     head_accuracies: np.ndarray | None = None
+    #: the whole ``accuracies.json`` beside the heads (its ``calibration`` and ``simulated`` go into the artifact's
+    #: ``tree.json`` for per-step trees and ``--tree auto``), or None.
+    accuracies_doc: dict | None = None
     #: token ids by frequency from ``draft_vocab.json`` beside the heads (None: none); ``--heads-vocab N``
     #: projects the heads onto its top N (:mod:`medusa_export.loading.draft_vocab`).
     draft_vocab: DraftVocab | None = None
@@ -272,14 +274,19 @@ def entry_template(entry: ModelEntry) -> str | None:
 
 
 def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str | None = None,
-                     lm_head: torch.nn.Linear | None = None) -> tuple[MedusaHeads | None, str, Path | None]:
-    """The Medusa heads of a registry entry (or ``heads_path``) for a loaded backbone.
+                     lm_head: torch.nn.Linear | None = None, embed_tokens: torch.nn.Embedding | None = None
+                     ) -> tuple[torch.nn.Module | None, str, Path | None]:
+    """The heads of a registry entry (or ``heads_path``) for a loaded backbone.
+
+    Medusa heads, or path-conditioned ones (:class:`~..model.hydra_heads.HydraHeads`, our heads
+    format with ``head_type`` "hydra", which read the backbone's input embedding).
 
     Args:
         entry: the registry entry (its ``heads`` source).
         loaded: the loaded backbone (its lm_head; heads stored in its checkpoint).
         heads_path: heads directory/file overriding the entry's.
         lm_head: the LM head the heads check against and share (default: the backbone's).
+        embed_tokens: the input embedding path-conditioned heads read (default: the backbone's).
 
     Returns:
         (the heads, or None for the entry's §2.1.1 initial heads; where they came from; the folder
@@ -300,7 +307,8 @@ def load_entry_heads(entry: ModelEntry, loaded: LoadedBackbone, heads_path: str 
         heads = heads_from_tensors(embedded.tensors, lm_head, num_heads=embedded.num_heads,
                                    num_layers=embedded.num_layers, counts_from=f"{loaded.source}/config.json")
     else:
-        heads = load_heads(choice.path, lm_head)
+        embed = embed_tokens if embed_tokens is not None else loaded.backbone.embed_tokens
+        heads = load_heads(choice.path, lm_head, embed)
     return heads, choice.description, choice.path
 
 
@@ -347,6 +355,7 @@ def load_model(
         default_tree=entry.default_tree,
         max_context=entry.max_context,
         head_accuracies=load_accuracies(hp) if hp is not None else None,
+        accuracies_doc=load_accuracies_doc(hp) if hp is not None else None,
         draft_vocab=load_draft_vocab(hp),
         quantization=loaded.quantization,
         kept_scales=loaded.kept_scales,

@@ -20,12 +20,13 @@ from ..errors import CheckpointError, HeadsFormatError, MedusaError
 from ..model.config import BackboneConfig
 from ..model.heads import HeadsConfig
 from . import fp8
-from .accuracies import load_accuracies
+from .accuracies import load_accuracies, load_accuracies_doc
 from .architectures import backbone_config
 from .checkpoint import (DictSource, PrefixSource, SafetensorsSource, TensorSource, TorchBinSource, ZeroHeadsSource,
                          backbone_shapes, check_backbone, find_weights, hf_config_dict, open_source)
 from .draft_vocab import load_draft_vocab
-from .heads_formats import HEAD_FILES, HEAD_PREFIXES, config_counts, config_head_counts, heads_prefix, stated_heads_config
+from .heads_formats import (HEAD_FILES, HEAD_PREFIXES, HEADS_CONFIG, config_counts, config_head_counts, heads_prefix,
+                            hydra_heads_config, stated_head_type, stated_heads_config)
 
 
 @dataclass
@@ -136,6 +137,13 @@ def open_heads(path: Path, cfg: BackboneConfig) -> tuple[TensorSource, HeadsConf
         raise
     except MedusaError as exc:  # CheckpointError, WeightsNotFoundError, UnsupportedModelError (FP8 scales)
         raise HeadsFormatError(f"cannot read heads at {file or path}: {exc}") from None
+    if stated_head_type(folder) == "hydra":  # path-conditioned heads: their heads.json states the counts
+        num_heads, num_layers, _ = config_counts(folder)
+        if num_heads is None or num_layers is None:
+            raise HeadsFormatError(f"{folder / HEADS_CONFIG}: hydra heads need num_heads and num_layers")
+        shapes = {k: tuple(src.info(k).shape) for k in src.keys()}
+        return src, hydra_heads_config(shapes, hidden=cfg.hidden_size, vocab=cfg.vocab_size, num_heads=num_heads,
+                                       num_layers=num_layers)
     return src, heads_config_of(src, cfg, *config_counts(folder))
 
 
@@ -254,6 +262,7 @@ def open_model(model: str, *, model_path: str | None = None, heads_path: str | N
         model=None, tokenizer=tok, eos_token_ids=eos, chat_template=template, name=entry.name,
         backbone_source=source, heads_source=choice.description, default_tree=entry.default_tree,
         max_context=entry.max_context, head_accuracies=load_accuracies(hp) if hp is not None else None,
+        accuracies_doc=load_accuracies_doc(hp) if hp is not None else None,
         draft_vocab=load_draft_vocab(hp), quantization=quantization, kept_scales=kept,
         notes=model_notes(notes, template), sources=ModelSources(backbone, heads, cfg, hcfg))
 
@@ -275,7 +284,7 @@ def reference_model(sources: ModelSources, num_layers: int | None = None, device
     """
     from ..model.medusa import MedusaModel
     from .backbone import backbone_from_state_dict
-    from .heads_formats import heads_from_tensors
+    from .heads_formats import heads_from_tensors, hydra_heads_from_tensors
 
     cfg = sources.config if num_layers is None else sources.config.truncated(num_layers)
     state = {k: sources.backbone.read(k).to(device=device, dtype=torch.float32) for k in backbone_shapes(cfg)}
@@ -283,5 +292,9 @@ def reference_model(sources: ModelSources, num_layers: int | None = None, device
     del state
     tensors = {k: sources.heads.read(k).to(dtype=torch.float32) for k in sources.heads.keys()}
     h = sources.heads_config
-    heads = heads_from_tensors(tensors, backbone.lm_head, num_heads=h.num_heads, num_layers=h.num_layers)
+    if h.head_type == "hydra":
+        heads = hydra_heads_from_tensors(tensors, backbone.lm_head, backbone.embed_tokens, num_heads=h.num_heads,
+                                         num_layers=h.num_layers)
+    else:
+        heads = heads_from_tensors(tensors, backbone.lm_head, num_heads=h.num_heads, num_layers=h.num_layers)
     return MedusaModel(backbone, heads.to(device)).eval()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from medusa_runtime.acceptance import SamplingConfig, draw_tokens
+from medusa_runtime.candidates import DynamicTree
 from medusa_runtime.loop import GenerationResult, KVCache, SamplerInputs, StepResult, causal_mask, generate
 from medusa_runtime.tree import Tree
 
@@ -47,6 +48,7 @@ class TorchEngine:
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
         self.num_heads = model.num_heads
+        self.head_type = model.head_type
         self.kv_dtype = np.dtype(_NP_DTYPES[model.backbone.embed_tokens.weight.dtype])
         self.max_context = int(max_context or c.max_position_embeddings)
         self.vocab_size = c.vocab_size
@@ -87,11 +89,22 @@ class TorchEngine:
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         return self.model.heads_topk(torch.from_numpy(hidden), topk).transpose(0, 1).numpy()
 
+    @torch.no_grad()
+    def heads_logprobs(self, hidden: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, lp = self.model.heads_topk_logprobs(torch.from_numpy(hidden), topk)
+        return ids.transpose(0, 1).numpy(), lp.transpose(0, 1).numpy()
+
+    @torch.no_grad()
+    def heads_level(self, depth: int, hidden: np.ndarray, path_ids: np.ndarray, topk: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        ids, lp = self.model.level_topk(depth, torch.from_numpy(hidden), torch.from_numpy(path_ids), topk)
+        return ids.numpy(), lp.numpy()
+
 
 def medusa_generate(
     model: MedusaModel,
     prompt_ids: Sequence[int],
-    tree: Tree,
+    tree: Tree | DynamicTree,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),

@@ -28,6 +28,10 @@ from torch import nn
 HEADS_FORMAT = "medusa-export-heads"
 HEADS_FILE = "heads.safetensors"
 HEADS_CONFIG = "heads.json"
+#: Head types of our heads file (``heads.json`` ``head_type``; absent = "medusa"): "medusa" heads read
+#: h_t alone (seeds/001 §2.1.1); "hydra" heads also read the path's tokens
+#: (:mod:`medusa_export.model.hydra_heads`).
+HEAD_TYPES = ("medusa", "hydra")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class HeadsConfig:
         vocab_size: V, must equal the backbone's.
         own_projection: True when each head has its own [V, d] projection; False to use
             the backbone's lm_head.
+        head_type: one of :data:`HEAD_TYPES`.
     """
 
     num_heads: int
@@ -48,6 +53,7 @@ class HeadsConfig:
     hidden_size: int
     vocab_size: int
     own_projection: bool
+    head_type: str = "medusa"
 
 
 class ResBlock(nn.Module):
@@ -66,8 +72,13 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """K Medusa heads. ``state_dict`` keys follow the FasterDecoding layout above."""
 
+    #: Whether the heads read the path's tokens (they do not: :mod:`.hydra_heads` heads do).
+    conditioned = False
+
     def __init__(self, config: HeadsConfig, lm_head: nn.Linear):
         super().__init__()
+        if config.head_type != "medusa":
+            raise ValueError(f"MedusaHeads needs head_type 'medusa', got {config.head_type!r}")
         self.config = config
         heads = []
         for _ in range(config.num_heads):
@@ -94,8 +105,12 @@ class MedusaHeads(nn.Module):
             return torch.stack([head(hidden) for head in self.heads])  # [K, ..., V]
         return project_stacked(self.head_states(hidden), self._shared[0].weight)
 
-    def head_states(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection."""
+    def head_states(self, hidden: torch.Tensor, path_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., d] -> [K, ..., d]: each head's state after its residual blocks, before the projection.
+
+        ``path_ids`` (the tokens on the path, read by path-conditioned heads) is ignored: a Medusa
+        head sees h_t alone.
+        """
         n = self.config.num_layers
         return torch.stack([head[:n](hidden) for head in self.heads])
 
@@ -110,11 +125,12 @@ class MedusaHeads(nn.Module):
         return {k.removeprefix("heads."): v for k, v in self.state_dict().items()}
 
 
-def save_heads(heads: MedusaHeads, out_dir: str | Path, extra: dict | None = None) -> None:
+def save_heads(heads: nn.Module, out_dir: str | Path, extra: dict | None = None) -> None:
     """Write our format: ``heads.safetensors`` + ``heads.json`` in ``out_dir``.
 
     Args:
-        heads: the heads to save.
+        heads: the heads to save (:class:`MedusaHeads` or :class:`~.hydra_heads.HydraHeads`;
+            ``heads.json`` records their ``head_type``).
         out_dir: existing or new directory.
         extra: more JSON fields (e.g. training recipe, backbone name).
     """

@@ -1,4 +1,4 @@
-"""The PyTorch reference Medusa model: a backbone (any supported family) plus K Medusa heads.
+"""The PyTorch reference Medusa model: a backbone (any supported family) plus K Medusa (or path-conditioned) heads.
 
 :meth:`MedusaModel.step` is the exported backbone graph: besides the new K/V and the
 hidden states (for the heads) it returns only what acceptance needs, not [S, V] logits:
@@ -61,7 +61,7 @@ def acceptance_outputs(logits: torch.Tensor, input_ids: torch.Tensor, temperatur
 class MedusaModel(nn.Module):
     """Backbone + heads. The backbone's lm_head gives head 0 (the next token)."""
 
-    def __init__(self, backbone: Backbone, heads: MedusaHeads):
+    def __init__(self, backbone: Backbone, heads: nn.Module):
         super().__init__()
         if heads.config.hidden_size != backbone.config.hidden_size:
             raise ValueError("heads and backbone hidden sizes differ")
@@ -107,7 +107,27 @@ class MedusaModel(nn.Module):
         logits, hidden, new_kv = self(input_ids, position_ids, mask, past)
         return StepOutput(*acceptance_outputs(logits, input_ids, temperature, k), hidden, new_kv)
 
+    @property
+    def head_type(self) -> str:
+        """"medusa" or "hydra" (path-conditioned heads, :mod:`medusa_export.model.hydra_heads`)."""
+        return self.heads.config.head_type
+
     @torch.no_grad()
     def heads_topk(self, hidden: torch.Tensor, topk: int) -> torch.Tensor:
-        """hidden [d] (one position) -> int64 [K, topk] each head's best tokens, best first."""
-        return torch.topk(self.heads(hidden), topk, dim=-1).indices
+        """hidden [d] (one position) -> int64 [K, topk] each Medusa head's best tokens, best first."""
+        return self.heads_topk_logprobs(hidden, topk)[0]
+
+    @torch.no_grad()
+    def heads_topk_logprobs(self, hidden: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., d] -> (ids int64 [K, ..., topk], log-probabilities float32 [K, ..., topk]) of the Medusa heads."""
+        top = torch.topk(torch.log_softmax(self.heads(hidden).float(), dim=-1), topk, dim=-1)
+        return top.indices, top.values
+
+    @torch.no_grad()
+    def level_topk(self, depth: int, hidden: torch.Tensor, path_ids: torch.Tensor, topk: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Path-conditioned head ``depth`` (1-based) on R paths: hidden [1, d], path_ids int64 [R, depth]
+        (root first) -> (ids int64 [R, topk], log-probabilities float32 [R, topk])."""
+        logits = self.heads.level_logits(depth - 1, hidden, path_ids)
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), topk, dim=-1)
+        return top.indices, top.values

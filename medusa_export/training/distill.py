@@ -1,37 +1,37 @@
 """Medusa-1 head training on a frozen backbone with self-distillation (seeds/001 §2.2.1, §2.3.2).
 
-Three stages, each resumable from its cache directory:
+Stages, each resumable from its cache directory:
 
 1. **Prompts** (:func:`load_prompts`): JSONL files in the formats of ``../shared/data``
    (``messages``, ``turns``, ``prompt``, ``instruction``/``instances``, OASST ``### Human:``)
    become chat message lists ending with a user turn. ``--cap SOURCE=N`` subsamples a
    source (GSM8K dominates train_mix); a fixed seed orders everything.
-2. **Self-distillation** (:func:`generate_replies`): the backbone answers every prompt
-   greedily (batched, left padding, transformers' ``generate``). A forward hook on the
-   final norm captures the hidden states as they are computed, so no second pass is
-   needed. Each batch is one ``shard-XXXXX.safetensors`` (hidden states, bf16) plus one
-   JSONL line per reply in ``replies.jsonl``; a restart skips prompts already answered.
-3. **Training** (:func:`train_heads`): heads initialised as in §2.1.1 (zero residual
+2. **Self-distillation** (:mod:`medusa_export.training.replies`): the backbone answers every
+   prompt (greedy, plus sampled variants) with an own batched decode loop
+   (:mod:`medusa_export.training.batch_decode`); the replies are stored as token ids
+   (:mod:`medusa_export.training.reply_store`).
+3. **Features** (:mod:`medusa_export.training.features`): hidden states and the teacher's top-S
+   recomputed from the ids in batched teacher-forced passes (cached per reply set).
+4. **Training** (:func:`train_heads`): heads initialised as in §2.1.1 (zero residual
    block, projection shared with the frozen ``lm_head``), loss
-   ``sum_k 0.8^k * CE(head k, token t+k+1)`` (app. B.2), with hard labels (the greedy
-   reply) or soft targets (the backbone's own distribution at that position).
+   ``sum_k 0.8^k * CE(head k, token t+k+1)`` (app. B.2), with hard labels (the reply's
+   tokens) or soft targets (the backbone's own top-S distribution at that position), over
+   the whole vocabulary or the draft vocabulary's top N ids (``train_vocab``).
 
 Alignment (one reply r_0..r_{n-1}, EOS included when generated): ``hidden[i]`` is the
 final-norm output at the position *before* r_i (``hidden[0]`` is the prompt's last
 token), so the backbone's ``lm_head(hidden[i])`` predicts r_i and head k (1-based)
-at ``hidden[i]`` predicts r_{i+k}.
+at ``hidden[i]`` predicts r_{i+k}. r_i is the root of a decode step at position i.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import time
-import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,9 +42,6 @@ from ..model.heads import HeadsConfig, MedusaHeads
 
 #: Loss weight decay per head (app. B.2): lambda_k = LOSS_DECAY ** k.
 LOSS_DECAY = 0.8
-
-REPLIES_FILE = "replies.jsonl"
-
 
 # ---------------------------------------------------------------------------
 # Prompts
@@ -144,230 +141,6 @@ def select_prompts(prompts: Sequence[Prompt], *, caps: dict[str, int] | None = N
         kept.append(p)
     return kept[holdout:], kept[:holdout]
 
-
-# ---------------------------------------------------------------------------
-# Self-distillation: batched greedy generation with hidden-state capture
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    """A generated reply and where its hidden states live.
-
-    Attributes:
-        id: the prompt id.
-        tokens: r_0..r_{n-1} (the EOS is included when the reply ended with one).
-        shard: the shard file name; ``key`` the tensor inside it (bf16 [n, d]).
-    """
-
-    id: str
-    tokens: list[int]
-    shard: str
-    key: str
-    prompt_tokens: int = 0
-
-
-def reply_id(prompt_id: str, variant: int) -> str:
-    """The cache id of a prompt's reply: the prompt id for the greedy one (variant 0), else ``<id>~s<j>``."""
-    return prompt_id if variant == 0 else f"{prompt_id}~s{variant}"
-
-
-def is_sampled(rid: str) -> bool:
-    """Whether a cache id (:func:`reply_id`) names a sampled reply rather than the greedy one."""
-    return "~s" in rid
-
-
-def read_replies(cache_dir: str | Path) -> list[Reply]:
-    """The replies cached so far (lines whose shard file exists)."""
-    path = Path(cache_dir) / REPLIES_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").split("\n"):
-        if line.strip():
-            rec = json.loads(line)
-            if (Path(cache_dir) / rec["shard"]).is_file():
-                out.append(Reply(rec["id"], rec["tokens"], rec["shard"], rec["key"], rec.get("prompt_tokens", 0)))
-    return out
-
-
-class _NormCapture:
-    """Forward hook collecting the final norm's output [B, s, d] of every forward call."""
-
-    def __init__(self, module: nn.Module):
-        self.outputs: list[torch.Tensor] = []
-        self.handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, _module, _inputs, output):
-        self.outputs.append(output.detach()[:, -1:] if not self.outputs else output.detach())
-
-    def remove(self) -> None:
-        self.handle.remove()
-
-
-@torch.no_grad()
-def generate_batch(hf_model, tokenizer, prompt_ids: list[list[int]], *, max_new_tokens: int,
-                   eos_token_ids: Sequence[int], pad_token_id: int, hidden_dtype: torch.dtype = torch.bfloat16,
-                   temperature: float = 0.0, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
-    """Replies of a batch (left padding) with their aligned hidden states (``hidden_dtype``, on the CPU).
-
-    Runs on the model's device. ``temperature`` 0 is greedy; above 0 the replies are sampled
-    from the backbone's full distribution at that temperature, seeded with ``seed`` (the
-    hidden states, and so the soft targets, are the backbone's own whatever the tokens).
-
-    Returns:
-        per prompt: (tokens r_0..r_{n-1}, hidden [n, d] where hidden[i] predicts r_i).
-    """
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_token_id, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for b, p in enumerate(prompt_ids):
-        ids[b, width - len(p):] = torch.tensor(p)
-        att[b, width - len(p):] = 1
-    device = next(hf_model.parameters()).device
-    ids, att = ids.to(device), att.to(device)
-    sampling = {"do_sample": False, "temperature": None}
-    if temperature > 0:
-        sampling = {"do_sample": True, "temperature": float(temperature)}
-        torch.manual_seed(seed)  # seeds the CPU and every CUDA device
-    capture = _NormCapture(hf_model.model.norm)
-    try:
-        # The default dynamic cache: a static one made transformers' repeat_kv expand the whole
-        # preallocated cache every step (69% of the time on long chat prompts, batch 32).
-        out = hf_model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
-                                eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id,
-                                top_p=None, top_k=None, **sampling)
-    finally:
-        capture.remove()
-    hidden = torch.cat(capture.outputs, dim=1)  # [B, steps, d]: hidden[:, i] predicts generated token i
-    gen = out[:, width:].cpu()
-    hidden = hidden.cpu()
-    eos = set(int(e) for e in eos_token_ids)
-    results = []
-    for b in range(len(prompt_ids)):
-        toks = [int(t) for t in gen[b]]
-        n = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
-        results.append((toks[:n], hidden[b, :n].to(hidden_dtype).clone()))
-    return results
-
-
-def generate_replies(hf_model, tokenizer, chat_template: str | None, prompts: Sequence[Prompt],
-                     cache_dir: str | Path, *, batch_size: int = 32, max_new_tokens: int = 384,
-                     max_prompt_tokens: int = 768, eos_token_ids: Sequence[int], pad_token_id: int,
-                     progress: bool = True, budget_tokens: int | None = None,
-                     hidden_dtype: torch.dtype = torch.bfloat16, sort_window: int = 2,
-                     part: tuple[int, int] = (0, 1), samples: int = 1, temperature: float = 0.7,
-                     seed: int = 0) -> list[Reply]:
-    """Answer every prompt not yet in the cache; append shards and reply lines as batches finish.
-
-    Args:
-        hf_model: a transformers causal LM (eval mode) whose ``.model.norm`` is the final norm.
-        tokenizer, chat_template: to render the prompts.
-        prompts: in order; they are answered in that order (so a partial cache is a prefix).
-        cache_dir: where ``replies.jsonl`` and the shards go.
-        batch_size, max_new_tokens: generation settings (greedy).
-        max_prompt_tokens: longer prompts are skipped.
-        eos_token_ids, pad_token_id: stop tokens and the left-padding token.
-        budget_tokens: stop once the cache holds this many reply tokens (None: all prompts).
-        sort_window: prompts are sorted by length inside windows of this many batches (less
-            padding; a small window keeps a partial cache a fair sample of the order).
-        hidden_dtype: storage dtype of the hidden states (bf16 for training; fp32 where top-k
-            ties matter, as in calibration).
-        part: (i, n): answer only the prompts at positions i, i + n, i + 2n, ... of ``prompts``
-            (the full list, so the split never depends on what is cached), so that n processes
-            (one thread each) can fill the same cache side by side; their shards are named by
-            part and each batch's reply lines go to the file in one append.
-        samples: replies per prompt: the greedy one (id = the prompt's id) and ``samples - 1``
-            sampled at ``temperature`` (ids ``<prompt id>~s<j>``), more training text per
-            prompt (self-distillation data, seeds/001 §2.3.2). Each pass over the prompts is
-            one variant; a sampled batch is seeded from ``seed`` and its reply ids, so a
-            restart draws the same replies.
-
-    Returns:
-        All cached replies.
-
-    Raises:
-        ValueError: a bad ``part`` or ``samples`` < 1.
-    """
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from ..chat import apply_chat_template
-
-    cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    done = read_replies(cache)
-    have = {r.id for r in done}
-    total = sum(len(r.tokens) for r in done)
-    i_part, n_part = part
-    if not 0 <= i_part < n_part:
-        raise ValueError(f"part must be i/n with 0 <= i < n, got {i_part}/{n_part}")
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1 (the greedy reply), got {samples}")
-    mine = []
-    for p in list(prompts)[i_part::n_part]:  # split the full list, so parts never depend on what is cached
-        if all(reply_id(p.id, j) in have for j in range(samples)):
-            continue  # every variant cached: no need to render it
-        ids = apply_chat_template(tokenizer, chat_template, list(p.messages))
-        if len(ids) <= max_prompt_tokens:
-            mine.append((p, ids))
-    window = batch_size * max(1, sort_window)
-    batches = []  # (variant j, [(reply id, prompt ids)]); variant 0 is greedy, one pass per variant
-    for j in range(samples):
-        todo = [(reply_id(p.id, j), ids) for p, ids in mine if reply_id(p.id, j) not in have]
-        for w in range(0, len(todo), window):
-            todo[w:w + window] = sorted(todo[w:w + window], key=lambda e: len(e[1]))
-        batches += [(j, todo[b:b + batch_size]) for b in range(0, len(todo), batch_size)]
-    tag = f"p{i_part}of{n_part}-" if n_part > 1 else ""
-    shard_no = len(list(cache.glob(f"shard-{tag}[0-9]*.safetensors")))
-    bar = tqdm(total=len(done) + sum(len(b) for _, b in batches), initial=len(done), desc="self-distillation",
-               unit="reply", disable=not progress, dynamic_ncols=True)
-    t0, new_tokens = time.perf_counter(), 0
-    for j, batch in batches:
-        if budget_tokens is not None and total >= budget_tokens:
-            break
-        batch_seed = zlib.crc32("|".join(rid for rid, _ in batch).encode("utf-8")) ^ seed
-        results = generate_batch(hf_model, tokenizer, [ids for _, ids in batch], max_new_tokens=max_new_tokens,
-                                 eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, hidden_dtype=hidden_dtype,
-                                 temperature=temperature if j else 0.0, seed=batch_seed)
-        name = f"shard-{tag}{shard_no:05d}.safetensors"
-        shard_no += 1
-        save_file({f"r{i}": h for i, (_, h) in enumerate(results)}, str(cache / name))
-        lines = []
-        for i, ((rid, ids), (toks, _)) in enumerate(zip(batch, results)):
-            rep = Reply(rid, toks, name, f"r{i}", len(ids))
-            done.append(rep)
-            lines.append(json.dumps(asdict(rep)) + "\n")
-            total += len(toks)
-            new_tokens += len(toks)
-        data = "".join(lines).encode("utf-8")
-        fd = os.open(cache / REPLIES_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:  # one O_APPEND write per batch: parts writing the same file never interleave lines
-            while data:
-                data = data[os.write(fd, data):]
-        finally:
-            os.close(fd)
-        bar.update(len(batch))
-        bar.set_postfix(tokens=total, tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-    bar.close()
-    return done
-
-
-def load_hidden(cache_dir: str | Path, replies: Sequence[Reply]) -> list[torch.Tensor]:
-    """The hidden states (bf16 [n, d]) of each reply, read from the shards."""
-    from safetensors import safe_open
-
-    out: list[torch.Tensor | None] = [None] * len(replies)
-    by_shard: dict[str, list[int]] = {}
-    for i, r in enumerate(replies):
-        by_shard.setdefault(r.shard, []).append(i)
-    for shard, idx in by_shard.items():
-        with safe_open(str(Path(cache_dir) / shard), framework="pt") as f:
-            for i in idx:
-                out[i] = f.get_tensor(replies[i].key)
-    return out  # type: ignore[return-value]
-
-
 # ---------------------------------------------------------------------------
 # Loading the generator (transformers) for a registered model
 # ---------------------------------------------------------------------------
@@ -433,28 +206,6 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class TrainData:
-    """Every training position of a set of replies.
-
-    Attributes:
-        hidden: bf16 [N, d], the hidden state at each position (all replies concatenated).
-        target_ids: int64 [N, K, S]; for head k (column k-1), the target token(s) at the
-            position (S = 1 for hard labels, the teacher's top-S for soft targets).
-        target_p: float32 [N, K, S]; their weights (sum 1 per row; 0 where invalid).
-        valid: bool [N, K]; head k has a target (the reply is long enough).
-    """
-
-    hidden: torch.Tensor
-    target_ids: torch.Tensor
-    target_p: torch.Tensor
-    valid: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.hidden.shape[0])
-
-
 def future_index(lengths: Sequence[int], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Index of the target position of every (position, head) and whether it exists.
 
@@ -478,62 +229,121 @@ def future_index(lengths: Sequence[int], num_heads: int) -> tuple[torch.Tensor, 
     return torch.cat(idx), torch.cat(val)
 
 
-@torch.no_grad()
-def teacher_topk(hidden: torch.Tensor, lm_weight: torch.Tensor, k: int, *, chunk: int = 2048,
-                 progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backbone's own next-token distribution at each position, truncated to its top-k.
+class Batch(tuple):
+    """One training batch: (hidden, path_ids, target_ids, target_p, valid).
 
-    Args:
-        hidden: [N, d] final-norm hidden states.
-        lm_weight: [V, d] the frozen LM head; the product runs on its device.
-        k: how many tokens to keep; the kept probabilities are renormalised to sum 1.
-
-    Returns:
-        (ids int64 [N, k], probs float32 [N, k]), on the CPU.
+    * hidden [B, d] (the data's dtype);
+    * path_ids int64 [B, K]: ``path_ids[:, j]`` is the token j positions after the root
+      (``[:, 0]`` = the root r_i), so head k (1-based) may read ``path_ids[:, :k]``;
+    * target_ids int64 [B, K, S] and target_p float32 [B, K, S] (sum 1 over S where valid);
+    * valid bool [B, K].
     """
-    from tqdm import tqdm
 
-    w = lm_weight.to(torch.bfloat16)
-    ids, probs = [], []
-    for s in tqdm(range(0, hidden.shape[0], chunk), desc="teacher top-k", disable=not progress, dynamic_ncols=True):
-        logits = (hidden[s:s + chunk].to(w.device, torch.bfloat16) @ w.T).float()
-        p, i = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-        ids.append(i.cpu())
-        probs.append((p / p.sum(-1, keepdim=True)).cpu())
-    return torch.cat(ids), torch.cat(probs)
+    def __new__(cls, hidden, path_ids, target_ids, target_p, valid):
+        return super().__new__(cls, (hidden, path_ids, target_ids, target_p, valid))
 
 
-def build_train_data(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Tensor], num_heads: int, *,
-                     lm_weight: torch.Tensor | None = None, soft_topk: int = 0,
-                     teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainData:
+@dataclass
+class TrainData:
+    """Every position of a set of replies (concatenated); a training row is a position where head 1 has a target.
+
+    Attributes:
+        hidden: [N, d] (bf16 or fp32); hidden[i] predicts tokens[i].
+        tokens: int64 [N], r_i at each position (the root of a decode step there).
+        future: int64 [N, K], the position of head k's target (i + k; clamped where invalid).
+        valid: bool [N, K], head k has a target (i + k inside the reply).
+        rows: int64 [M], the training rows' positions.
+        teacher_ids: int64 [N, S] the backbone's top-S at each position (soft targets), or None (hard labels).
+        teacher_p: float32 [N, S] their probabilities (sum 1), or None.
+    """
+
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    future: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+    teacher_ids: torch.Tensor | None = None
+    teacher_p: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Training rows M."""
+        return int(self.rows.shape[0])
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.future.shape[1])
+
+    def to(self, device) -> "TrainData":
+        """The same data on ``device``."""
+        return TrainData(*(None if t is None else t.to(device) for t in (
+            self.hidden, self.tokens, self.future, self.valid, self.rows, self.teacher_ids, self.teacher_p)))
+
+    def batch(self, idx: torch.Tensor) -> Batch:
+        """Training rows ``idx`` (int64 [B], indices into :attr:`rows`) with their paths and targets."""
+        pos = self.rows[idx]
+        fut = self.future[pos]  # [B, K]
+        path = self.tokens[torch.cat([pos[:, None], fut[:, :-1]], dim=1)]  # r_i .. r_{i+K-1}
+        valid = self.valid[pos]
+        if self.teacher_ids is None:
+            ids, p = self.tokens[fut][..., None], valid[..., None].float()
+        else:
+            ids, p = self.teacher_ids[fut], self.teacher_p[fut] * valid[..., None]
+        return Batch(self.hidden[pos], path, ids, p, valid)
+
+
+def train_data(hidden: torch.Tensor, replies: Sequence[Sequence[int]], num_heads: int, *,
+               teacher: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainData:
     """Positions and targets of a set of replies (alignment in the module docstring).
 
     Args:
-        tokens: each reply's tokens r_0..r_{n-1}.
-        hiddens: each reply's hidden states [n, d] (hidden[i] predicts r_i).
+        hidden: [N, d], every reply's hidden states concatenated (N = total reply tokens).
+        replies: each reply's tokens r_0..r_{n-1}.
         num_heads: K.
-        lm_weight: the frozen LM head (needed for soft targets unless ``teacher`` is given).
-        soft_topk: 0 for hard labels (the reply's tokens); S > 0 for the teacher's top-S
-            distribution at the target position (seeds/001 §2.3.2 self-distillation).
-        teacher: precomputed :func:`teacher_topk` output for the concatenated positions.
+        teacher: the backbone's top-S (ids int64 [N, S], probs [N, S]) at every position, for soft
+            targets (:mod:`medusa_export.training.features`); None for hard labels (the reply's tokens).
+
+    Raises:
+        ValueError: ``hidden`` (or the teacher) does not have one row per reply token.
+    """
+    lengths = [len(t) for t in replies]
+    n = sum(lengths)
+    if hidden.shape[0] != n or (teacher is not None and teacher[0].shape[0] != n):
+        raise ValueError(f"{n} reply tokens but {hidden.shape[0]} hidden states"
+                         + (f" and {teacher[0].shape[0]} teacher rows" if teacher is not None else ""))
+    future, valid = future_index(lengths, num_heads)
+    tokens = torch.tensor([int(t) for seq in replies for t in seq], dtype=torch.long)
+    rows = torch.nonzero(valid[:, 0]).flatten() if n else torch.zeros(0, dtype=torch.long)
+    t_ids, t_p = (teacher[0].long(), teacher[1].float()) if teacher is not None else (None, None)
+    return TrainData(hidden, tokens, future, valid, rows, t_ids, t_p)
+
+
+def vocab_remap(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [V]: the index of each token id in ``vocab_ids`` (int64 [N]), -1 for ids outside it."""
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[vocab_ids.long()] = torch.arange(vocab_ids.numel())
+    return remap
+
+
+def restrict_targets(target_ids: torch.Tensor, target_p: torch.Tensor, valid: torch.Tensor,
+                     remap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Targets over a vocabulary subset (FR-Spec: the draft vocabulary's top N ids).
+
+    Target ids are renumbered into the subset; probability on ids outside it is dropped and the
+    rest renormalised; a head whose whole target lies outside becomes invalid for that row.
+
+    Args:
+        target_ids: int64 [B, K, S]; target_p: float32 [B, K, S]; valid: bool [B, K].
+        remap: int64 [V] (:func:`vocab_remap`).
 
     Returns:
-        :class:`TrainData`, positions with no valid target dropped.
+        (ids int64 [B, K, S] in [0, N), p float32 [B, K, S], valid bool [B, K]).
     """
-    lengths = [len(t) for t in tokens]
-    hidden = torch.cat(list(hiddens)) if hiddens else torch.zeros(0, 0)
-    index, valid = future_index(lengths, num_heads)
-    if soft_topk:
-        if teacher is None:
-            teacher = teacher_topk(hidden, lm_weight, soft_topk)
-        t_ids, t_p = teacher
-        target_ids, target_p = t_ids[index], t_p[index].float()  # [N, K, S]
-    else:
-        flat = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
-        target_ids, target_p = flat[index][..., None], torch.ones(index.shape + (1,))
-    target_p = target_p * valid[..., None]
-    keep = valid[:, 0]
-    return TrainData(hidden[keep], target_ids[keep], target_p[keep], valid[keep])
+    sub = remap[target_ids]
+    p = target_p * (sub >= 0)
+    mass = p.sum(-1, keepdim=True)
+    valid = valid & (mass[..., 0] > 0)
+    return sub.clamp(min=0), p / mass.clamp(min=1e-12), valid
 
 
 # ---------------------------------------------------------------------------
@@ -541,36 +351,84 @@ def build_train_data(tokens: Sequence[Sequence[int]], hiddens: Sequence[torch.Te
 # ---------------------------------------------------------------------------
 
 
-def medusa_loss(heads: MedusaHeads, lm_weight_bf16: torch.Tensor, hidden: torch.Tensor, target_ids: torch.Tensor,
-                target_p: torch.Tensor, valid: torch.Tensor, *, decay: float = LOSS_DECAY
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+class ProjectedCE(torch.autograd.Function):
+    """Cross-entropy of ``states @ weight.T`` against sparse soft targets, with a hand-written backward.
+
+    The logits [M, N] are the largest tensors of head training (N = the vocabulary or its subset);
+    autograd's logsumexp / gather / casts made ~6 passes over them in fp32, more time than the two
+    bf16 matmuls on a CPU. Here the forward keeps them once, in bf16, with their logsumexp, and
+    the backward forms (softmax - target) * dCE in one pass and multiplies by the weight.
+
+    forward(states float32 [M, d], weight bf16 [N, d] (frozen), target_ids int64 [M, S],
+    target_p float32 [M, S]) -> (ce float32 [M], argmax int64 [M]) where
+    ce = logsumexp(z) - sum_s p_s z[id_s] and z = states @ weight.T (bf16 product, fp32 softmax).
+    """
+
+    #: Rows per chunk: a chunk's fp32 logits (256 x 8192 x 4 B = 8 MB at N = 8192) stay in cache between passes.
+    CHUNK = 256
+
+    @staticmethod
+    def forward(ctx, states, weight, target_ids, target_p):
+        m = states.shape[0]
+        logits = torch.empty(m, weight.shape[0], dtype=weight.dtype, device=states.device)  # [M, N] bf16
+        lse = torch.empty(m, device=states.device)
+        ce = torch.empty(m, device=states.device)
+        top = torch.empty(m, dtype=torch.long, device=states.device)
+        x = states.to(weight.dtype)
+        for s in range(0, m, ProjectedCE.CHUNK):
+            e = min(m, s + ProjectedCE.CHUNK)
+            torch.mm(x[s:e], weight.T, out=logits[s:e])
+            z = logits[s:e].float()
+            lse[s:e] = torch.logsumexp(z, -1)
+            ce[s:e] = lse[s:e] - (z.gather(1, target_ids[s:e]) * target_p[s:e]).sum(-1)
+            top[s:e] = z.argmax(-1)
+        ctx.save_for_backward(logits, lse, weight, target_ids, target_p)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_argmax):
+        logits, lse, weight, target_ids, target_p = ctx.saved_tensors
+        m = logits.shape[0]
+        grad_states = torch.empty(m, weight.shape[1], device=logits.device)
+        for s in range(0, m, ProjectedCE.CHUNK):
+            e = min(m, s + ProjectedCE.CHUNK)
+            g = torch.exp(logits[s:e].float() - lse[s:e, None])  # softmax
+            g.scatter_add_(1, target_ids[s:e], -target_p[s:e])
+            g.mul_(grad_ce[s:e, None])
+            grad_states[s:e] = g.to(weight.dtype) @ weight
+        return grad_states, None, None, None
+
+
+def heads_loss(heads: nn.Module, proj_bf16: torch.Tensor, batch: Batch, *, decay: float = LOSS_DECAY
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Medusa-1 loss sum_k decay^k * CE(head k, targets) (seeds/001 eq. 1, app. B.2).
 
-    The vocab projection is the frozen, shared LM head, run in bf16 (fast on CPUs with
-    AVX512-BF16/AMX); the residual blocks and the softmax run in fp32.
+    The vocabulary projection is frozen and shared, run in bf16 (fast on CPUs with
+    AVX512-BF16/AMX) as one matmul for all K heads (:class:`ProjectedCE`); the residual blocks and
+    the softmax run in fp32. With soft targets the CE is against the teacher's top-S distribution
+    (seeds/001 §2.3.2).
 
     Args:
-        heads: heads without their own projection.
-        lm_weight_bf16: [V, d] the LM head weight in bf16 (no grad).
-        hidden: [B, d]; target_ids int64 [B, K, S]; target_p [B, K, S]; valid bool [B, K].
+        heads: heads without their own projection (``head_states(hidden, path_ids)`` -> [K, B, d]).
+        proj_bf16: [V', d] the projection (the LM head, or its rows of a vocabulary subset), bf16, no grad.
+        batch: a :class:`Batch` whose target ids index ``proj_bf16``'s rows.
+        decay: head k's weight is decay^k (1.0: equal weights, as Hydra).
 
     Returns:
         (loss scalar, per-head mean CE [K] (detached), per-head top-1 hits vs the first
         target [K] (detached counts)).
     """
-    h = hidden.float()
-    loss = h.new_zeros(())
-    ces, hits = [], []
-    for k, head in enumerate(heads.heads):
-        y = head(h)
-        logits = nn.functional.linear(y.to(torch.bfloat16), lm_weight_bf16).float()
-        ce = torch.logsumexp(logits, -1) - (logits.gather(1, target_ids[:, k]) * target_p[:, k]).sum(-1)
-        m = valid[:, k].float()
-        ce_k = (ce * m).sum() / m.sum().clamp(min=1)
-        loss = loss + decay ** (k + 1) * ce_k
-        ces.append(ce_k.detach())
-        hits.append(((logits.argmax(-1) == target_ids[:, k, 0]) & valid[:, k]).sum().detach())
-    return loss, torch.stack(ces), torch.stack(hits)
+    hidden, path_ids, target_ids, target_p, valid = batch
+    states = heads.head_states(hidden.float(), path_ids)  # [K, B, d]
+    k_heads, b, d = states.shape
+    ids = target_ids.transpose(0, 1).reshape(k_heads * b, -1)  # [K B, S], head-major like the states
+    ce, top = ProjectedCE.apply(states.reshape(-1, d), proj_bf16, ids, target_p.transpose(0, 1).reshape(k_heads * b, -1))
+    ce, top = ce.view(k_heads, b).T, top.view(k_heads, b).T  # [B, K]
+    m = valid.float()
+    ce_k = (ce * m).sum(0) / m.sum(0).clamp(min=1)  # [K]
+    weights = decay ** torch.arange(1, k_heads + 1, dtype=torch.float32, device=ce.device)
+    hits = ((top == target_ids[..., 0]) & valid).sum(0)
+    return (weights * ce_k).sum(), ce_k.detach(), hits.detach()
 
 
 @dataclass
@@ -586,37 +444,54 @@ class TrainConfig:
     warmup_steps: int = 40
     soft_topk: int = 16
     loss_decay: float = LOSS_DECAY
+    train_vocab: int = 0
     seed: int = 0
 
 
 @dataclass
 class TrainResult:
-    heads: MedusaHeads
+    heads: nn.Module
     steps: int
     seconds: float
     history: list[dict] = field(default_factory=list)
 
 
 def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, progress: bool = True,
-                checkpoint: str | Path | None = None, log: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train fresh heads (§2.1.1 init: zero residual blocks, shared frozen LM head).
+                checkpoint: str | Path | None = None, log: Callable[[dict], None] | None = None,
+                heads: nn.Module | None = None, vocab_ids: torch.Tensor | None = None) -> TrainResult:
+    """Train heads on ``data`` (AdamW, linear warmup then cosine decay, shuffled rows, fixed seed).
 
-    AdamW, linear warmup then cosine decay, shuffled positions (fixed seed). With
-    ``checkpoint``, the heads, optimiser and step are saved there every 200 steps and at
-    the end, and a run with the same data and config resumes from it. Training runs on
-    ``lm_head``'s device (the data is moved there once); the heads come back on the CPU.
+    Args:
+        data: the training rows.
+        lm_head: the backbone's frozen LM head (the heads' shared projection).
+        config: settings; ``train_vocab`` > 0 needs ``vocab_ids``.
+        heads: the heads to train (e.g. initialised from others); None: fresh Medusa heads
+            (§2.1.1 init: zero residual blocks, shared frozen LM head).
+        vocab_ids: int64 [N]: train the projection on these token ids only (the draft vocabulary's
+            top N, FR-Spec): logits over N instead of V, targets restricted (:func:`restrict_targets`).
+        checkpoint: the heads, optimiser and step are saved there every 200 steps and at the
+            end, and a run with the same data and config resumes from it.
+
+    Training runs on ``lm_head``'s device (the data is moved there once); the heads come back on the CPU.
     """
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
     vocab, hidden = lm_head.weight.shape
     device = lm_head.weight.device
-    cfg = HeadsConfig(config.num_heads, config.num_layers, hidden, vocab, own_projection=False)
-    heads = MedusaHeads(cfg, lm_head).float().train().to(device)
-    w_bf16 = lm_head.weight.detach().to(torch.bfloat16)
+    if heads is None:
+        cfg = HeadsConfig(config.num_heads, config.num_layers, hidden, vocab, own_projection=False)
+        heads = MedusaHeads(cfg, lm_head)
+    heads = heads.float().train().to(device)
+    proj = lm_head.weight.detach()
+    remap = None
+    if vocab_ids is not None:
+        vocab_ids = vocab_ids.to(device)
+        proj = proj[vocab_ids]
+        remap = vocab_remap(vocab_ids, vocab).to(device)
+    proj = proj.to(torch.bfloat16).contiguous()
     if device.type != "cpu":
-        data = TrainData(data.hidden.to(device), data.target_ids.to(device), data.target_p.to(device),
-                         data.valid.to(device))
+        data = data.to(device)
     opt = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     n = data.num_tokens
     steps_per_epoch = max(1, n // config.batch_tokens)
@@ -655,13 +530,16 @@ def train_heads(data: TrainData, lm_head: nn.Linear, config: TrainConfig, *, pro
         idx = perms[epoch][j * config.batch_tokens:(j + 1) * config.batch_tokens].to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        loss, ce, hits = medusa_loss(heads, w_bf16, data.hidden[idx], data.target_ids[idx], data.target_p[idx],
-                                     data.valid[idx], decay=config.loss_decay)
+        batch = data.batch(idx)
+        if remap is not None:
+            ids, p, valid = restrict_targets(batch[2], batch[3], batch[4], remap)
+            batch = Batch(batch[0], batch[1], ids, p, valid)
+        loss, ce, hits = heads_loss(heads, proj, batch, decay=config.loss_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         step += 1
-        nvalid = data.valid[idx].sum(0)
+        nvalid = batch[4].sum(0)
         run_ce = ce if run_ce is None else 0.95 * run_ce + 0.05 * ce
         run_hits = hits.float() if run_hits is None else run_hits + hits.float()
         run_valid = nvalid.float() if run_valid is None else run_valid + nvalid.float()

@@ -240,11 +240,13 @@ def _copy_runtime(dst: Path) -> None:
 
 
 def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict] | None, how: str) -> list[str]:
-    """NAME_step and NAME_heads from ``art`` (the repository's own copy, or the referenced artifact)."""
+    """NAME_step and NAME_heads (path-conditioned heads: NAME_heads_level{j}, one per level) from ``art`` (the
+    repository's own copy, or the referenced artifact)."""
     from medusa_runtime.trt_plan import graph_profiles
 
     written = []
-    for graph, suffix in (("model", "step"), ("heads", "heads")):
+    heads = [k for k in art.manifest["graphs"] if k.startswith("heads")]
+    for graph, suffix in (("model", "step"), *((k, k) for k in heads)):
         model = f"{name}_{suffix}"
         version = repo / model / "1"
         spec = art.manifest["graphs"][graph]

@@ -141,7 +141,16 @@ def build_graph(folder: Path, manifest: dict, graph: str, cfg: EngineConfig, cal
 
 
 def build_engines(folder: Path, manifest: dict, cfg: EngineConfig, calibration_feeds=None) -> tuple[dict, list[str]]:
-    """Build both graphs; return (the manifest's engine record, files written)."""
+    """Build both graphs; return (the manifest's engine record, files written).
+
+    Raises:
+        UnsupportedModelError: path-conditioned (hydra) heads, whose level graphs TensorRT plans do not cover yet.
+    """
+    if manifest.get("heads", {}).get("type", "medusa") != "medusa":
+        from ..errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"TensorRT engines run Medusa heads (heads.onnx) only; this artifact's heads are "
+                                    f"{manifest['heads']['type']!r} (heads_level{{j}}.onnx): run it with ONNX Runtime")
     graphs = {g: build_graph(folder, manifest, g, cfg, calibration_feeds if g == "model" else None)
               for g in ("model", "heads")}
     files = [graphs["model"]["plan"], graphs["heads"]["plan"]]

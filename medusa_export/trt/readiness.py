@@ -366,7 +366,7 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
             "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
             "fp32 or fp16")))
     tree_size = manifest["tree"]["size"]
-    for key in ("model", "heads"):
+    for key in ["model", *(k for k in manifest["graphs"] if k.startswith("heads"))]:
         rel = manifest["graphs"][key]["file"]
         model = onnx.load(str(path / rel), load_external_data=False)
         findings, info = check_ops(model, rel, table)
