@@ -228,11 +228,17 @@ def test_emitted_sampler_follows_the_contract(wide, graph):
     with torch.no_grad():
         logits = hf(torch.from_numpy(ids)).logits[0].double()
     rng = np.random.default_rng(7)
-    settings = [(0, 1.0, 1.0), (0, 0.8, 1.0), (0, 0.5, 0.7), (50, 1.0, 1.0), (300, 0.9, 1.3), (4, 1.0, 1.0),
-                (10, 0.7, 0.8), (1, 1.0, 1.0), (1001, 1.0, 1.0), (5000, 0.95, 1.0)]
-    draws = 0
+    # top-k <= 256 and whole-vocabulary top-p whose nucleus fits in 256 tokens read a sorted prefix (TopK 256);
+    # wider top-k and wider nuclei (temperature 4: up to ~700 tokens) search their threshold: both are covered
+    settings = [(0, 1.0, 1.0), (0, 0.8, 1.0), (0, 0.5, 0.7), (0, 0.95, 4.0), (0, 0.6, 4.0), (50, 1.0, 1.0),
+                (300, 0.9, 1.3), (4, 1.0, 1.0), (10, 0.7, 0.8), (1, 1.0, 1.0), (256, 0.99, 4.0), (1001, 1.0, 1.0),
+                (5000, 0.95, 1.0), (700, 0.9, 4.0)]
+    draws, nuclei = 0, set()
     for top_k, top_p, temperature in settings:
         p = torch.softmax(logits / temperature, -1).numpy()
+        if top_k == 0 and top_p < 1:
+            mass = np.cumsum(np.sort(p, -1)[:, ::-1], -1)
+            nuclei |= {bool(n > 256) for n in (mass < top_p).sum(-1) + 1}
         for _ in range(5):
             u = rng.random(s).astype(np.float32)
             out = eng.step(ids, np.arange(s)[None], causal_mask(s), temperature, KVCache.for_engine(eng, 16).past(),
@@ -243,7 +249,7 @@ def test_emitted_sampler_follows_the_contract(wide, graph):
                 np.testing.assert_array_equal(out.sampled_ids,
                                               draw_tokens(out.topk_ids, out.topk_logprobs, u, top_k, top_p))
             draws += s
-    assert draws == 600
+    assert draws == 60 * len(settings) and nuclei == {False, True}
     # only rows with a uniform >= 0 are sampled; sample_top_k -1 turns the sampler off
     u[[0, 5]] = -1.0
     out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, KVCache.for_engine(eng, 16).past(),

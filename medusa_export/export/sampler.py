@@ -61,6 +61,9 @@ _MANTISSA_BITS = 23
 #: The smallest positive float32 (a subnormal): the mantissa step of exponent 0.
 _TINY = _F32(2.0 ** -149)
 _MINUS_ONE = helper.make_tensor("value", TensorProto.INT64, [1], [-1])
+#: Width of the sorted prefix (a TopK with this build-time K; TensorRT's parser needs K < 3840) from which
+#: top-k <= C, top-p inside it, and whole-vocabulary top-p whose nucleus closes inside it are read directly.
+_PREFIX = 256
 
 
 def _largest_threshold(b: GraphBuilder, p: str, weight: str | None, target: str, name: str) -> str:
@@ -89,8 +92,8 @@ def _largest_threshold(b: GraphBuilder, p: str, weight: str | None, target: str,
     axes = b.const([-1], "int64")
 
     def reaches(t: str, n: str) -> str:
-        kept = b.op("GreaterOrEqual", [p, t], f"{n}/kept")  # [R, V]
-        w = b.cast(kept, "float32", f"{n}/count") if weight is None else b.op("Where", [kept, weight, zero], f"{n}/mass")
+        kept = b.cast(b.op("GreaterOrEqual", [p, t], f"{n}/kept"), "float32", f"{n}/kept_f")  # [R, V] 0 / 1
+        w = kept if weight is None else b.op("Mul", [kept, weight], f"{n}/mass")  # Mul: ONNX Runtime's Where is slower
         return b.op("GreaterOrEqual", [b.op("ReduceSum", [w, axes], f"{n}/sum", keepdims=1), target], f"{n}/reaches")
 
     for i in range(_EXPONENT_BITS):  # candidate exponent e + 2^bit: 2^(e - 127) * 2^(2^bit), or 2^(2^bit - 127) from 0
@@ -118,6 +121,86 @@ def _zeros_like_rows(b: GraphBuilder, rows: str, name: str) -> str:
                 value=helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0]))
 
 
+def _prefix(b: GraphBuilder, p: str, name: str) -> str:
+    """float32 [R, C] the C = :data:`_PREFIX` largest probabilities of each row, descending (a build-time TopK K;
+    the row is padded with C zeros first, so a vocabulary smaller than C works and its padding is never above a p)."""
+    pad = b.op("ConstantOfShape", [b.op("Concat", [b.op("Shape", [p], f"{name}/rows", end=1), b.const([_PREFIX], "int64")],
+                                        f"{name}/pad_shape", axis=0)], f"{name}/pad",
+               value=helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0]))
+    padded = b.op("Concat", [p, pad], f"{name}/padded", axis=-1)  # [R, V + C]
+    return b.op("TopK", [padded, b.const([_PREFIX], "int64")], f"{name}/topk", n_out=2, axis=-1, largest=1,
+                sorted=1)[0]
+
+
+def _nucleus_floor(b: GraphBuilder, top: str, mass: str, in_top: str | None, name: str) -> str:
+    """[R, 1] the smallest value of ``top`` [R, C] (descending) in the nucleus: position i is in it when
+    ``cumsum(q) - q < top_p`` with q = top / ``mass`` (transformers' ``TopPLogitsWarper`` on sorted values),
+    restricted to ``in_top`` ([1, C] bool) when given."""
+    q = b.op("Div", [top, mass], f"{name}/q")
+    before = b.op("Sub", [b.op("CumSum", [q, b.const(np.int64(-1))], f"{name}/q_cum"), q], f"{name}/before")
+    keep = b.op("Less", [before, "sample_top_p"], f"{name}/in_nucleus")
+    if in_top is not None:
+        keep = b.op("And", [keep, in_top], f"{name}/in_top_k")
+    return b.op("ReduceMin", [b.op("Where", [keep, top, b.const(_F32(np.inf))], f"{name}/nucleus"),
+                              b.const([-1], "int64")], f"{name}/floor", keepdims=1)
+
+
+def _prefix_top_k(b: GraphBuilder, p: str, k: str, p_given: str, name: str) -> str:
+    """tau for 1 <= top_k <= C from the sorted prefix: the k-th value, or with top-p the nucleus floor inside it."""
+    top = _prefix(b, p, name)
+    tau_k = b.op("Gather", [top, b.op("Sub", [k, b.const([1], "int64")], f"{name}/k_minus_1")], f"{name}/kth",
+                 axis=1)  # [R, 1]
+    in_top = b.op("Less", [b.const(np.arange(_PREFIX, dtype=np.int64)[None]), k], f"{name}/in_top")  # [1, C]
+
+    def nucleus() -> str:
+        top_k = b.op("Where", [in_top, top, b.const(_F32(0.0))], f"{name}/top_k")
+        mass = b.op("ReduceSum", [top_k, b.const([-1], "int64")], f"{name}/mass", keepdims=1)
+        return _nucleus_floor(b, top_k, mass, in_top, f"{name}/p")
+
+    return b.if_(p_given, f"{name}/tau", nucleus, lambda: b.op("Identity", [tau_k], f"{name}/tau_k"), "float32",
+                 rank=2)
+
+
+def _searched_top_k(b: GraphBuilder, p: str, k: str, p_given: str, name: str) -> str:
+    """tau for top_k > C: the k-th value by :func:`_largest_threshold`, then top-p inside the top-k likewise."""
+    k_f = b.cast(k, "float32", f"{name}/k_f")  # cast inside the branch (outside, ONNX Runtime warns at load)
+    tau_k = _largest_threshold(b, p, None, k_f, name)
+    return b.if_(p_given, f"{name}/tau", lambda: _searched_top_p(b, p, tau_k, k_f, f"{name}/p"),
+                 lambda: b.op("Identity", [tau_k], f"{name}/tau_k"), "float32", rank=2)
+
+
+def _searched_top_p(b: GraphBuilder, p: str, tau_k: str, k_f: str, name: str) -> str:
+    """tau_p >= tau_k: the smallest probability top-p keeps inside the top-k, by :func:`_largest_threshold`."""
+    above = b.op("Greater", [p, tau_k], f"{name}/above")  # [R, V]: in the top-k for sure (ties at tau_k aside)
+    axes = b.const([-1], "int64")
+    above_f = b.cast(above, "float32", f"{name}/above_f")
+    count = b.op("ReduceSum", [above_f, axes], f"{name}/count", keepdims=1)
+    mass = b.op("ReduceSum", [b.op("Mul", [above_f, p], f"{name}/above_p"), axes], f"{name}/mass", keepdims=1)
+    ties = b.op("Mul", [b.op("Sub", [k_f, count], f"{name}/ties"), tau_k], f"{name}/ties_mass")  # k - count values = tau_k
+    top_mass = b.op("Add", [mass, ties], f"{name}/top_mass")  # S_top: the mass of exactly k values
+    target = b.op("Mul", [top_mass, "sample_top_p"], f"{name}/target")
+    return _largest_threshold(b, p, p, target, name)
+
+
+def _whole_vocabulary_top_p(b: GraphBuilder, p: str, k: str, n: str) -> str:
+    """tau for top_k 0 with top_p < 1: from the sorted prefix when every row's nucleus closes inside it (its C
+    values hold at least top_p of the mass), else by :func:`_largest_threshold` over the whole row."""
+    name = f"{n}/vocab_top_p"
+    top = _prefix(b, p, name)
+    axes = b.const([-1], "int64")
+    mass = b.op("ReduceSum", [p, axes], f"{name}/mass", keepdims=1)  # [R, 1]
+    covered = b.op("Div", [b.op("ReduceSum", [top, axes], f"{name}/prefix_mass", keepdims=1), mass], f"{name}/covered")
+    closes = b.op("Cast", [b.op("GreaterOrEqual", [covered, "sample_top_p"], f"{name}/closes")], f"{name}/closes_f",
+                  to=TensorProto.FLOAT)
+    inside = b.op("Greater", [b.op("ReduceMin", [closes], f"{name}/every_row", keepdims=0), b.const(_F32(0.5))],
+                  f"{name}/inside")  # a scalar: no rows (R = 0) gives +inf, inside
+    return b.if_(inside, f"{name}/tau", lambda: _nucleus_floor(b, top, mass, None, f"{name}/prefix"),
+                 lambda: _searched_top_p(b, p, _zeros_like_rows(b, mass, f"{name}/no_k"),
+                                         b.cast(k, "float32", f"{name}/k_f"), f"{name}/search"),
+                 "float32", rank=2)
+
+
+
 def _sample_rows(b: GraphBuilder, probs: str) -> str:
     """The then-branch: ``sampled_ids`` flattened to [N] (N = every row of the step), int64, -1 where not sampled."""
     n = "sampler"
@@ -133,41 +216,29 @@ def _sample_rows(b: GraphBuilder, probs: str) -> str:
     k_given = b.op("Greater", ["sample_top_k", zero_i], f"{n}/k_given")  # [1]
     p_given = b.op("Less", ["sample_top_p", b.const([1.0], "float32")], f"{n}/p_given")  # [1]
     k = b.op("Where", [k_given, b.op("Min", ["sample_top_k", vocab_i], f"{n}/k_capped"), vocab_i], f"{n}/k")
-    k_f = b.cast(k, "float32", f"{n}/k_f")  # [1]: min(top_k, V), or V without top-k
 
-    # tau_k: the k-th largest probability (0 without top-k)
-    tau_k = b.if_(k_given, f"{n}/tau_k",
-                  lambda: _largest_threshold(b, p, None, k_f, f"{n}/tau_k"),
-                  lambda: _zeros_like_rows(b, u, f"{n}/tau_k/none"), "float32", rank=2)
-
-    def nucleus() -> str:  # tau_p >= tau_k: the smallest probability top-p keeps inside the top-k
-        m = f"{n}/tau_p"
-        above = b.op("Greater", [p, tau_k], f"{m}/above")  # [R, V]: in the top-k for sure (ties at tau_k aside)
-        axes = b.const([-1], "int64")
-        count = b.op("ReduceSum", [b.cast(above, "float32", f"{m}/above_f"), axes], f"{m}/count", keepdims=1)
-        mass = b.op("ReduceSum", [b.op("Where", [above, p, b.const(_F32(0.0))], f"{m}/above_p"), axes], f"{m}/mass",
-                    keepdims=1)
-        ties = b.op("Mul", [b.op("Sub", [k_f, count], f"{m}/ties"), tau_k], f"{m}/ties_mass")  # k - count values = tau_k
-        top_mass = b.op("Add", [mass, ties], f"{m}/top_mass")  # S_top: the mass of exactly k values
-        target = b.op("Mul", [top_mass, "sample_top_p"], f"{m}/target")
-        return _largest_threshold(b, p, p, target, m)
-
-    tau = b.if_(p_given, f"{n}/tau", nucleus, lambda: b.op("Identity", [tau_k], f"{n}/tau/top_k"), "float32", rank=2)
+    tau = b.if_(b.op("And", [k_given, b.op("LessOrEqual", [k, b.const([_PREFIX], "int64")], f"{n}/k_small")],
+                     f"{n}/prefix_k"), f"{n}/tau",
+                lambda: _prefix_top_k(b, p, k, p_given, f"{n}/prefix_top_k"),
+                lambda: b.if_(k_given, f"{n}/tau/wide", lambda: _searched_top_k(b, p, k, p_given, f"{n}/search_top_k"),
+                              lambda: b.if_(p_given, f"{n}/tau/vocab", lambda: _whole_vocabulary_top_p(b, p, k, n),
+                                            lambda: _zeros_like_rows(b, u, f"{n}/tau/none"), "float32", rank=2),
+                              "float32", rank=2),
+                "float32", rank=2)
 
     # the draw: inverse CDF over the kept set in increasing id order (the contract's rule)
-    kept = b.op("GreaterOrEqual", [p, tau], f"{n}/kept")  # [R, V]
-    cdf = b.op("CumSum", [b.op("Where", [kept, p, b.const(_F32(0.0))], f"{n}/p_kept"), b.const(np.int64(-1))],
-               f"{n}/cdf")
+    kept = b.cast(b.op("GreaterOrEqual", [p, tau], f"{n}/kept"), "float32", f"{n}/kept_f")  # [R, V] 0 / 1
+    cdf = b.op("CumSum", [b.op("Mul", [kept, p], f"{n}/p_kept"), b.const(np.int64(-1))], f"{n}/cdf")
     total = b.op("Slice", [cdf, b.const([-1], "int64"), b.const([np.iinfo(np.int64).max], "int64"),
                            b.const([-1], "int64")], f"{n}/total")  # [R, 1]: the kept mass
     below = b.op("LessOrEqual", [cdf, b.op("Mul", [u, total], f"{n}/target")], f"{n}/below")
     count = b.op("ReduceSum", [b.cast(below, "float32", f"{n}/below_f"), b.const([-1], "int64")], f"{n}/count",
                  keepdims=1)  # exact: counts < 2^24
-    ids = b.op("Range", [b.const(np.int64(0)), b.op("Squeeze", [vocab_i, zero_i], f"{n}/vocab_scalar"),
-                         b.const(np.int64(1))], f"{n}/ids")  # [V]
-    last = b.op("ReduceMax", [b.op("Where", [kept, ids, b.const(np.int64(-1))], f"{n}/kept_ids"),
-                              b.const([-1], "int64")], f"{n}/last_kept", keepdims=1)  # [R, 1]
-    token = b.op("Min", [b.cast(count, "int64", f"{n}/count_i"), last], f"{n}/token")
+    ids = b.op("Range", [b.const(_F32(0.0)), b.cast(b.op("Squeeze", [vocab_i, zero_i], f"{n}/vocab_scalar"), "float32",
+                                                     f"{n}/vocab_f"), b.const(_F32(1.0))], f"{n}/ids")  # [V], exact < 2^24
+    last = b.op("ReduceMax", [b.op("Mul", [kept, ids], f"{n}/kept_ids"), b.const([-1], "int64")], f"{n}/last_kept",
+                keepdims=1)  # [R, 1]: the largest kept id (K is never empty)
+    token = b.cast(b.op("Min", [count, last], f"{n}/token_f"), "int64", f"{n}/token")
     none = b.op("ConstantOfShape", [b.op("Shape", [u_all], f"{n}/n")], f"{n}/none",
                 value=_MINUS_ONE)
     return b.op("ScatterElements", [none, sel, b.op("Reshape", [token, flat], f"{n}/tokens")], f"{n}/ids_flat", axis=0)
