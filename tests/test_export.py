@@ -230,10 +230,10 @@ def test_weights_are_external_data_found_from_another_directory(tmp_path, monkey
         assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
         inline = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert max((len(t.raw_data) for t in inline), default=0) <= 4 * 32  # head_dim / 2 floats (RoPE) at most
-        # the in-graph sampler (docs/sampling.md) is a fixed ~55 KB of nodes (its 30-pass threshold searches),
+        # the in-graph sampler (docs/sampling.md) is a fixed ~70 KB of nodes (its two 30-pass threshold searches),
         # the same for any widths; the rest of the graph stays under 1% of the weights
         sampler = sum(len(n.SerializeToString()) for n in graph.node if n.name.startswith("sampler/"))
-        assert sampler < 64_000 and (name == "model.onnx") == (sampler > 0)
+        assert sampler < 96_000 and (name == "model.onnx") == (sampler > 0)
         assert (path / name).stat().st_size - sampler < weights / 100
     monkeypatch.chdir(other)
     eng = OrtEngine(load_artifact(path, full_verify=True))

@@ -15,33 +15,36 @@ Structure (every shape written for rows = B * S, so a leading batch axis changes
 * ``If(sample_top_k >= 0)``: ONNX Runtime runs every node of a graph whatever outputs are fetched,
   so the sampler is a branch; an off step pays one comparison and a ``ConstantOfShape``.
 * Only the rows whose uniform is >= 0 are gathered (``NonZero``; a prefill samples its last row).
-* The kept set K = {t : p_t >= tau} of the contract (transformers' top-k, then top-p inside it) is
-  found without sorting the vocabulary and without ``TopK``: tau is the k-th largest probability
-  and/or the smallest nucleus probability, and both are the *largest float32 threshold t for
-  which a monotone sum over {p >= t} still reaches a target* (see :func:`_largest_threshold`):
+* The kept set K = {t : p_t >= tau} of the contract (transformers' top-k, then top-p inside it),
+  without sorting the vocabulary, by the cheapest exact route for the step's setting (nested Ifs):
+
+  - top_k <= C = 256 (top-p inside it or not), and whole-vocabulary top-p when every sampled row's
+    nucleus closes within C tokens: a sorted prefix, ``TopK`` with the build-time K = C on the row
+    padded with C zeros (TensorRT's parser needs a constant K < 3840); tau_k = its k-th value,
+    tau_p = the smallest value with cumsum(q) - q < top_p (the contract's arithmetic);
+  - wider top-k, wider nuclei: tau is the *largest float32 threshold t for which a monotone sum
+    over {p >= t} still reaches a target* (:func:`_largest_threshold`):
 
       tau_k = max{t : #{j : p_j >= t} >= k}                       (the k-th largest p, ties kept)
       tau_p = max{t : sum_{p_j >= t} p_j >= top_p * S_top}         (S_top: the mass of the k largest)
 
-  tau_p is the contract's "smallest nucleus value": sorted descending, position i is in the
-  nucleus iff the mass before it is < top_p * S_top, i.e. the nucleus ends at the first position
-  whose inclusive cumulative mass reaches top_p * S_top, whose value is the largest t above.
-  The threshold is found bit by bit over the float32 bit patterns of [0, 2) (7 exponent bits,
-  then 23 mantissa bits: 30 passes), each candidate computed exactly from powers of two, so
-  tau_k is exactly the k-th largest float32 p; tau_p is the contract's up to float32 rounding of
-  the sums (a row whose nucleus mass lies within ~1e-6 of top_p's boundary may keep one token more
-  or less), the same order as the step's logits differ between a tree step and a one-token step.
-  tau_k is skipped (If) without top-k, tau_p without top-p.
+    tau_p is the contract's "smallest nucleus value": sorted descending, position i is in the
+    nucleus iff the mass before it is < top_p * S_top, i.e. the nucleus ends at the first position
+    whose inclusive cumulative mass reaches top_p * S_top, whose value is the largest t above.
+    The threshold is found bit by bit over the float32 bit patterns of [0, 2) (7 exponent bits,
+    then 23 mantissa bits: 30 passes of a compare and a sum), each candidate an exact float, so
+    tau_k is exactly the k-th largest p; tau_p is the contract's up to float32 rounding of the
+    sums (a row whose nucleus mass lies within ~1e-6 of top_p's boundary may keep one token more
+    or less), the same order as the step's logits differ between a tree step and a one-token step;
+  - whole vocabulary without top-p: tau = 0.
 * The draw is the contract's: the first kept id, in increasing id order, whose cumulative kept
   mass exceeds u * (the kept mass), clamped to the largest kept id (one ``CumSum`` over the vocabulary).
 
-Why not ``TopK`` (the first reference, grafted onto built graphs by a test helper): its K would be the
-``sample_top_k`` input, and for the whole vocabulary with top-p, V; TensorRT's parser needs a
-build-time K below 3840, so the portable graph would fail the TensorRT readiness check, and a full
-sort of the vocabulary cost 8.5 ms per row on ONNX Runtime's CPU. The bit search costs 3 passes
-over the sampled rows per bit. Standard opset-18 ops only: If, NonZero, Gather, ScatterElements,
-CumSum, GreaterOrEqual, Where, ReduceSum/Max, Cast, ConstantOfShape, Range (all in TensorRT 10's
-parser table).
+Masks are products with a 0/1 float rather than ``Where`` (ONNX Runtime's ``Where`` dominated the
+profile). A ``TopK`` with K = ``sample_top_k`` (the first reference, grafted onto built graphs by a
+test helper) would need a run-time K up to V, which TensorRT's parser refuses, and a full sort of
+the vocabulary for whole-vocabulary top-p (8.5 ms per row on ONNX Runtime's CPU). Cost:
+docs/sampling.md. Standard opset-18 ops only, all in TensorRT 10's parser table.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def _prefix(b: GraphBuilder, p: str, name: str) -> str:
 def _nucleus_floor(b: GraphBuilder, top: str, mass: str, in_top: str | None, name: str) -> str:
     """[R, 1] the smallest value of ``top`` [R, C] (descending) in the nucleus: position i is in it when
     ``cumsum(q) - q < top_p`` with q = top / ``mass`` (transformers' ``TopPLogitsWarper`` on sorted values),
-    restricted to ``in_top`` ([1, C] bool) when given."""
+    restricted to ``in_top`` ([C] bool) when given."""
     q = b.op("Div", [top, mass], f"{name}/q")
     before = b.op("Sub", [b.op("CumSum", [q, b.const(np.int64(-1))], f"{name}/q_cum"), q], f"{name}/before")
     keep = b.op("Less", [before, "sample_top_p"], f"{name}/in_nucleus")
@@ -150,7 +153,9 @@ def _prefix_top_k(b: GraphBuilder, p: str, k: str, p_given: str, name: str) -> s
     top = _prefix(b, p, name)
     tau_k = b.op("Gather", [top, b.op("Sub", [k, b.const([1], "int64")], f"{name}/k_minus_1")], f"{name}/kth",
                  axis=1)  # [R, 1]
-    in_top = b.op("Less", [b.const(np.arange(_PREFIX, dtype=np.int64)[None]), k], f"{name}/in_top")  # [1, C]
+    positions = b.op("Range", [b.const(np.int64(0)), b.const(np.int64(_PREFIX)), b.const(np.int64(1))],
+                     f"{name}/positions")  # [C] (made, not stored: inline constants stay a few bytes)
+    in_top = b.op("Less", [positions, k], f"{name}/in_top")  # [C]
 
     def nucleus() -> str:
         top_k = b.op("Where", [in_top, top, b.const(_F32(0.0))], f"{name}/top_k")
@@ -161,12 +166,15 @@ def _prefix_top_k(b: GraphBuilder, p: str, k: str, p_given: str, name: str) -> s
                  rank=2)
 
 
-def _searched_top_k(b: GraphBuilder, p: str, k: str, p_given: str, name: str) -> str:
-    """tau for top_k > C: the k-th value by :func:`_largest_threshold`, then top-p inside the top-k likewise."""
-    k_f = b.cast(k, "float32", f"{name}/k_f")  # cast inside the branch (outside, ONNX Runtime warns at load)
-    tau_k = _largest_threshold(b, p, None, k_f, name)
-    return b.if_(p_given, f"{name}/tau", lambda: _searched_top_p(b, p, tau_k, k_f, f"{name}/p"),
-                 lambda: b.op("Identity", [tau_k], f"{name}/tau_k"), "float32", rank=2)
+def _searched(b: GraphBuilder, p: str, k: str, k_given: str, p_given: str, rows: str, name: str) -> str:
+    """tau by :func:`_largest_threshold`: tau_k (top-k; 0 without), then tau_p inside the top-k (with top-p)."""
+    tau_k = b.if_(k_given, f"{name}/tau_k",
+                  lambda: _largest_threshold(b, p, None, b.cast(k, "float32", f"{name}/k/k_f"), f"{name}/k"),
+                  lambda: _zeros_like_rows(b, rows, f"{name}/no_k"), "float32", rank=2)
+    # k_f cast inside the branches (outside, ONNX Runtime warns at load that it cannot rename it in subgraphs)
+    return b.if_(p_given, f"{name}/tau",
+                 lambda: _searched_top_p(b, p, tau_k, b.cast(k, "float32", f"{name}/p/k_f"), f"{name}/p"),
+                 lambda: b.op("Identity", [tau_k], f"{name}/tau_k_only"), "float32", rank=2)
 
 
 def _searched_top_p(b: GraphBuilder, p: str, tau_k: str, k_f: str, name: str) -> str:
@@ -182,23 +190,16 @@ def _searched_top_p(b: GraphBuilder, p: str, tau_k: str, k_f: str, name: str) ->
     return _largest_threshold(b, p, p, target, name)
 
 
-def _whole_vocabulary_top_p(b: GraphBuilder, p: str, k: str, n: str) -> str:
-    """tau for top_k 0 with top_p < 1: from the sorted prefix when every row's nucleus closes inside it (its C
-    values hold at least top_p of the mass), else by :func:`_largest_threshold` over the whole row."""
-    name = f"{n}/vocab_top_p"
+def _vocabulary_prefix(b: GraphBuilder, p: str, name: str) -> str:
+    """tau for top_k 0 with top_p < 1 from the sorted prefix: per row the nucleus floor where the row's nucleus
+    closes inside it (its C values hold at least top_p of the mass), -1 (search) where it does not."""
     top = _prefix(b, p, name)
     axes = b.const([-1], "int64")
     mass = b.op("ReduceSum", [p, axes], f"{name}/mass", keepdims=1)  # [R, 1]
     covered = b.op("Div", [b.op("ReduceSum", [top, axes], f"{name}/prefix_mass", keepdims=1), mass], f"{name}/covered")
-    closes = b.op("Cast", [b.op("GreaterOrEqual", [covered, "sample_top_p"], f"{name}/closes")], f"{name}/closes_f",
-                  to=TensorProto.FLOAT)
-    inside = b.op("Greater", [b.op("ReduceMin", [closes], f"{name}/every_row", keepdims=0), b.const(_F32(0.5))],
-                  f"{name}/inside")  # a scalar: no rows (R = 0) gives +inf, inside
-    return b.if_(inside, f"{name}/tau", lambda: _nucleus_floor(b, top, mass, None, f"{name}/prefix"),
-                 lambda: _searched_top_p(b, p, _zeros_like_rows(b, mass, f"{name}/no_k"),
-                                         b.cast(k, "float32", f"{name}/k_f"), f"{name}/search"),
-                 "float32", rank=2)
-
+    closes = b.op("GreaterOrEqual", [covered, "sample_top_p"], f"{name}/closes")
+    return b.op("Where", [closes, _nucleus_floor(b, top, mass, None, f"{name}/prefix"), b.const(_F32(-1.0))],
+                f"{name}/tau")
 
 
 def _sample_rows(b: GraphBuilder, probs: str) -> str:
@@ -217,14 +218,22 @@ def _sample_rows(b: GraphBuilder, probs: str) -> str:
     p_given = b.op("Less", ["sample_top_p", b.const([1.0], "float32")], f"{n}/p_given")  # [1]
     k = b.op("Where", [k_given, b.op("Min", ["sample_top_k", vocab_i], f"{n}/k_capped"), vocab_i], f"{n}/k")
 
-    tau = b.if_(b.op("And", [k_given, b.op("LessOrEqual", [k, b.const([_PREFIX], "int64")], f"{n}/k_small")],
-                     f"{n}/prefix_k"), f"{n}/tau",
-                lambda: _prefix_top_k(b, p, k, p_given, f"{n}/prefix_top_k"),
-                lambda: b.if_(k_given, f"{n}/tau/wide", lambda: _searched_top_k(b, p, k, p_given, f"{n}/search_top_k"),
-                              lambda: b.if_(p_given, f"{n}/tau/vocab", lambda: _whole_vocabulary_top_p(b, p, k, n),
-                                            lambda: _zeros_like_rows(b, u, f"{n}/tau/none"), "float32", rank=2),
-                              "float32", rank=2),
-                "float32", rank=2)
+    # tau from the sorted prefix where it holds the answer; -1: searched; 0: the whole vocabulary is kept
+    small_k = b.op("And", [k_given, b.op("LessOrEqual", [k, b.const([_PREFIX], "int64")], f"{n}/k_small")],
+                   f"{n}/small_k")
+    vocab_p = b.op("And", [b.op("Equal", ["sample_top_k", zero_i], f"{n}/whole"), p_given], f"{n}/vocab_p")
+    fixed = b.op("Where", [k_given, b.const([-1.0], "float32"), b.const([0.0], "float32")], f"{n}/fixed")  # [1]
+    tau0 = b.if_(small_k, f"{n}/tau0", lambda: _prefix_top_k(b, p, k, p_given, f"{n}/prefix_top_k"),
+                 lambda: b.if_(vocab_p, f"{n}/tau0/vocab", lambda: _vocabulary_prefix(b, p, f"{n}/vocab_top_p"),
+                               lambda: b.op("Add", [_zeros_like_rows(b, u, f"{n}/tau0/rows"), fixed], f"{n}/tau0/fixed"),
+                               "float32", rank=2),
+                 "float32", rank=2)  # [R, 1]
+    lowest = b.op("ReduceMin", [b.op("Concat", [b.op("Reshape", [tau0, flat], f"{n}/tau0_flat"),
+                                                b.const([0.0], "float32")], f"{n}/tau0_or_0", axis=0)],
+                  f"{n}/lowest", keepdims=0)  # a scalar, 0 when no row is sampled
+    search = b.op("Less", [lowest, b.const(_F32(0.0))], f"{n}/search")
+    tau = b.if_(search, f"{n}/tau", lambda: _searched(b, p, k, k_given, p_given, u, f"{n}/search"),
+                lambda: b.op("Identity", [tau0], f"{n}/tau/prefix"), "float32", rank=2)
 
     # the draw: inverse CDF over the kept set in increasing id order (the contract's rule)
     kept = b.cast(b.op("GreaterOrEqual", [p, tau], f"{n}/kept"), "float32", f"{n}/kept_f")  # [R, V] 0 / 1
