@@ -213,7 +213,7 @@ def test_cancel_and_a_failing_callback_end_one_sequence_alone(counter):
     _same(ok, _batch1(counter, SequenceRequest([50], 30)))
 
 
-def test_bad_requests_are_refused_at_submit(counter):
+def test_bad_requests_are_refused_at_submit(counter, monkeypatch):
     sched = Scheduler(counter.engine, counter.tree, max_batch=2)
     with pytest.raises(InvalidSettingError, match="prompt is empty"):
         sched.submit(SequenceRequest([], 4))
@@ -223,8 +223,10 @@ def test_bad_requests_are_refused_at_submit(counter):
         sched.submit(SequenceRequest([5] * 129, 4))
     with pytest.raises(InvalidTreeError, match="exceeds the engine's 3 Medusa heads"):
         sched.submit(SequenceRequest([1], 4, tree=make_tree([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], num_heads=4)))
-    with pytest.raises(InvalidSettingError, match="Exact here: top_k 1..10"):
-        sched.submit(SequenceRequest([1], 4, SamplingConfig(temperature=0.5, top_k=0)))
+    with monkeypatch.context() as m:  # an engine that cannot bind the in-graph sampler (CUDA / TensorRT engines)
+        m.setattr(counter.engine, "has_sampler", False)
+        with pytest.raises(InvalidSettingError, match="Exact here: top_k 1..10"):
+            sched.submit(SequenceRequest([1], 4, SamplingConfig(temperature=0.5, top_k=0)))
     with pytest.raises(InvalidSettingError, match="batch size must be an integer >= 1, got 0"):
         Scheduler(counter.engine, counter.tree, max_batch=0)
     assert sched.idle

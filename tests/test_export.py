@@ -59,7 +59,9 @@ def test_tiny_models_build_and_match_pytorch(tmp_path, kw, tree_spec):
     assert m["tree"]["size"] == tree.size and m["tree"]["depth"] == tree.max_depth
     names = [t["name"] for t in m["graphs"]["model"]["inputs"]]
     assert names[:4] == ["input_ids", "position_ids", "new_token_mask", "temperature"]
-    assert names[4:6] == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert names[4:9] == ["sample_uniforms", "sample_top_k", "sample_top_p", "past_key_values.0.key",
+                          "past_key_values.0.value"]  # the in-graph sampler's inputs (docs/sampling.md)
+    assert m["step_sampler"] == {"version": 1, "spec": "docs/sampling.md"}
     outs = [t["name"] for t in m["graphs"]["model"]["outputs"]]
     assert "new_key_values.1.value" in outs and "logits" not in outs
 
@@ -228,7 +230,11 @@ def test_weights_are_external_data_found_from_another_directory(tmp_path, monkey
         assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
         inline = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
         assert max((len(t.raw_data) for t in inline), default=0) <= 4 * 32  # head_dim / 2 floats (RoPE) at most
-        assert (path / name).stat().st_size < weights / 100
+        # the in-graph sampler (docs/sampling.md) is a fixed ~70 KB of nodes (its two 30-pass threshold searches),
+        # the same for any widths; the rest of the graph stays under 1% of the weights
+        sampler = sum(len(n.SerializeToString()) for n in graph.node if n.name.startswith("sampler/"))
+        assert sampler < 96_000 and (name == "model.onnx") == (sampler > 0)
+        assert (path / name).stat().st_size - sampler < weights / 100
     monkeypatch.chdir(other)
     eng = OrtEngine(load_artifact(path, full_verify=True))
     ref = TorchEngine(model)

@@ -291,6 +291,16 @@ def test_cli_generate_and_chat(counter_artifact, capsys):
     assert main(["generate", "--artifact", str(counter_artifact / "nope"), "--prompt", "x"]) == 2
 
 
+@pytest.fixture(scope="module")
+def pre_sampler_artifact(counter_artifact, tmp_path_factory):
+    """The counter artifact as a build from before ``step_sampler`` v1 reads: no ``step_sampler`` in its manifest."""
+    out = Path(shutil.copytree(counter_artifact, tmp_path_factory.mktemp("pre-sampler") / "counter"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["step_sampler"]
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
     (["--temperature", "0.5", "--posterior-threshold", "0"], "posterior_threshold (epsilon) must be in (0, 1], got 0.0"),
@@ -300,16 +310,32 @@ def test_cli_generate_and_chat(counter_artifact, capsys):
     (["--temperature", "0.7", "--top-k", "0"], "not exact with this step graph: it returns only its 10 best tokens"),
     (["--temperature", "0.7", "--top-k", "50", "--acceptance", "typical"], "Exact here: top_k 1..10, with any top_p"),
 ])
-def test_cli_bad_sampling_settings_are_one_line_errors(counter_artifact, capsys, argv, message):
+def test_cli_bad_sampling_settings_are_one_line_errors(pre_sampler_artifact, capsys, argv, message):
     """Each bad setting exits 2 with a message naming the valid range (issue 16: a traceback, or
-    --temperature -1 silently decoding greedily)."""
+    --temperature -1 silently decoding greedily); whole-vocabulary settings on an artifact without
+    the in-graph sampler too."""
     from medusa_export.cli.main import main
     from medusa_runtime.cli import main as runtime_main
 
     for entry in (main, runtime_main):
-        assert entry(["generate", "--artifact", str(counter_artifact), "--prompt", "hi", *argv]) == 2
+        assert entry(["generate", "--artifact", str(pre_sampler_artifact), "--prompt", "hi", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_cli_samples_the_whole_vocabulary_with_the_emitted_sampler(counter_artifact, capsys):
+    """top-k 0 / top-k 50 (refused above without ``step_sampler``) run through the built graph's own sampler."""
+    from medusa_runtime.cli import main as runtime_main
+
+    for extra in (["--top-k", "0", "--top-p", "0.9"], ["--top-k", "50", "--acceptance", "typical"]):
+        argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "12",
+                "--temperature", "0.7", "--seed", "4", "--threads", "1", *extra]
+        assert runtime_main(argv) == 0
+        out, _ = capsys.readouterr()
+        want = MedusaSession(counter_artifact, threads=1).generate(
+            "hi", max_new_tokens=12, temperature=0.7, seed=4, top_k=int(extra[1]),
+            **({"top_p": 0.9} if "--top-p" in extra else {"acceptance": "typical"}))
+        assert out == want.text + "\n" and want.token_ids
 
 
 def test_cli_samples_with_the_settings(counter_artifact, capsys):

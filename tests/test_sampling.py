@@ -8,7 +8,9 @@ of every 3-token continuation, enumerated from transformers' own logits and logi
 sampling). The empirical law over N seeds is compared by total variation with a bound sized from
 the exact law itself (the 99.9% quantile of the TV of N multinomial draws): "sample" must pass it,
 typical acceptance at its defaults must fail it. Whole-vocabulary sampling runs through the
-in-graph sampler (tests/sampler_graph.py grafts it onto the built step graph).
+in-graph sampler that every step graph carries (``export/sampler.py``, manifest ``step_sampler``),
+checked against the contract of docs/sampling.md computed here in float64 from transformers' logits,
+in both graph flavours.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from medusa_runtime.errors import UnsupportedSamplingError
 from medusa_runtime.loop import KVCache, SamplerInputs, causal_mask, generate
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import tree_from_spec
-from sampler_graph import graft_sampler
 
 VOCAB = 24
 PROMPT = [3, 1, 4, 1]
@@ -47,15 +48,14 @@ def peaked():
 
 @pytest.fixture(scope="module")
 def engines(peaked, tmp_path_factory):
-    """ONNX Runtime engines of the exported model: without and with the in-graph sampler."""
+    """(a PyTorch engine without the in-graph sampler, the ONNX Runtime engine of the built artifact, which has it)."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
 
     root = tmp_path_factory.mktemp("sampling")
-    art = build_artifact(tiny_loaded(peaked[1], max_context=64), TREES["16"], root / "plain", BuildConfig(validate=False),
+    art = build_artifact(tiny_loaded(peaked[1], max_context=64), TREES["16"], root / "art", BuildConfig(validate=False),
                          progress=False)
-    with_sampler = graft_sampler(art, root / "sampler")
-    return OrtEngine(load_artifact(art), threads=1), OrtEngine(load_artifact(with_sampler), threads=1)
+    return TorchEngine(peaked[1], max_context=64), OrtEngine(load_artifact(art), threads=1)
 
 
 def exact_law(hf, temperature: float, top_k: int, top_p: float) -> dict[tuple[int, int, int], float]:
@@ -114,9 +114,9 @@ def test_sample_has_plain_samplings_law_and_typical_does_not(peaked, engines, tr
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     law = exact_law(hf, 1.0, 4, 1.0)
     bound = tv_bound(law, N)
-    sample, accepted = first_three(engines[0], TREES[tree], cfg)
-    vanilla, _ = first_three(engines[0], ROOT, cfg)
-    typical, _ = first_three(engines[0], TREES[tree], dataclasses.replace(cfg, acceptance="typical"))
+    sample, accepted = first_three(engines[1], TREES[tree], cfg)
+    vanilla, _ = first_three(engines[1], ROOT, cfg)
+    typical, _ = first_three(engines[1], TREES[tree], dataclasses.replace(cfg, acceptance="typical"))
     assert accepted >= 0.2 * N  # the tree did its work: candidates were accepted, not only root draws
     assert sample == vanilla  # token for token, seed by seed (the m-th uniform drives position m)
     assert tv(law, sample) < bound, (tv(law, sample), bound)
@@ -164,7 +164,7 @@ def test_graph_and_host_draw_the_same_token_from_the_same_uniform(engines):
 def test_pytorch_reference_samples_the_same_tokens(peaked, engines):
     """The PyTorch reference (TorchEngine, same loop) draws the runtime's tokens, host and in-graph sampler."""
     model = peaked[1]
-    for cfg, ort, ref in [(SamplingConfig(1.0, top_k=4), engines[0], TorchEngine(model, max_context=64)),
+    for cfg, ort, ref in [(SamplingConfig(1.0, top_k=4), engines[1], TorchEngine(model, max_context=64)),
                           (SamplingConfig(1.0, top_k=0, top_p=0.8), engines[1],
                            TorchEngine(model, max_context=64, sampler=True))]:
         seeds = range(30)
@@ -176,5 +176,96 @@ def test_greedy_is_unchanged(peaked, engines, tree):
     """Temperature 0 (acceptance greedy): plain greedy decoding, token for token (transformers' generate)."""
     hf, _ = peaked
     for prompt in (PROMPT, [7, 7, 2, 19, 23, 0]):
-        r = generate(engines[0], prompt, TREES[tree], max_new_tokens=20, sampling=SamplingConfig())
+        r = generate(engines[1], prompt, TREES[tree], max_new_tokens=20, sampling=SamplingConfig())
         assert r.tokens == plain_greedy(hf, prompt, 20)
+
+
+# ---------------------------------------------------------------- the emitted sampler against its contract
+
+
+def contract_draw(p: np.ndarray, u: float, top_k: int, top_p: float) -> int:
+    """docs/sampling.md "in-graph sampler contract v1" for one row, float64 (independent of the graph's algorithm).
+
+    p: [V] probabilities; the kept set is transformers' top-k then top-p over the sorted values, the draw
+    the first kept id (increasing id order) whose cumulative kept mass exceeds u * the kept mass.
+    """
+    top = np.sort(p)[::-1][:top_k or len(p)]
+    tau_k = top[-1] if top_k else 0.0
+    q = top / top.sum()
+    nucleus = top[np.cumsum(q) - q < top_p]
+    tau_p = nucleus[-1] if top_p < 1 else 0.0
+    kept = p >= max(tau_k, tau_p)
+    cdf = np.cumsum(np.where(kept, p, 0.0))
+    return int(min(np.count_nonzero(cdf <= u * cdf[-1]), np.flatnonzero(kept)[-1]))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A 1001-token tiny Llama (lm_head x30: a spread of peaked and flat rows), built portable and fused."""
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+
+    hf, model = make_tiny_medusa(vocab=1001, seed=3, medusa_heads=3)
+    with torch.no_grad():
+        model.backbone.lm_head.weight.mul_(30.0)
+    root = tmp_path_factory.mktemp("wide")
+    arts = {g: build_artifact(tiny_loaded(model, max_context=64), TREES["4"], root / g,
+                              BuildConfig(validate=False, graph=g), progress=False) for g in ("portable", "fused")}
+    return hf, arts
+
+
+@pytest.mark.parametrize("graph", ["portable", "fused"])
+def test_emitted_sampler_follows_the_contract(wide, graph):
+    """Every setting, whole vocabulary included: sampled_ids = the contract's draw (float64, transformers' logits),
+    and = the host's draw from the top-k outputs where that is exact (top_k <= 10); the manifest declares it."""
+    hf, arts = wide
+    art = load_artifact(arts[graph])
+    assert art.manifest["step_sampler"] == {"version": 1, "spec": "docs/sampling.md"}
+    eng = OrtEngine(art, threads=1)
+    assert eng.has_sampler
+    ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]], np.int64)
+    s = ids.shape[1]
+    with torch.no_grad():
+        logits = hf(torch.from_numpy(ids)).logits[0].double()
+    rng = np.random.default_rng(7)
+    # top-k <= 256 and whole-vocabulary top-p whose nucleus fits in 256 tokens read a sorted prefix (TopK 256);
+    # wider top-k and wider nuclei (temperature 4: up to ~700 tokens) search their threshold: both are covered
+    settings = [(0, 1.0, 1.0), (0, 0.8, 1.0), (0, 0.5, 0.7), (0, 0.95, 4.0), (0, 0.6, 4.0), (50, 1.0, 1.0),
+                (300, 0.9, 1.3), (4, 1.0, 1.0), (10, 0.7, 0.8), (1, 1.0, 1.0), (256, 0.99, 4.0), (1001, 1.0, 1.0),
+                (5000, 0.95, 1.0), (700, 0.9, 4.0)]
+    draws, nuclei = 0, set()
+    for top_k, top_p, temperature in settings:
+        p = torch.softmax(logits / temperature, -1).numpy()
+        if top_k == 0 and top_p < 1:
+            mass = np.cumsum(np.sort(p, -1)[:, ::-1], -1)
+            nuclei |= {bool(n > 256) for n in (mass < top_p).sum(-1) + 1}
+        for _ in range(5):
+            u = rng.random(s).astype(np.float32)
+            out = eng.step(ids, np.arange(s)[None], causal_mask(s), temperature, KVCache.for_engine(eng, 16).past(),
+                           sampling=SamplerInputs(u, top_k, top_p))
+            want = [contract_draw(p[i], float(u[i]), top_k, top_p) for i in range(s)]
+            assert out.sampled_ids.tolist() == want, (top_k, top_p, temperature)
+            if 1 <= top_k <= 10:
+                np.testing.assert_array_equal(out.sampled_ids,
+                                              draw_tokens(out.topk_ids, out.topk_logprobs, u, top_k, top_p))
+            draws += s
+    assert draws == 60 * len(settings) and nuclei == {False, True}
+    # only rows with a uniform >= 0 are sampled; sample_top_k -1 turns the sampler off
+    u[[0, 5]] = -1.0
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, KVCache.for_engine(eng, 16).past(),
+                   sampling=SamplerInputs(u, 0, 0.9))
+    p = torch.softmax(logits, -1).numpy()
+    assert out.sampled_ids.tolist() == [-1 if u[i] < 0 else contract_draw(p[i], float(u[i]), 0, 0.9) for i in range(s)]
+    out = eng.step(ids, np.arange(s)[None], causal_mask(s), 1.0, KVCache.for_engine(eng, 16).past(),
+                   sampling=SamplerInputs(np.full(s, 0.5, np.float32), -1, 1.0))
+    assert out.sampled_ids.tolist() == [-1] * s
+
+
+def test_emitted_sampler_passes_the_tensorrt_readiness_check(wide):
+    """The portable graph with its sampler (If, NonZero, ScatterElements, CumSum, Range) passes the parser table check."""
+    from medusa_export.trt.readiness import check_artifact
+
+    report = check_artifact(wide[1]["portable"])
+    assert report.passed and not report.findings, [str(f) for f in report.findings]
+    assert {"If", "NonZero", "ScatterElements", "CumSum"} <= set(report.graphs["model"]["op_types"])
+    assert "TopK" in report.graphs["model"]["op_types"]  # the step's own top-10, not the sampler's

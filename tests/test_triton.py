@@ -63,7 +63,6 @@ def session(tiny_trt_artifact):
     ({"text_input": "hi", "acceptance": np.array([b"beam"], dtype=object)}, "unknown acceptance 'beam'"),
     ({"text_input": "hi", "top_k": -1}, "top_k must be >= 0"),
     ({"text_input": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
-    ({"text_input": "hi", "temperature": 0.5, "top_k": 0}, "Exact here: top_k 1..10"),
     ({"text_input": "hi", "posterior_threshold": 2.0}, "posterior_threshold (epsilon) must be in (0, 1]"),
     ({"text_input": "hi", "temperature": float("nan")}, "finite number"),
     ({"text_input": "hi", "seed": -3}, "seed must be in"),
@@ -77,6 +76,16 @@ def test_malformed_requests_are_request_errors(session, fields, message):
     with pytest.raises(RequestError) as err:
         parse_request(fields, session)
     assert message in str(err.value)
+
+
+def test_whole_vocabulary_requests_go_to_the_emitted_sampler(session, monkeypatch):
+    """top_k 0 is exact through the step graph's in-graph sampler (manifest step_sampler); an engine without
+    it refuses the request with the settings that are exact there."""
+    req = parse_request({"text_input": "hi", "temperature": 0.5, "top_k": 0, "top_p": 0.9}, session)
+    assert (req.sampling.top_k, req.sampling.top_p) == (0, 0.9)
+    monkeypatch.setattr(session.engine, "has_sampler", False)
+    with pytest.raises(RequestError, match="Exact here: top_k 1..10"):
+        parse_request({"text_input": "hi", "temperature": 0.5, "top_k": 0}, session)
 
 
 def test_generation_inputs_are_the_request_fields():
@@ -365,9 +374,12 @@ def test_served_ids_params_stop_and_sampling(server, session):
     want = session.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=float(np.float32(0.8)), seed=11,
                             acceptance="typical", top_k=5, top_p=float(np.float32(0.9)))
     assert one[0] == want.token_ids
-    _, err = _request(srv, grpc, _inputs(grpc, text=PROMPTS[0], max_new_tokens=NEW_TOKENS) + [temp],
-                      parameters={"top_k": 0})
-    assert "Exact here: top_k 1..10" in err
+    # the whole vocabulary: drawn by the step graph's in-graph sampler (manifest step_sampler), as in the Python API
+    (one,), err = _request(srv, grpc, _inputs(grpc, text=PROMPTS[0], max_new_tokens=NEW_TOKENS) + [temp],
+                           parameters={"seed": 11, "top_k": 0})
+    assert err is None
+    want = session.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS, temperature=float(np.float32(0.8)), seed=11, top_k=0)
+    assert one[0] == want.token_ids
 
 
 def test_concurrent_requests_share_steps(server, session):

@@ -37,6 +37,27 @@ class TensorSpec:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "meaning": self.meaning}
 
 
+#: The in-graph sampler's version (manifest ``step_sampler``; docs/sampling.md), written by every step graph.
+STEP_SAMPLER_VERSION = 1
+SAMPLER_INPUTS = (
+    TensorSpec("sample_uniforms", "float32", (1, "S"),
+               "row i's uniform in [0, 1) for the inverse-CDF draw of sampled_ids[0, i]; < 0: row i not sampled"),
+    TensorSpec("sample_top_k", "int64", (1,),
+               "top-k of the draw; 0 = the whole vocabulary; -1 = sampler off (skipped; sampled_ids all -1)"),
+    TensorSpec("sample_top_p", "float32", (1,), "top-p inside the top-k, in (0, 1]; 1 = off"),
+)
+SAMPLER_OUTPUTS = (
+    TensorSpec("sampled_ids", "int64", (1, "S"),
+               "a token drawn at each row from softmax(logits / temperature) truncated by top-k then top-p, by "
+               "inverse CDF over the kept tokens in increasing id order with sample_uniforms; -1 where not sampled"),
+)
+
+
+def step_sampler_json() -> dict:
+    """The manifest's ``step_sampler`` entry (the runtime's ``medusa_runtime.artifact.step_sampler`` reads it)."""
+    return {"version": STEP_SAMPLER_VERSION, "spec": "docs/sampling.md"}
+
+
 def step_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The portable backbone step's inputs and outputs: names, dtypes, shapes (symbolic S, P) and meanings.
 
@@ -70,6 +91,7 @@ def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[Tenso
                    "(causal for prefill, the tree attention mask for a tree step); the past is always visible "
                    "(in a sliding-window layer: the keys whose position p satisfies q - W < p)"),
         TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
+        *SAMPLER_INPUTS,
     ]
     outputs = [
         TensorSpec("topk_ids", "int64", (1, "S", k), "the k most likely next tokens at each position, best first"),
@@ -78,6 +100,7 @@ def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[Tenso
         TensorSpec("token_logprobs", "float32", (1, "S", "S"),
                    "[0, i, j] = log P(input_ids[j] | position i) at `temperature`; a node's acceptance reads [parent, node]"),
         TensorSpec("hidden_states", float_dtype, (1, "S", cfg.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
+        *SAMPLER_OUTPUTS,
     ]
     return inputs, outputs
 

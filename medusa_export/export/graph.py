@@ -15,6 +15,8 @@ TensorRT's per-layer float32 constraints (issue 13, item 6).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -101,6 +103,34 @@ class GraphBuilder:
     def weight_names(self) -> set[str]:
         """Names of the weights this graph references."""
         return set(self._weights)
+
+    def if_(self, cond: str, name: str, then: Callable[[], str], otherwise: Callable[[], str], dtype: str,
+            rank: int) -> str:
+        """An ``If`` node with one output: each branch's nodes are those ``then()`` / ``otherwise()`` add.
+
+        The branches read outer values (inputs, earlier nodes, the builder's constants, which stay
+        initializers of the main graph: TensorRT's parser sees them as build-time constants) and
+        take no inputs of their own. Their outputs have different names, as TensorRT's parser
+        requires, and the same ``dtype`` and ``rank``.
+
+        Args:
+            cond: a bool tensor of one element.
+            name: the If node's name (its output is ``<name>/out``).
+            then, otherwise: add a branch's nodes and return its output's name.
+            dtype: the output's dtype name; rank: its rank.
+        """
+        def branch(body: Callable[[], str], which: str) -> onnx.GraphProto:
+            outer, self.nodes = self.nodes, []
+            try:
+                out = body()
+                nodes = self.nodes
+            finally:
+                self.nodes = outer
+            return helper.make_graph(nodes, f"{name}/{which}", [],
+                                     [helper.make_tensor_value_info(out, ONNX_TYPES[dtype], [None] * rank)])
+
+        then_g, else_g = branch(then, "then"), branch(otherwise, "else")
+        return self.op("If", [cond], name, then_branch=then_g, else_branch=else_g)
 
     def cast(self, x: str, to: str, name: str) -> str:
         return self.op("Cast", [x], name, to=ONNX_TYPES[to])
@@ -207,7 +237,11 @@ class GraphBuilder:
 
     def acceptance_outputs(self, logits: str, k: int) -> None:
         """The step's acceptance outputs from logits [S, V] (``model/medusa.py`` ``acceptance_outputs``):
-        log-softmax at ``temperature`` in float32, top-k, entropy, and each node's log-prob of every input token."""
+        log-softmax at ``temperature`` in float32, top-k, entropy, each node's log-prob of every input token,
+        and the in-graph sampler's ``sampled_ids`` (:mod:`.sampler`, docs/sampling.md, ``step_sampler`` v1),
+        which reads the probabilities the entropy computes."""
+        from .sampler import write_sampler  # sampler.py builds with this class
+
         lf = self.to_float32(logits, "logits/cast")
         logp = self.op("LogSoftmax", [self.op("Div", [lf, "temperature"], "logits/temperature")], "logprobs", axis=-1)
         top_lp, top_ids = self.op("TopK", [logp, self.const([k], "int64")], "topk", n_out=2, axis=-1, largest=1,
@@ -215,13 +249,15 @@ class GraphBuilder:
         axis0 = self.const([0], "int64")
         self.op("Unsqueeze", [top_ids, axis0], "topk_ids/unsqueeze", outputs=["topk_ids"])
         self.op("Unsqueeze", [top_lp, axis0], "topk_logprobs/unsqueeze", outputs=["topk_logprobs"])
-        plogp = self.op("Mul", [self.op("Exp", [logp], "entropy/exp"), logp], "entropy/plogp")
+        probs = self.op("Exp", [logp], "entropy/exp")  # [S, V]
+        plogp = self.op("Mul", [probs, logp], "entropy/plogp")
         ent = self.op("Neg", [self.op("ReduceSum", [plogp, self.const([-1], "int64")], "entropy/sum", keepdims=0)],
                       "entropy/neg")
         self.op("Unsqueeze", [ent, axis0], "entropy/unsqueeze", outputs=["entropy"])
         ids = self.op("Reshape", ["input_ids", self.const([-1], "int64")], "token_logprobs/ids")
         tok = self.op("Gather", [logp, ids], "token_logprobs/gather", axis=1)  # [S, S]
         self.op("Unsqueeze", [tok, axis0], "token_logprobs/unsqueeze", outputs=["token_logprobs"])
+        write_sampler(self, probs)
 
     # ---- the model --------------------------------------------------------------------------------------
 

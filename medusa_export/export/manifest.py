@@ -21,7 +21,7 @@ from ..loading.registry import LoadedMedusa
 from ..loading.sources import ModelSources
 from ..model.medusa import STEP_TOPK
 from .config import BuildConfig
-from .contract import OPSET, heads_io, level_io, level_key, step_io
+from .contract import OPSET, heads_io, level_io, level_key, step_io, step_sampler_json
 from .fused import FUSED_OPS, fused_step_io
 from .quantize import uses_contrib_ops
 
@@ -157,6 +157,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
+        "step_sampler": step_sampler_json(),
         "kv_layout": layout,
         "graphs": {
             "model": step_graph,

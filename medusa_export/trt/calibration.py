@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.loop import causal_mask
+from medusa_runtime.artifact import step_sampler
+from medusa_runtime.loop import causal_mask, sampler_feed
 from medusa_runtime.trt_plan import model_profiles
 
 _NP = {"float32": np.float32, "float16": np.float16}
@@ -41,11 +42,13 @@ def step_feeds(manifest: dict, windows: list[np.ndarray]) -> list[dict[str, np.n
     m = manifest["model"]
     kv = _NP[manifest["precision"]["kv_dtype"]]
     empty = np.zeros((1, 0, m["num_kv_heads"], m["head_dim"]), kv)
+    sampler = step_sampler(manifest)
     feeds = []
     for w in windows:
         s = len(w)
         feed = {"input_ids": w[None], "position_ids": np.arange(s, dtype=np.int64)[None],
-                "new_token_mask": causal_mask(s), "temperature": np.ones(1, np.float32)}
+                "new_token_mask": causal_mask(s), "temperature": np.ones(1, np.float32),
+                **(sampler_feed(s, None) if sampler else {})}  # the in-graph sampler off
         for i in range(m["num_layers"]):
             feed[f"past_key_values.{i}.key"] = empty
             feed[f"past_key_values.{i}.value"] = empty

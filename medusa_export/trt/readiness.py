@@ -42,6 +42,9 @@ _TRT_TYPE = {
 _REDUCE_OPS = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin",
                "ReduceProd", "ReduceSum", "ReduceSumSquare")
 _TOPK_MAX = 3840
+#: Ops whose inputs after the first n are parameters (a constant axis, checked by the restrictions),
+#: not tensors of the types the op table lists: their types are not compared with the table.
+_TYPED_INPUTS = {"CumSum": 1}
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,7 @@ def check_ops(model: onnx.ModelProto, graph_name: str, table: OpTable | None = N
             continue
         findings.extend(_check_restrictions(n, consts, where, graph_name))
         allowed = table.supported[n.op_type]
-        for name in n.input:
+        for name in n.input[:_TYPED_INPUTS.get(n.op_type)]:
             t = _TRT_TYPE.get(types.get(name, 0), None) if name in types else None
             if t and t not in allowed and (n.op_type, t) not in type_warned:
                 type_warned.add((n.op_type, t))
