@@ -200,6 +200,40 @@ def step_limits(manifest: dict) -> StepLimits:
                       step_sampler(manifest))
 
 
+#: Versions of the manifest's ``batch`` entry this runtime reads.
+STEP_BATCH_VERSIONS = (1,)
+
+
+def step_batch(manifest: dict) -> int:
+    """The batch size a batched step graph was built for (``manifest["batch"]["max_batch_size"]``), or 0
+    for a batch-1 graph (no ``batch`` entry: every artifact built before batching).
+
+    A batched step graph (docs/batching.md) takes B rows per call: ``input_ids`` / ``position_ids``
+    [B, S], ``new_token_mask`` [B, S, S], ``temperature`` [B], ``past_sequence_length`` int32 [B] and
+    the past padded to the longest row [B, P, H_kv, D]; B is dynamic (any B runs; ``max_batch_size`` is
+    what it was built and profiled for).
+
+    Raises:
+        ArtifactError: an unknown ``batch`` version, a bad size, a layout other than sequence-major, or a
+            step graph without ``past_sequence_length``.
+    """
+    spec = manifest.get("batch")
+    if not spec:
+        return 0
+    version = spec.get("version") if isinstance(spec, dict) else None
+    if version not in STEP_BATCH_VERSIONS:
+        raise ArtifactError(f"batch version {version!r} is not supported (this runtime reads "
+                            f"{', '.join(map(str, STEP_BATCH_VERSIONS))})")
+    size = spec.get("max_batch_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ArtifactError(f"batch.max_batch_size must be an integer >= 1, got {size!r}")
+    if kv_layout(manifest) != "sequence-major":
+        raise ArtifactError("a batched step graph must have the sequence-major KV layout")
+    if "past_sequence_length" not in {t["name"] for t in manifest["graphs"]["model"]["inputs"]}:
+        raise ArtifactError("batch is declared but the step graph lacks past_sequence_length")
+    return size
+
+
 def step_sampler(manifest: dict) -> bool:
     """Whether the step graph has the in-graph sampler (``manifest["step_sampler"]``, docs/sampling.md).
 

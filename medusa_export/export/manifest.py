@@ -69,7 +69,9 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
         graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
                  "dims": dims}
         return layout, graph
-    s_in, s_out = step_io(src.config, dtype, STEP_TOPK)
+    s_in, s_out = step_io(src.config, dtype, STEP_TOPK, cfg.batched)
+    if cfg.batched:
+        return _batched_step_graph_json(cfg, max_context, tree_size, file, s_in, s_out, s_dim)
     layout = {
         "layout": "sequence-major",
         "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
@@ -83,6 +85,35 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
                           "tree_step": {"S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
                           "decode": {"S": [1, 1], "P": [0, max_context - 1]}}}
     return layout, graph
+
+
+def _batched_step_graph_json(cfg: BuildConfig, max_context: int, tree_size: int, file: str, s_in, s_out,
+                             s_dim: str) -> tuple[dict, dict]:
+    """``kv_layout`` and ``graphs.model`` of the batched portable step (``--batch-size`` N > 1)."""
+    n = cfg.batch_size
+    layout = {
+        "layout": "sequence-major",
+        "shape": "[B, P, H_kv, D] per layer, separate key and value tensors (sequence-major); row b's valid past is "
+                 "slots [0, past_sequence_length[b]), P the longest row's, the rest padding",
+        "inputs": "past_key_values.{i}.key / .value: each row's valid past, padded to the longest; "
+                  "past_sequence_length [B]: the rows' valid lengths",
+        "outputs": "new_key_values.{i}.key / .value: K/V of this step's S tokens of each row only",
+        "compaction": "per row b: copy new_key_values[b, accepted_b] into row b's slots [P_b, P_b + len(accepted_b))",
+    }
+    graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+             "dims": {"B": f"sequences in the call, dynamic (built for up to {n})", "S": s_dim + " (shorter rows "
+                      "padded)", "P": "the longest row's valid past length, 0 .. max_context - S"},
+             "profiles": {"prefill": {"B": [1, n], "S": [1, max_context], "P": [0, max_context - 1]},
+                          "tree_step": {"B": [1, n], "S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
+                          "decode": {"B": [1, n], "S": [1, 1], "P": [0, max_context - 1]}}}
+    return layout, graph
+
+
+def batch_json(cfg: BuildConfig) -> dict:
+    """The manifest's ``batch`` entry of a batched artifact (absent from batch-1 ones)."""
+    return {"version": 1, "dim": "B", "dynamic": True, "max_batch_size": cfg.batch_size,
+            "note": "every step graph tensor has a leading batch dimension B; past_sequence_length [B] gives each "
+                    "row's valid past (docs/batching.md)"}
 
 
 def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) -> dict:
@@ -157,6 +188,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
+        **({"batch": batch_json(cfg)} if cfg.batched else {}),
         "kv_layout": layout,
         "graphs": {
             "model": step_graph,

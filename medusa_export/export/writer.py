@@ -64,7 +64,7 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: in
         ins, outs = write_fused_step(step, bc, max_context, lm_q)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
     else:
-        ins, outs = write_portable_step(step, bc, lm_q)
+        ins, outs = write_portable_step(step, bc, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
     hp = cfg.resolved_heads_precision
     heads = GraphBuilder(weights, "float16" if hp == "fp16" else "float32")
