@@ -26,15 +26,27 @@ from medusa_runtime.tree import make_tree
 VOCAB, CONTEXT, EOS = 300, 128, 2
 
 
-@pytest.fixture(scope="module")
-def counter_artifact(tmp_path_factory):
+def _counter_build(out, batch_size: int):
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
     from medusa_runtime.tree import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
-    out = tmp_path_factory.mktemp("batch") / "counter"
-    return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False), progress=False)
+    return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False, batch_size=batch_size),
+                          progress=False)
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["batch1-graph", "batched-graph"])
+def counter_artifact(request, tmp_path_factory):
+    """The counter model built twice: the batch-1 step graph (the scheduler loops over rows) and the batched
+    one (``--batch-size 4``: OrtBatchEngine runs every row in one call); every test below runs on both."""
+    return _counter_build(tmp_path_factory.mktemp("batch") / "counter", request.param)
+
+
+@pytest.fixture(scope="module")
+def counter_batch1(tmp_path_factory):
+    """The batch-1 counter artifact's session: the reference of the batched graph's rows."""
+    return MedusaSession(_counter_build(tmp_path_factory.mktemp("batch1") / "counter", 1), threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +169,90 @@ def test_vanilla_and_medusa_sequences_share_steps(counter):
     assert v.result.step_tokens == [1] * 19 and max(m.result.step_tokens) == 4
 
 
-def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf):
-    """An independent reference: transformers' greedy generate of the same random model."""
-    hf, _ = tiny_hf()
-    session = MedusaSession(tiny_trt_artifact, threads=1)
+@pytest.mark.parametrize("batched", [False, True], ids=["batch1-graph", "batched-graph"])
+def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, batched):
+    """An independent reference: transformers' greedy generate of the same random model, four prompts of
+    different lengths sharing each step and finishing at different times. Batched: the model built with
+    --batch-size 4 (one call per step); each row is also the batch-1 artifact's generate (tokens, tokens per step)."""
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    hf, model = tiny_hf()
+    session = batch1 = MedusaSession(tiny_trt_artifact, threads=1)
+    if batched:
+        art = build_artifact(tiny_loaded(model, max_context=256), tree_from_spec("16", num_heads=3), tmp_path / "b4",
+                             BuildConfig(validate=False, batch_size=4), progress=False)
+        session = MedusaSession(art, threads=1)
+    assert isinstance(session.engine, OrtBatchEngine) == batched
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 1000, size=n).tolist() for n in (3, 17, 9, 30)]
     sched = Scheduler(session.engine, session.tree, max_batch=4)  # EOS ignored, as plain_greedy does
     states = [sched.submit(SequenceRequest(p, 12 + 3 * i, tag=i)) for i, p in enumerate(prompts)]
     sched.run()
     for s, p in zip(states, prompts):
-        assert s.result.tokens == plain_greedy(hf, p, s.request.max_new_tokens)
+        n = s.request.max_new_tokens
+        assert s.error is None and s.max_batch_seen == 4
+        assert s.result.tokens == plain_greedy(hf, p, n)
+        ref = generate(batch1.engine, p, batch1.tree, max_new_tokens=n)
+        assert (s.result.tokens, s.result.step_tokens) == (ref.tokens, ref.step_tokens)
+
+
+class _RunSpy:
+    """Wraps an ONNX Runtime session: records the input_ids shape of every run."""
+
+    def __init__(self, session):
+        self.session, self.shapes = session, []
+
+    def run(self, names, feed, *args):
+        self.shapes.append(feed["input_ids"].shape)
+        return self.session.run(names, feed, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_batched_graph_runs_every_row_in_one_call(counter, counter_batch1):
+    """A batched artifact: one ONNX Runtime call per tree step over all the running rows (prompts of different
+    lengths, rows accepting different lengths in one step, rows leaving early); each row's tokens, finish
+    reason, tokens per step and accepted depths equal the batch-1 *graph*'s generate of that row."""
+    eng = counter.engine
+    if not eng.max_batch:
+        pytest.skip("the batch-1 graph: the scheduler loops over the rows")
+    spy = _RunSpy(eng.step_session)
+    eng.step_session = spy
+    try:
+        sched = Scheduler(eng, counter.tree, max_batch=5, eos_token_ids=counter.eos_token_ids)
+        states = [sched.submit(r) for r in _requests()]
+        running = []
+        while not sched.idle:
+            before = len(spy.shapes)
+            sched.step()
+            running.append((len(spy.shapes) - before, len(sched.running)))
+    finally:
+        eng.step_session = counter.engine.step_session = spy.session
+    for s in states:
+        r = s.request
+        _same(s, _batch1(counter_batch1, SequenceRequest(r.prompt_ids, r.max_new_tokens)))
+    prefills = [shape for shape in spy.shapes if shape[1] != counter.tree.size]
+    steps = [shape for shape in spy.shapes if shape[1] == counter.tree.size]
+    assert sorted(p[1] for p in prefills) == sorted(len(r.prompt_ids) for r in _requests())
+    assert all(p[0] == 1 for p in prefills)  # each joiner prefilled over its own row
+    assert steps[0][0] == 5 and {b for b, _ in steps} >= {5, 4}  # all rows in one call; fewer once some left
+    assert running[0][0] == 5 + 1  # the first boundary: 5 prefills, then one tree step for all 5 rows
+
+
+def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.engines import create_engine
+    from medusa_runtime.errors import BackendUnavailableError
+
+    art = load_artifact(counter_artifact)
+    if not art.manifest.get("batch"):
+        pytest.skip("a batch-1 artifact")
+    with pytest.raises(BackendUnavailableError, match="--backend onnxruntime, or build with --batch-size 1"):
+        create_engine(art, "tensorrt")
 
 
 def test_fused_artifact_rows_keep_their_own_cache(tmp_path):
@@ -244,6 +329,10 @@ def test_rows_fill_their_context_independently(counter):
 
 
 def test_batch_engine_wraps_batch1_engines(counter):
+    if counter.engine.max_batch:  # a batched artifact's engine is its own batch engine
+        assert batch_engine(counter.engine) is counter.engine and not counter.engine.row_by_row
+        assert counter.batch_engine is counter.engine
+        return
     looped = batch_engine(counter.engine)
     assert isinstance(looped, LoopedBatchEngine) and looped.row_by_row
     assert batch_engine(looped) is looped

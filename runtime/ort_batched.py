@@ -1,0 +1,159 @@
+"""The batched ONNX Runtime engine: all the rows of a step in one call of a batched step graph.
+
+Artifacts built with ``build --batch-size N`` (N > 1, manifest ``batch``) have a step graph with a
+dynamic batch dimension B and per-row past lengths (docs/batching.md). :class:`OrtBatchEngine` is the
+:class:`~medusa_runtime.batch.BatchEngine` the scheduler drives for them: ``step_rows`` packs the
+rows into one call,
+
+* ``input_ids`` / ``position_ids`` [B, S] with S the longest row's new tokens; a shorter row is
+  padded (token 0, its last position) and each padding token sees only itself in
+  ``new_token_mask`` [B, S, S] while no real token sees it, so the real rows' outputs are those of
+  the row alone;
+* the past [B, P, H_kv, D] per layer, P the longest row's valid length: row b's valid slots
+  copied from its own :class:`~medusa_runtime.loop.KVCache`, the rest zeros that
+  ``past_sequence_length`` [B] masks out;
+* ``temperature`` [B], one per row;
+
+then hands each row its own :class:`~medusa_runtime.loop.StepResult` (padding cut off), whose K/V
+the row's cache keeps (compaction touches that row's buffers only).
+
+The packed past is a copy of every row's valid slots per call (the batch-1 engine feeds views of
+one row without a copy): B x P x H_kv x D x 2 x layers elements. It is the price of one call
+over ragged rows with standard ONNX ops; a KV pool laid out [B, C, H_kv, D] with the rows kept
+in place is the next step if it shows in profiles.
+
+Pure numpy + onnxruntime: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .artifact import Artifact
+from .errors import ArtifactError, ContextOverflowError
+from .loop import KVCache, RowInputs, StepResult, engine_step
+from .ort_engine import OrtEngine
+
+
+def pack_rows(inputs: Sequence[RowInputs]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """The batched graph's token inputs for B rows of possibly different lengths.
+
+    Args:
+        inputs: each row's tokens int64 [S_b], positions int64 [S_b], mask bool [S_b, S_b], temperature.
+
+    Returns:
+        (input_ids int64 [B, S], position_ids int64 [B, S], new_token_mask bool [B, S, S],
+        temperature float32 [B], lengths [S_b]) with S = max S_b. Padding: token 0 at the row's last
+        position, seeing only itself; the row's own mask is copied to [b, :S_b, :S_b] and no real token
+        sees a padding one.
+    """
+    lengths = [int(len(r.tokens)) for r in inputs]
+    b, s = len(inputs), max(lengths)
+    ids = np.zeros((b, s), np.int64)
+    pos = np.zeros((b, s), np.int64)
+    mask = np.zeros((b, s, s), bool)
+    temps = np.empty(b, np.float32)
+    for i, (r, n) in enumerate(zip(inputs, lengths)):
+        ids[i, :n] = r.tokens
+        pos[i, :n] = r.positions
+        pos[i, n:] = r.positions[-1]
+        mask[i, :n, :n] = r.mask
+        pad = np.arange(n, s)
+        mask[i, pad, pad] = True
+        temps[i] = r.temperature
+    return ids, pos, mask, temps, lengths
+
+
+def pack_past(caches: Sequence[KVCache], num_layers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """Every row's valid past in one zero-padded array per layer.
+
+    Args:
+        caches: the rows' sequence-major caches (``keys[l]`` / ``values[l]`` [1, capacity, H_kv, D]).
+        num_layers: layers.
+
+    Returns:
+        (per layer (key, value) [B, P, H_kv, D] with P = the longest valid length, row b's slots
+        [0, length_b) its past and the rest zeros; int32 [B] the lengths).
+    """
+    lengths = np.array([c.length for c in caches], np.int32)
+    p = int(lengths.max()) if len(lengths) else 0
+    packed = []
+    for layer in range(num_layers):
+        pair = []
+        for bufs in ((c.keys[layer] for c in caches), (c.values[layer] for c in caches)):
+            bufs = list(bufs)
+            out = np.zeros((len(caches), p) + bufs[0].shape[2:], bufs[0].dtype)
+            for i, (buf, n) in enumerate(zip(bufs, lengths)):
+                out[i, :n] = buf[0, :n]
+            pair.append(out)
+        packed.append((pair[0], pair[1]))
+    return packed, lengths
+
+
+class OrtBatchEngine(OrtEngine):
+    """:class:`~.ort_engine.OrtEngine` for a batched artifact, with the :class:`~medusa_runtime.batch.BatchEngine`
+    interface: ``step_rows`` runs every row in one ONNX Runtime call (see the module docstring).
+
+    ``step`` (one sequence: :func:`~medusa_runtime.loop.generate`, validation) runs the same graph
+    as a batch of one.
+
+    Args:
+        artifact: a batched artifact (manifest ``batch``); other arguments as :class:`OrtEngine`.
+
+    Raises:
+        ArtifactError: the artifact's step graph is not batched (use :class:`OrtEngine`, which the
+            scheduler loops over the rows).
+    """
+
+    row_by_row = False
+
+    def __init__(self, artifact: Artifact, **options):
+        super().__init__(artifact, **options)
+        if not self.max_batch:
+            raise ArtifactError(f"{artifact.path}: the step graph is not batched (no manifest 'batch'); rebuild with "
+                                "`medusa-export build --batch-size N` or run it with OrtEngine")
+
+    def row_cache(self, capacity: int) -> KVCache:
+        """One sequence's KV row: a sequence-major :class:`~medusa_runtime.loop.KVCache` of ``capacity`` slots."""
+        return self.make_cache(capacity)
+
+    def release(self, cache) -> None:
+        """Nothing to do: each row's cache is its own arrays."""
+
+    def step_rows(self, caches: Sequence[KVCache], inputs: Sequence[RowInputs]) -> list[StepResult]:
+        """One call over ``len(caches)`` rows: row b runs ``inputs[b]`` after ``caches[b]``'s valid past.
+
+        Returns:
+            Per row, its :class:`~medusa_runtime.loop.StepResult` (batch dimension dropped, padding cut:
+            [S_b, ...]; ``new_kv`` [1, S_b, H_kv, D] per layer, for that row's ``keep``).
+
+        Raises:
+            ArtifactError: a row asks for the in-graph sampler (batched graphs have none).
+            ContextOverflowError: a row's step does not fit its cache.
+        """
+        if len(caches) != len(inputs):
+            raise ValueError(f"{len(caches)} caches for {len(inputs)} rows")
+        if any(r.sampling is not None for r in inputs):
+            raise ArtifactError("a batched step graph has no in-graph sampler: sample on the host")
+        if len(inputs) == 1:
+            return [engine_step(self, inputs[0], caches[0].past())]
+        for c, r in zip(caches, inputs):
+            if c.length + len(r.tokens) > c.capacity:
+                raise ContextOverflowError(f"a step of {len(r.tokens)} tokens does not fit: {c.length} of "
+                                           f"{c.capacity} cache slots are in use")
+        ids, pos, mask, temps, lengths = pack_rows(inputs)
+        past, past_lengths = pack_past(caches, self.num_layers)
+        feed = {"input_ids": ids, "position_ids": pos, "new_token_mask": mask, "temperature": temps,
+                "past_sequence_length": past_lengths}
+        for (kn, vn), (k, v) in zip(self._past_names, past):
+            feed[kn], feed[vn] = k, v
+        outs = dict(zip(self._outputs, self.step_session.run(self._outputs, feed)))
+        new = [outs[self._outputs[i]] for i in self._kv_outputs]
+        results = []
+        for b, n in enumerate(lengths):
+            kv = [(new[2 * i][b : b + 1, :n], new[2 * i + 1][b : b + 1, :n]) for i in range(self.num_layers)]
+            results.append(StepResult(outs["topk_ids"][b, :n], outs["topk_logprobs"][b, :n], outs["entropy"][b, :n],
+                                      outs["token_logprobs"][b, :n, :n], outs["hidden_states"][b, :n], kv))
+        return results
