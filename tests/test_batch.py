@@ -531,3 +531,27 @@ def test_embedded_model_batch_equals_batch1(smollm_artifact):
             assert (c.token_ids, c.finish_reason) == (ref.token_ids, ref.finish_reason), prompt
             assert c.result.step_tokens == ref.result.step_tokens
         assert max(c.tokens_per_step for c in got) > 1.2  # the heads do accept
+
+
+@pytest.mark.slow
+def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_artifact, tmp_path):
+    """The embedded SmolLM2 built with --batch-size 3: four MT-Bench prompts of different lengths, three rows per
+    call, greedy: every reply (ids, finish reason, tokens per step) is the batch-1 artifact's generate."""
+    from conftest import SMOLLM_TREE, mt_bench_prompts
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)
+    art = build_artifact(smollm, tree, tmp_path / "b3", BuildConfig(max_context=1024, validate=False, batch_size=3),
+                         progress=False)
+    batched, batch1 = MedusaSession(art, threads=2), MedusaSession(smollm_artifact, threads=2)
+    assert isinstance(batched.engine, OrtBatchEngine)
+    prompts, budgets = mt_bench_prompts(4), [40, 24, 40, 32]
+    got = batched.generate_batch(prompts, max_new_tokens=budgets, batch_size=3)
+    for prompt, n, c in zip(prompts, budgets, got):
+        ref = batch1.generate(prompt, max_new_tokens=n)
+        assert (c.token_ids, c.finish_reason) == (ref.token_ids, ref.finish_reason), prompt
+        assert c.result.step_tokens == ref.result.step_tokens
+    assert max(c.tokens_per_step for c in got) > 1.2  # the heads do accept

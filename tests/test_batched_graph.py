@@ -157,3 +157,29 @@ def test_cli_build_fused_batched_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code != 0 and "--graph portable" in err and "Traceback" not in err
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
+def test_other_precisions_batch_row_for_row(tmp_path, precision):
+    """fp16 and the weight-only (MatMulNBits) graphs batch too: four prompts of different lengths sharing each
+    step give each prompt's tokens from the batch-1 artifact of the same precision."""
+    from medusa_runtime.batch import Scheduler, SequenceRequest
+    from medusa_runtime.loop import generate
+    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.session import MedusaSession
+
+    model = make_tiny_medusa()[1]
+    sessions = [MedusaSession(build_artifact(tiny_loaded(model, max_context=128), tree_from_spec("16", num_heads=3),
+                                             tmp_path / f"b{b}", BuildConfig(validate=False, batch_size=b,
+                                                                            precision=precision), progress=False),
+                              threads=1) for b in (1, BATCH)]
+    one, many = sessions
+    assert isinstance(many.engine, OrtBatchEngine)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 1000, size=n).tolist() for n in (3, 17, 9, 30)]
+    sched = Scheduler(many.engine, many.tree, max_batch=BATCH)
+    states = [sched.submit(SequenceRequest(p, 20, tag=i)) for i, p in enumerate(prompts)]
+    sched.run()
+    for s, p in zip(states, prompts):
+        ref = generate(one.engine, p, one.tree, max_new_tokens=20)
+        assert s.max_batch_seen == BATCH and (s.result.tokens, s.result.step_tokens) == (ref.tokens, ref.step_tokens)
