@@ -210,12 +210,13 @@ def step_batch(manifest: dict) -> int:
 
     A batched step graph (docs/batching.md) takes B rows per call: ``input_ids`` / ``position_ids``
     [B, S], ``new_token_mask`` [B, S, S], ``temperature`` [B], ``past_sequence_length`` int32 [B] and
-    the past padded to the longest row [B, P, H_kv, D]; B is dynamic (any B runs; ``max_batch_size`` is
-    what it was built and profiled for).
+    the rows' pasts ([B, P, H_kv, D] sequence-major, or [B, H_kv, C, D] head-major), and returns each
+    row's new K/V (``new_key_values.{i}.*``; it writes no buffer in place); B is dynamic (any B runs;
+    ``max_batch_size`` is what it was built and profiled for).
 
     Raises:
-        ArtifactError: an unknown ``batch`` version, a bad size, a layout other than sequence-major, or a
-            step graph without ``past_sequence_length``.
+        ArtifactError: an unknown ``batch`` version, a bad size, or a step graph without
+            ``past_sequence_length`` or ``new_key_values.*``.
     """
     spec = manifest.get("batch")
     if not spec:
@@ -227,10 +228,12 @@ def step_batch(manifest: dict) -> int:
     size = spec.get("max_batch_size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ArtifactError(f"batch.max_batch_size must be an integer >= 1, got {size!r}")
-    if kv_layout(manifest) != "sequence-major":
-        raise ArtifactError("a batched step graph must have the sequence-major KV layout")
-    if "past_sequence_length" not in {t["name"] for t in manifest["graphs"]["model"]["inputs"]}:
-        raise ArtifactError("batch is declared but the step graph lacks past_sequence_length")
+    kv_layout(manifest)
+    graph = manifest["graphs"]["model"]
+    names = {t["name"] for t in graph["inputs"]} | {t["name"] for t in graph["outputs"]}
+    missing = [n for n in ("past_sequence_length", "new_key_values.0.key") if n not in names]
+    if missing:
+        raise ArtifactError(f"batch is declared but the step graph lacks {', '.join(missing)}")
     return size
 
 

@@ -9,13 +9,16 @@ rows into one call,
   padded (token 0, its last position) and each padding token sees only itself in
   ``new_token_mask`` [B, S, S] while no real token sees it, so the real rows' outputs are those of
   the row alone;
-* the past [B, P, H_kv, D] per layer, P the longest row's valid length: row b's valid slots
-  copied from its own :class:`~medusa_runtime.loop.KVCache`, the rest zeros that
-  ``past_sequence_length`` [B] masks out;
+* the past per layer, P the longest row's valid length: [B, P, H_kv, D] (portable graph, each row a
+  :class:`~medusa_runtime.loop.KVCache`) or [B, H_kv, P, D] (batched fused graph, each row a
+  :class:`~medusa_runtime.loop.HeadMajorKVCache`): row b's valid slots copied from its own cache, the
+  rest zeros that ``past_sequence_length`` [B] masks out;
 * ``temperature`` [B], one per row;
 
 then hands each row its own :class:`~medusa_runtime.loop.StepResult` (padding cut off), whose K/V
-the row's cache keeps (compaction touches that row's buffers only).
+the row's cache keeps (compaction touches that row's buffers only). The batched fused graph returns
+the new K/V instead of writing the buffers (GroupQueryAttention is not in it): they are written into
+the row's buffer at slots [P_b, P_b + S_b), so its in-place compaction is the batch-1 one.
 
 The packed past is a copy of every row's valid slots per call (the batch-1 engine feeds views of
 one row without a copy): B x P x H_kv x D x 2 x layers elements. It is the price of one call
@@ -33,7 +36,7 @@ import numpy as np
 
 from .artifact import Artifact
 from .errors import ArtifactError, ContextOverflowError
-from .loop import KVCache, RowInputs, StepResult, engine_step
+from .loop import HeadMajorKVCache, RowInputs, StepResult
 from .ort_engine import OrtEngine
 
 
@@ -66,30 +69,90 @@ def pack_rows(inputs: Sequence[RowInputs]) -> tuple[np.ndarray, np.ndarray, np.n
     return ids, pos, mask, temps, lengths
 
 
-def pack_past(caches: Sequence[KVCache], num_layers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+def pack_past(caches: Sequence, num_layers: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
     """Every row's valid past in one zero-padded array per layer.
 
     Args:
-        caches: the rows' sequence-major caches (``keys[l]`` / ``values[l]`` [1, capacity, H_kv, D]).
+        caches: the rows' caches, all sequence-major (:class:`~medusa_runtime.loop.KVCache`, ``keys[l]``
+            [1, capacity, H_kv, D]) or all head-major (:class:`~medusa_runtime.loop.HeadMajorKVCache`,
+            ``keys[l]`` [1, H_kv, capacity, D]).
         num_layers: layers.
 
     Returns:
-        (per layer (key, value) [B, P, H_kv, D] with P = the longest valid length, row b's slots
-        [0, length_b) its past and the rest zeros; int32 [B] the lengths).
+        (per layer (key, value): [B, P, H_kv, D] sequence-major or [B, H_kv, P, D] head-major, with P the
+        longest valid length, row b's slots [0, length_b) its past and the rest zeros; int32 [B] the lengths).
     """
     lengths = np.array([c.length for c in caches], np.int32)
     p = int(lengths.max()) if len(lengths) else 0
+    head_major = isinstance(caches[0], HeadMajorKVCache)
     packed = []
     for layer in range(num_layers):
         pair = []
-        for bufs in ((c.keys[layer] for c in caches), (c.values[layer] for c in caches)):
-            bufs = list(bufs)
-            out = np.zeros((len(caches), p) + bufs[0].shape[2:], bufs[0].dtype)
+        for bufs in ([c.keys[layer] for c in caches], [c.values[layer] for c in caches]):
+            kv_heads, d = (bufs[0].shape[1], bufs[0].shape[3]) if head_major else bufs[0].shape[2:]
+            out = np.zeros((len(caches), kv_heads, p, d) if head_major else (len(caches), p, kv_heads, d),
+                           bufs[0].dtype)
             for i, (buf, n) in enumerate(zip(bufs, lengths)):
-                out[i, :n] = buf[0, :n]
+                if head_major:
+                    out[i, :, :n] = buf[0, :, :n]
+                else:
+                    out[i, :n] = buf[0, :n]
             pair.append(out)
         packed.append((pair[0], pair[1]))
     return packed, lengths
+
+
+def run_rows(engine: OrtEngine, caches: Sequence, inputs: Sequence[RowInputs]) -> list[StepResult]:
+    """One call of a batched step graph over ``len(caches)`` rows (see the module docstring).
+
+    One sequence-major row is fed its cache's views (no copy) and one head-major row its whole buffers
+    (the graph reads the first P slots); several rows are packed (:func:`pack_rows`, :func:`pack_past`).
+    A head-major row's new K/V are written into its buffer at slots [P_b, P_b + S_b), where the fused
+    batch-1 graph writes them, so its ``keep`` compacts them in place.
+
+    Args:
+        engine: an :class:`~.ort_engine.OrtEngine` on a batched artifact.
+        caches: each row's cache (its valid past); inputs: each row's :class:`~medusa_runtime.loop.RowInputs`.
+
+    Returns:
+        Per row, its :class:`~medusa_runtime.loop.StepResult` (padding cut off: [S_b, ...]; ``new_kv``
+        [1, S_b, H_kv, D] per layer).
+
+    Raises:
+        ContextOverflowError: a row's step does not fit its cache.
+    """
+    for c, r in zip(caches, inputs):
+        if c.length + len(r.tokens) > c.capacity:
+            raise ContextOverflowError(f"a step of {len(r.tokens)} tokens does not fit: {c.length} of "
+                                       f"{c.capacity} cache slots are in use")
+    head_major = isinstance(caches[0], HeadMajorKVCache)
+    ids, pos, mask, temps, lengths = pack_rows(inputs)
+    if len(caches) > 1:
+        past, past_lengths = pack_past(caches, engine.num_layers)
+    else:
+        c = caches[0]
+        past = list(zip(c.keys, c.values)) if head_major else c.past()
+        past_lengths = np.array([c.length], np.int32)
+    feed = {"input_ids": ids, "position_ids": pos, "new_token_mask": mask, "temperature": temps,
+            "past_sequence_length": past_lengths}
+    for (kn, vn), (k, v) in zip(engine._past_names, past):
+        feed[kn], feed[vn] = k, v
+    names = engine._outputs
+    outs = dict(zip(names, engine.step_session.run(names, feed)))
+    new = [outs[names[i]] for i in engine._kv_outputs]
+    results = []
+    for b, (c, n) in enumerate(zip(caches, lengths)):
+        if head_major:
+            start = c.length
+            for layer in range(engine.num_layers):
+                c.keys[layer][0, :, start : start + n] = new[2 * layer][b, :, :n]
+                c.values[layer][0, :, start : start + n] = new[2 * layer + 1][b, :, :n]
+            kv = c.new_kv(start, n)
+        else:
+            kv = [(new[2 * i][b : b + 1, :n], new[2 * i + 1][b : b + 1, :n]) for i in range(engine.num_layers)]
+        results.append(StepResult(outs["topk_ids"][b, :n], outs["topk_logprobs"][b, :n], outs["entropy"][b, :n],
+                                  outs["token_logprobs"][b, :n, :n], outs["hidden_states"][b, :n], kv))
+    return results
 
 
 class OrtBatchEngine(OrtEngine):
@@ -115,19 +178,16 @@ class OrtBatchEngine(OrtEngine):
             raise ArtifactError(f"{artifact.path}: the step graph is not batched (no manifest 'batch'); rebuild with "
                                 "`medusa-export build --batch-size N` or run it with OrtEngine")
 
-    def row_cache(self, capacity: int) -> KVCache:
-        """One sequence's KV row: a sequence-major :class:`~medusa_runtime.loop.KVCache` of ``capacity`` slots."""
+    def row_cache(self, capacity: int):
+        """One sequence's KV row of ``capacity`` slots in the artifact's layout (:meth:`OrtEngine.make_cache`)."""
         return self.make_cache(capacity)
 
     def release(self, cache) -> None:
         """Nothing to do: each row's cache is its own arrays."""
 
-    def step_rows(self, caches: Sequence[KVCache], inputs: Sequence[RowInputs]) -> list[StepResult]:
-        """One call over ``len(caches)`` rows: row b runs ``inputs[b]`` after ``caches[b]``'s valid past.
-
-        Returns:
-            Per row, its :class:`~medusa_runtime.loop.StepResult` (batch dimension dropped, padding cut:
-            [S_b, ...]; ``new_kv`` [1, S_b, H_kv, D] per layer, for that row's ``keep``).
+    def step_rows(self, caches: Sequence, inputs: Sequence[RowInputs]) -> list[StepResult]:
+        """One call over ``len(caches)`` rows: row b runs ``inputs[b]`` after ``caches[b]``'s valid past
+        (:func:`run_rows`).
 
         Raises:
             ArtifactError: a row asks for the in-graph sampler (batched graphs have none).
@@ -137,23 +197,4 @@ class OrtBatchEngine(OrtEngine):
             raise ValueError(f"{len(caches)} caches for {len(inputs)} rows")
         if any(r.sampling is not None for r in inputs):
             raise ArtifactError("a batched step graph has no in-graph sampler: sample on the host")
-        if len(inputs) == 1:
-            return [engine_step(self, inputs[0], caches[0].past())]
-        for c, r in zip(caches, inputs):
-            if c.length + len(r.tokens) > c.capacity:
-                raise ContextOverflowError(f"a step of {len(r.tokens)} tokens does not fit: {c.length} of "
-                                           f"{c.capacity} cache slots are in use")
-        ids, pos, mask, temps, lengths = pack_rows(inputs)
-        past, past_lengths = pack_past(caches, self.num_layers)
-        feed = {"input_ids": ids, "position_ids": pos, "new_token_mask": mask, "temperature": temps,
-                "past_sequence_length": past_lengths}
-        for (kn, vn), (k, v) in zip(self._past_names, past):
-            feed[kn], feed[vn] = k, v
-        outs = dict(zip(self._outputs, self.step_session.run(self._outputs, feed)))
-        new = [outs[self._outputs[i]] for i in self._kv_outputs]
-        results = []
-        for b, n in enumerate(lengths):
-            kv = [(new[2 * i][b : b + 1, :n], new[2 * i + 1][b : b + 1, :n]) for i in range(self.num_layers)]
-            results.append(StepResult(outs["topk_ids"][b, :n], outs["topk_logprobs"][b, :n], outs["entropy"][b, :n],
-                                      outs["token_logprobs"][b, :n, :n], outs["hidden_states"][b, :n], kv))
-        return results
+        return run_rows(self, caches, inputs)

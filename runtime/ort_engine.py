@@ -25,7 +25,7 @@ import numpy as np
 
 from .artifact import Artifact, kv_layout, step_batch, step_limits
 from .errors import ArtifactError, ContextOverflowError
-from .loop import HeadMajorKVCache, InPlacePast, KVCache, SamplerInputs, StepResult, sampler_feed
+from .loop import HeadMajorKVCache, InPlacePast, KVCache, RowInputs, SamplerInputs, StepResult, sampler_feed
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -160,6 +160,13 @@ class OrtEngine:
         runs this one sequence as a batch of one (``past_sequence_length`` = its whole past).
         """
         if isinstance(past, InPlacePast):
+            if self.max_batch:  # a batched fused graph: it reads the buffers and returns the new K/V
+                from .ort_batched import run_rows
+
+                if sampling is not None:
+                    raise ArtifactError("a batched step graph has no in-graph sampler: sample on the host")
+                return run_rows(self, [past.cache], [RowInputs(input_ids[0], position_ids[0], mask, temperature,
+                                                               None)])[0]
             return self._step_in_place(input_ids, position_ids, mask, temperature, past, sampling)
         feed = {
             "input_ids": input_ids,

@@ -26,21 +26,23 @@ from medusa_runtime.tree import make_tree
 VOCAB, CONTEXT, EOS = 300, 128, 2
 
 
-def _counter_build(out, batch_size: int):
+def _counter_build(out, batch_size: int, graph: str = "portable"):
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
     from medusa_runtime.tree import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
-    return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False, batch_size=batch_size),
-                          progress=False)
+    return build_artifact(lm, tree_from_spec("16", num_heads=3), out,
+                          BuildConfig(validate=False, batch_size=batch_size, graph=graph), progress=False)
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["batch1-graph", "batched-graph"])
+@pytest.fixture(scope="module", params=[(1, "portable"), (4, "portable"), (4, "fused")],
+                ids=["batch1-graph", "batched-graph", "batched-fused-graph"])
 def counter_artifact(request, tmp_path_factory):
-    """The counter model built twice: the batch-1 step graph (the scheduler loops over rows) and the batched
-    one (``--batch-size 4``: OrtBatchEngine runs every row in one call); every test below runs on both."""
-    return _counter_build(tmp_path_factory.mktemp("batch") / "counter", request.param)
+    """The counter model built three times: the batch-1 step graph (the scheduler loops over rows), and the
+    batched portable and fused ones (``--batch-size 4``: OrtBatchEngine runs every row in one call); every
+    test below runs on each."""
+    return _counter_build(tmp_path_factory.mktemp("batch") / "counter", *request.param)
 
 
 @pytest.fixture(scope="module")

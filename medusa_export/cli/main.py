@@ -370,7 +370,7 @@ def _add_build_parser(sub) -> None:
     p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
     p.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, metavar="N",
                    help="sequences per step: 1 = the batch-1 step graph; N > 1 = a step graph with a dynamic batch "
-                        "dimension (per-row past lengths; --graph portable only), so generate --batch-size runs all "
+                        "dimension (per-row past lengths), so generate --batch-size runs all "
                         "rows in one call (docs/batching.md) (default: %(default)s)")
     add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
     p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,

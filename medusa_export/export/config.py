@@ -24,8 +24,6 @@ QUANTIZED_HEADS_DEFAULT = "int8"
 #: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.portable`), "fused" ONNX Runtime's
 #: fused operators (:mod:`.fused`, flavour ``ort-fused``).
 GRAPHS = ("portable", "fused")
-#: Step graphs with a batched variant (``--batch-size`` > 1).
-BATCHED_GRAPHS = ("portable",)
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
 FUSED_PRECISIONS = ("fp32", *WEIGHT_ONLY_BITS)
 
@@ -79,8 +77,8 @@ class BuildConfig:
         validate_layers: N of the truncated check (the first N layers + final norm, lm_head, heads).
         batch_size: sequences per step the artifact is built for (``--batch-size``): 1 writes the batch-1
             step graph of every artifact before; N > 1 the batched portable step (a dynamic batch dimension B,
-            per-row past lengths; :func:`~.contract.step_io`), recorded as the manifest's ``batch``
-            (``max_batch_size`` N). The fused graph is batch-1 only.
+            per-row past lengths; :func:`~.contract.step_io`; with ``graph`` "fused" its batched variant,
+            :func:`~.fused.write_fused_step`), recorded as the manifest's ``batch`` (``max_batch_size`` N).
     """
 
     precision: str = "fp32"
@@ -121,11 +119,6 @@ class BuildConfig:
         parse_checks(self.checks)
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise UnsupportedGraphError(f"--batch-size must be an integer >= 1, got {self.batch_size!r}")
-        if self.batch_size > 1 and self.graph not in BATCHED_GRAPHS:
-            raise UnsupportedGraphError(f"--graph {self.graph} has no batched step graph (ONNX Runtime's "
-                                        f"GroupQueryAttention takes one sequence with a past and several new tokens); "
-                                        f"--batch-size {self.batch_size} needs --graph "
-                                        f"{' or '.join(BATCHED_GRAPHS)}, or use --batch-size 1")
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
 

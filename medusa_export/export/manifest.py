@@ -54,6 +54,22 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
                      file: str) -> tuple[dict, dict]:
     """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
     s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
+    if cfg.graph == "fused" and cfg.batched:
+        s_in, s_out = fused_step_io(src.config, STEP_TOPK, batched=True)
+        layout = {
+            "layout": "head-major",
+            "shape": "[B, H_kv, C, D] per layer, separate key and value buffers; row b's valid slots [0, P_b), "
+                     "C >= the longest row's past (the runtime passes the rows' pasts packed to C = max P_b)",
+            "inputs": "past_key_values.{i}.key / .value: the rows' buffers, read only; past_sequence_length [B]",
+            "outputs": "new_key_values.{i}.key / .value [B, H_kv, S, D]: this step's K/V of each row",
+            "compaction": "per row b: write new_key_values[b] into slots [P_b, P_b + S) of its buffer, then move "
+                          "node accepted[i] to slot P_b + i along axis 2 where they differ",
+        }
+        dims = {"B": f"sequences in the call, dynamic (built for up to {cfg.batch_size})", "S": s_dim + " (shorter "
+                "rows padded)", "C": f"KV slots passed, max_b P_b <= C <= max_context ({max_context}: the rotary "
+                "tables end there)"}
+        return layout, {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+                        "dims": dims}
     if cfg.graph == "fused":
         s_in, s_out = fused_step_io(src.config, STEP_TOPK)
         layout = {
@@ -113,7 +129,7 @@ def batch_json(cfg: BuildConfig) -> dict:
     """The manifest's ``batch`` entry of a batched artifact (absent from batch-1 ones)."""
     return {"version": 1, "dim": "B", "dynamic": True, "max_batch_size": cfg.batch_size,
             "note": "every step graph tensor has a leading batch dimension B; past_sequence_length [B] gives each "
-                    "row's valid past (docs/batching.md)"}
+                    "row's valid past (docs/batching.md)", "graph": cfg.graph}
 
 
 def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) -> dict:

@@ -169,7 +169,29 @@ def _attention(b: GraphBuilder, cfg: BackboneConfig, i: int, h: str, cos: str, s
                           f"{n}/scores_past_f32")  # [B, Hkv, G, S, P]
     s_new = b.to_float32(b.op("MatMul", [q, keys_t(k, f"{n}/new_k")], f"{n}/scores_new"),
                          f"{n}/scores_new_f32")  # [B, Hkv, G, S, S]
-    past_mask, new_mask = masks.layer(cfg.window(i))
+    o = attend(b, n, s_past, s_new, lambda: values_t(f"past_key_values.{i}.value", f"{n}/past_v"),
+               lambda: values_t(v, f"{n}/new_v"), masks, past_len, cfg.window(i))  # [B, Hkv, G, S, D]
+    o = b.op("Transpose", [o], f"{n}/out_t", perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
+    o = b.op("Reshape", [o, b.const([lead, -1, heads * hd], "int64")], f"{n}/out_flat")
+    bias = (layer_key(i, "self_attn.o_proj.bias"),) if cfg.o_bias else ()
+    return b.linear(o, f"{n}.o_proj", (layer_key(i, "self_attn.o_proj.weight"),), bias)
+
+
+def attend(b: GraphBuilder, n: str, s_past: str, s_new: str, v_past, v_new, masks: Masks, past_len: str,
+           window: int | None) -> str:
+    """One softmax over a layer's past and new keys together (masked), then the weighted values.
+
+    Args:
+        b: the builder; n: the layer's node name prefix (the softmax is ``<n>/softmax``).
+        s_past, s_new: float32 scores [B, H_kv, G, S, P] and [B, H_kv, G, S, S] (already scaled).
+        v_past, v_new: callables adding and returning the values [B, H_kv, 1, P, D] and [B, H_kv, 1, S, D]
+            (called where the values are first needed, which keeps the batch-1 graph's node order).
+        masks: the step's masks; past_len: int64 [1], P; window: the layer's sliding window or None.
+
+    Returns:
+        The attention output [B, H_kv, G, S, D] in the graph's dtype.
+    """
+    past_mask, new_mask = masks.layer(window)
     s_new = b.op("Add", [s_new, new_mask], f"{n}/mask_new")
     if past_mask is not None:
         s_past = b.op("Add", [s_past, past_mask], f"{n}/mask_past")
@@ -178,12 +200,8 @@ def _attention(b: GraphBuilder, cfg: BackboneConfig, i: int, h: str, cos: str, s
     axis = b.const([-1], "int64")
     p_past = b.op("Slice", [probs, b.const([0], "int64"), past_len, axis], f"{n}/probs_past")
     p_new = b.op("Slice", [probs, past_len, b.const([_INT64_MAX], "int64"), axis], f"{n}/probs_new")
-    o = b.op("Add", [b.op("MatMul", [p_past, values_t(f"past_key_values.{i}.value", f"{n}/past_v")], f"{n}/out_past"),
-                     b.op("MatMul", [p_new, values_t(v, f"{n}/new_v")], f"{n}/out_new")], f"{n}/out")  # [B,Hkv,G,S,D]
-    o = b.op("Transpose", [o], f"{n}/out_t", perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
-    o = b.op("Reshape", [o, b.const([lead, -1, heads * hd], "int64")], f"{n}/out_flat")
-    bias = (layer_key(i, "self_attn.o_proj.bias"),) if cfg.o_bias else ()
-    return b.linear(o, f"{n}.o_proj", (layer_key(i, "self_attn.o_proj.weight"),), bias)
+    return b.op("Add", [b.op("MatMul", [p_past, v_past()], f"{n}/out_past"), b.op("MatMul", [p_new, v_new()], f"{n}/out_new")],
+                f"{n}/out")
 
 
 def _mlp(b: GraphBuilder, cfg: BackboneConfig, i: int, h: str) -> str:
