@@ -245,6 +245,39 @@ def test_batched_graph_runs_every_row_in_one_call(counter, counter_batch1):
     assert running[0][0] == 5 + 1  # the first boundary: 5 prefills, then one tree step for all 5 rows
 
 
+def test_packed_past_is_kept_between_calls(counter, monkeypatch):
+    """The batched engine's packed past (PackedPast): between calls over the same rows only the newly kept
+    slots are copied, and every call's packed valid slots equal the rows' caches packed afresh."""
+    from medusa_runtime.loop import HeadMajorKVCache
+    from medusa_runtime.ort_batched import PackedPast, pack_past
+
+    eng = counter.engine
+    if not eng.max_batch:
+        pytest.skip("the batch-1 graph: the scheduler loops over the rows")
+    calls = []
+    update = PackedPast.update
+
+    def checked(self, caches, num_layers):
+        arrays, lengths = update(self, caches, num_layers)
+        fresh, _ = pack_past(caches, num_layers)
+        head_major = isinstance(caches[0], HeadMajorKVCache)
+        for pair, fresh_pair in zip(arrays, fresh):
+            for got, want in zip(pair, fresh_pair):
+                for b, n in enumerate(lengths):
+                    np.testing.assert_array_equal(got[b, :, :n] if head_major else got[b, :n],
+                                                  want[b, :, :n] if head_major else want[b, :n])
+        calls.append(len(caches))
+        return arrays, lengths
+
+    monkeypatch.setattr(PackedPast, "update", checked)
+    repacks = eng.packed.repacks
+    sched = Scheduler(eng, counter.tree, max_batch=5, eos_token_ids=counter.eos_token_ids)
+    states = [sched.submit(r) for r in _requests()]
+    sched.run()
+    assert all(s.error is None for s in states)
+    assert len(calls) >= 8 and 1 <= eng.packed.repacks - repacks < len(calls) / 2  # mostly incremental
+
+
 def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
     from medusa_runtime.artifact import load_artifact
     from medusa_runtime.engines import create_engine
