@@ -137,7 +137,8 @@ class PackedPast:
         packed = self.arrays[0][0].shape[axis] if self.arrays else -1
         same = len(caches) == len(self.caches) and all(a is b for a, b in zip(caches, self.caches))
         if not same or max(lengths) > packed or any(n < m for n, m in zip(lengths, self.lengths)):
-            chunked = -(-max(lengths) // PACK_CHUNK) * PACK_CHUNK
+            chunked = max(min(-(-max(lengths) // PACK_CHUNK) * PACK_CHUNK, max(c.capacity for c in caches)),
+                          max(lengths))
             self.arrays, _ = pack_past(caches, num_layers, chunked)
             self.caches, self.repacks = list(caches), self.repacks + 1
         else:

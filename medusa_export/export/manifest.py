@@ -118,7 +118,8 @@ def _batched_step_graph_json(cfg: BuildConfig, max_context: int, tree_size: int,
     }
     graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
              "dims": {"B": f"sequences in the call, dynamic (built for up to {n})", "S": s_dim + " (shorter rows "
-                      "padded)", "P": "the longest row's valid past length, 0 .. max_context - S"},
+                      "padded)", "P": "past slots passed, >= the longest row's valid past (the runtime may "
+                      "round it up: the slots beyond a row's past_sequence_length are masked), <= max_context"},
              "profiles": {"prefill": {"B": [1, n], "S": [1, max_context], "P": [0, max_context - 1]},
                           "tree_step": {"B": [1, n], "S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
                           "decode": {"B": [1, n], "S": [1, 1], "P": [0, max_context - 1]}}}
