@@ -251,6 +251,9 @@ int main(int argc, char** argv) {
       }
     }
     const json manifest = read_json(dir + "/manifest.json");
+    if (manifest.contains("batch"))
+      throw std::runtime_error("the artifact's step graph is batched (manifest 'batch', docs/batching.md); this "
+                               "planner binds batch-1 step graphs: build with --batch-size 1");
     const json tree_json = read_json(dir + "/" + manifest.at("files").at("tree").get<std::string>());
     const Tree tree = build_tree(tree_json);
     if (static_cast<int64_t>(tree.size()) != manifest.at("tree").at("size").get<int64_t>())

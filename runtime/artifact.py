@@ -250,6 +250,43 @@ def step_limits(manifest: dict) -> StepLimits:
                       step_sampler(manifest))
 
 
+#: Versions of the manifest's ``batch`` entry this runtime reads.
+STEP_BATCH_VERSIONS = (1,)
+
+
+def step_batch(manifest: dict) -> int:
+    """The batch size a batched step graph was built for (``manifest["batch"]["max_batch_size"]``), or 0
+    for a batch-1 graph (no ``batch`` entry: every artifact built before batching).
+
+    A batched step graph (docs/batching.md) takes B rows per call: ``input_ids`` / ``position_ids``
+    [B, S], ``new_token_mask`` [B, S, S], ``temperature`` [B], ``past_sequence_length`` int32 [B] and
+    the rows' pasts ([B, P, H_kv, D] sequence-major, or [B, H_kv, C, D] head-major), and returns each
+    row's new K/V (``new_key_values.{i}.*``; it writes no buffer in place); B is dynamic (any B runs;
+    ``max_batch_size`` is what it was built and profiled for).
+
+    Raises:
+        ArtifactError: an unknown ``batch`` version, a bad size, or a step graph without
+            ``past_sequence_length`` or ``new_key_values.*``.
+    """
+    spec = manifest.get("batch")
+    if not spec:
+        return 0
+    version = spec.get("version") if isinstance(spec, dict) else None
+    if version not in STEP_BATCH_VERSIONS:
+        raise ArtifactError(f"batch version {version!r} is not supported (this runtime reads "
+                            f"{', '.join(map(str, STEP_BATCH_VERSIONS))})")
+    size = spec.get("max_batch_size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ArtifactError(f"batch.max_batch_size must be an integer >= 1, got {size!r}")
+    kv_layout(manifest)
+    graph = manifest["graphs"]["model"]
+    names = {t["name"] for t in graph["inputs"]} | {t["name"] for t in graph["outputs"]}
+    missing = [n for n in ("past_sequence_length", "new_key_values.0.key") if n not in names]
+    if missing:
+        raise ArtifactError(f"batch is declared but the step graph lacks {', '.join(missing)}")
+    return size
+
+
 def step_sampler(manifest: dict) -> bool:
     """Whether the step graph has the in-graph sampler (``manifest["step_sampler"]``, docs/sampling.md).
 

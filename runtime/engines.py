@@ -3,7 +3,8 @@
 ========================  ==========================================================  =========
 name                      what                                                        status
 ========================  ==========================================================  =========
-``onnxruntime``           ONNX Runtime, CPU provider (:class:`~.ort_engine.OrtEngine`)  tested
+``onnxruntime``           ONNX Runtime, CPU provider (:class:`~.ort_engine.OrtEngine`;  tested
+                          batched artifacts: :class:`~.ort_batched.OrtBatchEngine`)
 ``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device    unexecuted here
                           (:class:`~.ort_cuda.OrtCudaEngine`)
 ``tensorrt``              TensorRT plans of the artifact: ``medusa_runtime.trt_engine``  hook
@@ -20,13 +21,19 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .artifact import Artifact
+from .artifact import Artifact, step_batch
 from .errors import BackendUnavailableError, MedusaError
 
 DEFAULT_BACKEND = "onnxruntime"
+#: Backends that run batched step graphs (artifacts built with ``--batch-size`` N > 1).
+BATCHED_BACKENDS = ("onnxruntime",)
 
 
 def _onnxruntime(artifact: Artifact, *, threads: int | None = None, spin: bool = False, **_):
+    if step_batch(artifact.manifest):
+        from .ort_batched import OrtBatchEngine
+
+        return OrtBatchEngine(artifact, threads=threads, spin=spin)
     from .ort_engine import OrtEngine
 
     return OrtEngine(artifact, threads=threads, spin=spin)
@@ -75,8 +82,13 @@ def create_engine(artifact: Artifact, backend: str = DEFAULT_BACKEND, **options)
 
     Raises:
         MedusaError: unknown backend name (the message lists the known ones).
-        BackendUnavailableError: the backend cannot run on this machine.
+        BackendUnavailableError: the backend cannot run on this machine, or cannot run the artifact's
+            batched step graph (the message names the backends that can).
     """
     if backend not in BACKENDS:
         raise MedusaError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend not in BATCHED_BACKENDS and step_batch(artifact.manifest):
+        raise BackendUnavailableError(f"the {backend} backend runs batch-1 step graphs only and this artifact's is "
+                                      f"batched (built with --batch-size {step_batch(artifact.manifest)}): use "
+                                      f"--backend {' or '.join(BATCHED_BACKENDS)}, or build with --batch-size 1")
     return BACKENDS[backend](artifact, **options)

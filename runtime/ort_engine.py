@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout, level_graph, step_limits
+from .artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from .errors import ArtifactError, ContextOverflowError, MedusaError
-from .loop import HeadMajorKVCache, InPlacePast, KVCache, SamplerInputs, StepResult, sampler_feed
+from .loop import HeadMajorKVCache, InPlacePast, KVCache, RowInputs, SamplerInputs, StepResult, sampler_feed
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -134,6 +134,8 @@ class OrtEngine:
         self.kv_layout = kv_layout(artifact.manifest)
         self.max_positions = int(m["max_context"])
         self.max_context, self.vocab_size, self.step_topk, self.has_sampler = step_limits(artifact.manifest)
+        #: the batch size a batched step graph was built for (manifest ``batch``), 0 for a batch-1 graph
+        self.max_batch = step_batch(artifact.manifest)
         self._host_outputs = _STEP_OUTPUTS + (("sampled_ids",) if self.has_sampler else ())
         self._binding = None  # (cache, IOBinding) of the head-major cache bound last
 
@@ -162,9 +164,17 @@ class OrtEngine:
         """One step; shapes as :class:`medusa_runtime.loop.Engine` (outputs batch-dropped).
 
         ``sampling`` feeds the in-graph sampler (artifacts whose manifest has ``step_sampler``);
-        ``StepResult.sampled_ids`` is then its draw per row.
+        ``StepResult.sampled_ids`` is then its draw per row. A batched step graph (manifest ``batch``)
+        runs this one sequence as a batch of one (``past_sequence_length`` = its whole past).
         """
         if isinstance(past, InPlacePast):
+            if self.max_batch:  # a batched fused graph: it reads the buffers and returns the new K/V
+                from .ort_batched import run_rows
+
+                if sampling is not None:
+                    raise ArtifactError("a batched step graph has no in-graph sampler: sample on the host")
+                return run_rows(self, [past.cache], [RowInputs(input_ids[0], position_ids[0], mask, temperature,
+                                                               None)])[0]
             return self._step_in_place(input_ids, position_ids, mask, temperature, past, sampling)
         feed = {
             "input_ids": input_ids,
@@ -175,6 +185,9 @@ class OrtEngine:
         }
         for (kn, vn), (k, v) in zip(self._past_names, past):
             feed[kn], feed[vn] = k, v
+        if self.max_batch:
+            feed["new_token_mask"] = mask[None]
+            feed["past_sequence_length"] = np.array([past[0][0].shape[1]], dtype=np.int32)
         outs = dict(zip(self._outputs, self.step_session.run(self._outputs, feed)))
         new = [outs[self._outputs[i]] for i in self._kv_outputs]
         sampled = outs["sampled_ids"][0] if sampling is not None else None

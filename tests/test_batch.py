@@ -26,15 +26,29 @@ from medusa_runtime.tree import make_tree
 VOCAB, CONTEXT, EOS = 300, 128, 2
 
 
-@pytest.fixture(scope="module")
-def counter_artifact(tmp_path_factory):
+def _counter_build(out, batch_size: int, graph: str = "portable"):
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
     from medusa_runtime.tree import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
-    out = tmp_path_factory.mktemp("batch") / "counter"
-    return build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False), progress=False)
+    return build_artifact(lm, tree_from_spec("16", num_heads=3), out,
+                          BuildConfig(validate=False, batch_size=batch_size, graph=graph), progress=False)
+
+
+@pytest.fixture(scope="module", params=[(1, "portable"), (4, "portable"), (4, "fused")],
+                ids=["batch1-graph", "batched-graph", "batched-fused-graph"])
+def counter_artifact(request, tmp_path_factory):
+    """The counter model built three times: the batch-1 step graph (the scheduler loops over rows), and the
+    batched portable and fused ones (``--batch-size 4``: OrtBatchEngine runs every row in one call); every
+    test below runs on each."""
+    return _counter_build(tmp_path_factory.mktemp("batch") / "counter", *request.param)
+
+
+@pytest.fixture(scope="module")
+def counter_batch1(tmp_path_factory):
+    """The batch-1 counter artifact's session: the reference of the batched graph's rows."""
+    return MedusaSession(_counter_build(tmp_path_factory.mktemp("batch1") / "counter", 1), threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +171,123 @@ def test_vanilla_and_medusa_sequences_share_steps(counter):
     assert v.result.step_tokens == [1] * 19 and max(m.result.step_tokens) == 4
 
 
-def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf):
-    """An independent reference: transformers' greedy generate of the same random model."""
-    hf, _ = tiny_hf()
-    session = MedusaSession(tiny_trt_artifact, threads=1)
+@pytest.mark.parametrize("batched", [False, True], ids=["batch1-graph", "batched-graph"])
+def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, batched):
+    """An independent reference: transformers' greedy generate of the same random model, four prompts of
+    different lengths sharing each step and finishing at different times. Batched: the model built with
+    --batch-size 4 (one call per step); each row is also the batch-1 artifact's generate (tokens, tokens per step)."""
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    hf, model = tiny_hf()
+    session = batch1 = MedusaSession(tiny_trt_artifact, threads=1)
+    if batched:
+        art = build_artifact(tiny_loaded(model, max_context=256), tree_from_spec("16", num_heads=3), tmp_path / "b4",
+                             BuildConfig(validate=False, batch_size=4), progress=False)
+        session = MedusaSession(art, threads=1)
+    assert isinstance(session.engine, OrtBatchEngine) == batched
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 1000, size=n).tolist() for n in (3, 17, 9, 30)]
     sched = Scheduler(session.engine, session.tree, max_batch=4)  # EOS ignored, as plain_greedy does
     states = [sched.submit(SequenceRequest(p, 12 + 3 * i, tag=i)) for i, p in enumerate(prompts)]
     sched.run()
     for s, p in zip(states, prompts):
-        assert s.result.tokens == plain_greedy(hf, p, s.request.max_new_tokens)
+        n = s.request.max_new_tokens
+        assert s.error is None and s.max_batch_seen == 4
+        assert s.result.tokens == plain_greedy(hf, p, n)
+        ref = generate(batch1.engine, p, batch1.tree, max_new_tokens=n)
+        assert (s.result.tokens, s.result.step_tokens) == (ref.tokens, ref.step_tokens)
+
+
+class _RunSpy:
+    """Wraps an ONNX Runtime session: records the input_ids shape of every run."""
+
+    def __init__(self, session):
+        self.session, self.shapes = session, []
+
+    def run(self, names, feed, *args):
+        self.shapes.append(feed["input_ids"].shape)
+        return self.session.run(names, feed, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_batched_graph_runs_every_row_in_one_call(counter, counter_batch1):
+    """A batched artifact: one ONNX Runtime call per tree step over all the running rows (prompts of different
+    lengths, rows accepting different lengths in one step, rows leaving early); each row's tokens, finish
+    reason, tokens per step and accepted depths equal the batch-1 *graph*'s generate of that row."""
+    eng = counter.engine
+    if not eng.max_batch:
+        pytest.skip("the batch-1 graph: the scheduler loops over the rows")
+    spy = _RunSpy(eng.step_session)
+    eng.step_session = spy
+    try:
+        sched = Scheduler(eng, counter.tree, max_batch=5, eos_token_ids=counter.eos_token_ids)
+        states = [sched.submit(r) for r in _requests()]
+        running = []
+        while not sched.idle:
+            before = len(spy.shapes)
+            sched.step()
+            running.append((len(spy.shapes) - before, len(sched.running)))
+    finally:
+        eng.step_session = counter.engine.step_session = spy.session
+    for s in states:
+        r = s.request
+        _same(s, _batch1(counter_batch1, SequenceRequest(r.prompt_ids, r.max_new_tokens)))
+    prefills = [shape for shape in spy.shapes if shape[1] != counter.tree.size]
+    steps = [shape for shape in spy.shapes if shape[1] == counter.tree.size]
+    assert sorted(p[1] for p in prefills) == sorted(len(r.prompt_ids) for r in _requests())
+    assert all(p[0] == 1 for p in prefills)  # each joiner prefilled over its own row
+    assert steps[0][0] == 5 and {b for b, _ in steps} >= {5, 4}  # all rows in one call; fewer once some left
+    assert running[0][0] == 5 + 1  # the first boundary: 5 prefills, then one tree step for all 5 rows
+
+
+def test_packed_past_is_kept_between_calls(counter, monkeypatch):
+    """The batched engine's packed past (PackedPast): between calls over the same rows only the newly kept
+    slots are copied, and every call's packed valid slots equal the rows' caches packed afresh."""
+    from medusa_runtime.loop import HeadMajorKVCache
+    from medusa_runtime.ort_batched import PackedPast, pack_past
+
+    eng = counter.engine
+    if not eng.max_batch:
+        pytest.skip("the batch-1 graph: the scheduler loops over the rows")
+    calls = []
+    update = PackedPast.update
+
+    def checked(self, caches, num_layers):
+        arrays, lengths = update(self, caches, num_layers)
+        fresh, _ = pack_past(caches, num_layers)
+        head_major = isinstance(caches[0], HeadMajorKVCache)
+        for pair, fresh_pair in zip(arrays, fresh):
+            for got, want in zip(pair, fresh_pair):
+                for b, n in enumerate(lengths):
+                    np.testing.assert_array_equal(got[b, :, :n] if head_major else got[b, :n],
+                                                  want[b, :, :n] if head_major else want[b, :n])
+        calls.append(len(caches))
+        return arrays, lengths
+
+    monkeypatch.setattr(PackedPast, "update", checked)
+    repacks = eng.packed.repacks
+    sched = Scheduler(eng, counter.tree, max_batch=5, eos_token_ids=counter.eos_token_ids)
+    states = [sched.submit(r) for r in _requests()]
+    sched.run()
+    assert all(s.error is None for s in states)
+    assert len(calls) >= 8 and 1 <= eng.packed.repacks - repacks < len(calls) / 2  # mostly incremental
+
+
+def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.engines import create_engine
+    from medusa_runtime.errors import BackendUnavailableError
+
+    art = load_artifact(counter_artifact)
+    if not art.manifest.get("batch"):
+        pytest.skip("a batch-1 artifact")
+    with pytest.raises(BackendUnavailableError, match="--backend onnxruntime, or build with --batch-size 1"):
+        create_engine(art, "tensorrt")
 
 
 def test_fused_artifact_rows_keep_their_own_cache(tmp_path):
@@ -246,6 +366,10 @@ def test_rows_fill_their_context_independently(counter):
 
 
 def test_batch_engine_wraps_batch1_engines(counter):
+    if counter.engine.max_batch:  # a batched artifact's engine is its own batch engine
+        assert batch_engine(counter.engine) is counter.engine and not counter.engine.row_by_row
+        assert counter.batch_engine is counter.engine
+        return
     looped = batch_engine(counter.engine)
     assert isinstance(looped, LoopedBatchEngine) and looped.row_by_row
     assert batch_engine(looped) is looped
@@ -444,3 +568,27 @@ def test_embedded_model_batch_equals_batch1(smollm_artifact):
             assert (c.token_ids, c.finish_reason) == (ref.token_ids, ref.finish_reason), prompt
             assert c.result.step_tokens == ref.result.step_tokens
         assert max(c.tokens_per_step for c in got) > 1.2  # the heads do accept
+
+
+@pytest.mark.slow
+def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_artifact, tmp_path):
+    """The embedded SmolLM2 built with --batch-size 3: four MT-Bench prompts of different lengths, three rows per
+    call, greedy: every reply (ids, finish reason, tokens per step) is the batch-1 artifact's generate."""
+    from conftest import SMOLLM_TREE, mt_bench_prompts
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.tree import tree_from_spec
+
+    tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)
+    art = build_artifact(smollm, tree, tmp_path / "b3", BuildConfig(max_context=1024, validate=False, batch_size=3),
+                         progress=False)
+    batched, batch1 = MedusaSession(art, threads=2), MedusaSession(smollm_artifact, threads=2)
+    assert isinstance(batched.engine, OrtBatchEngine)
+    prompts, budgets = mt_bench_prompts(4), [40, 24, 40, 32]
+    got = batched.generate_batch(prompts, max_new_tokens=budgets, batch_size=3)
+    for prompt, n, c in zip(prompts, budgets, got):
+        ref = batch1.generate(prompt, max_new_tokens=n)
+        assert (c.token_ids, c.finish_reason) == (ref.token_ids, ref.finish_reason), prompt
+        assert c.result.step_tokens == ref.result.step_tokens
+    assert max(c.tokens_per_step for c in got) > 1.2  # the heads do accept

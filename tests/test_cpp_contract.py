@@ -144,3 +144,9 @@ def test_bad_input_is_an_error(plan_binary, tiny_trt_artifact, tmp_path):
     assert done.returncode == 1 and "candidate_index" in done.stderr
     done = subprocess.run([str(plan_binary), str(tiny_trt_artifact), "--prompt-len", "999"], capture_output=True, text=True)
     assert done.returncode == 1 and "no optimization profile" in done.stderr
+    batched = tmp_path / "batched"  # a batched step graph (docs/batching.md) is refused by name
+    shutil.copytree(tiny_trt_artifact, batched)
+    manifest = json.loads((batched / "manifest.json").read_text())
+    (batched / "manifest.json").write_text(json.dumps({**manifest, "batch": {"version": 1, "max_batch_size": 4}}))
+    done = subprocess.run([str(plan_binary), str(batched)], capture_output=True, text=True)
+    assert done.returncode == 1 and "build with --batch-size 1" in done.stderr

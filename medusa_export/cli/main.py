@@ -128,7 +128,7 @@ def cmd_build(args) -> int:
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
-                      validate_layers=args.validate_layers)
+                      validate_layers=args.validate_layers, batch_size=args.batch_size)
     t0 = time.perf_counter()
     print(f"opening {args.model} (headers and configs; weights are read while the graphs are written) ...",
           file=sys.stderr, flush=True)
@@ -223,7 +223,7 @@ def _print_summary(path, seconds: float, lm=None) -> None:
 def cmd_verify(args) -> int:
     """Validate an existing artifact with the checks that fit (or those asked for); exit 1
     (:data:`EXIT_MISMATCH`) on a failure."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.artifact import load_artifact, step_batch
 
     from ..export.config import BuildConfig
     from ..loading.registry import load_registry
@@ -246,7 +246,7 @@ def cmd_verify(args) -> int:
     texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     cfg = BuildConfig(precision=m["precision"]["name"], graph="fused" if m["flavour"] == "ort-fused" else "portable",
                       new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
-                      max_context=m["model"]["max_context"])
+                      max_context=m["model"]["max_context"], batch_size=step_batch(m) or 1)
     plan = plan_validation(lm.sources, cfg.precision, m["weights"]["bytes"], graph=cfg.graph, checks=cfg.checks,
                            layers=cfg.validate_layers)
     for line in plan.describe():
@@ -378,6 +378,10 @@ def _add_build_parser(sub) -> None:
                         "tree step's rounding differs from one-token steps and outputs can diverge) "
                         "(default: 1 for int4, 4 for int8, which has no fast fp32-compute kernel)")
     p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
+    p.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, metavar="N",
+                   help="sequences per step: 1 = the batch-1 step graph; N > 1 = a step graph with a dynamic batch "
+                        "dimension (per-row past lengths), so generate --batch-size runs all "
+                        "rows in one call (docs/batching.md) (default: %(default)s)")
     add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
     p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")

@@ -75,6 +75,10 @@ class BuildConfig:
             :mod:`medusa_export.validation.plan`) or a comma-separated list of full, truncated,
             checksums, self, gpu.
         validate_layers: N of the truncated check (the first N layers + final norm, lm_head, heads).
+        batch_size: sequences per step the artifact is built for (``--batch-size``): 1 writes the batch-1
+            step graph of every artifact before; N > 1 the batched portable step (a dynamic batch dimension B,
+            per-row past lengths; :func:`~.contract.step_io`; with ``graph`` "fused" its batched variant,
+            :func:`~.fused.write_fused_step`), recorded as the manifest's ``batch`` (``max_batch_size`` N).
     """
 
     precision: str = "fp32"
@@ -89,6 +93,7 @@ class BuildConfig:
     heads_vocab: int = 0
     checks: str = "auto"
     validate_layers: int = 2
+    batch_size: int = 1
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),
@@ -112,8 +117,15 @@ class BuildConfig:
         from ..validation.plan import parse_checks
 
         parse_checks(self.checks)
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise UnsupportedGraphError(f"--batch-size must be an integer >= 1, got {self.batch_size!r}")
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
+
+    @property
+    def batched(self) -> bool:
+        """Whether the step graph has the batch dimension (``batch_size`` > 1)."""
+        return self.batch_size > 1
 
     @property
     def resolved_heads_precision(self) -> str:

@@ -58,22 +58,33 @@ def step_sampler_json() -> dict:
     return {"version": STEP_SAMPLER_VERSION, "spec": "docs/sampling.md"}
 
 
-def step_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The portable backbone step's inputs and outputs: names, dtypes, shapes (symbolic S, P) and meanings.
+def step_io(cfg, float_dtype: str, k: int = STEP_TOPK, batched: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The portable backbone step's inputs and outputs: names, dtypes, shapes (symbolic S, P; B when batched) and
+    meanings.
 
     Args:
         cfg: the backbone config (``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``,
             ``vocab_size``).
         float_dtype: "float32" or "float16" (K/V and hidden states).
         k: top-k width (capped at the vocabulary).
+        batched: the batched step (``build --batch-size N``, N > 1): a leading dynamic batch dimension B on
+            every tensor, a per-row ``new_token_mask`` and ``temperature``, and ``past_sequence_length`` [B]
+            (each row's valid past; the past tensors are padded to the longest row). False: the batch-1
+            contract of every artifact built before.
     """
-    kv = (1, "P", cfg.num_key_value_heads, cfg.head_dim)
-    new_kv = (1, "S", cfg.num_key_value_heads, cfg.head_dim)
-    inputs, outputs = step_token_io(cfg, float_dtype, k)
+    b = "B" if batched else 1
+    kv = (b, "P", cfg.num_key_value_heads, cfg.head_dim)
+    new_kv = (b, "S", cfg.num_key_value_heads, cfg.head_dim)
+    inputs, outputs = step_token_io(cfg, float_dtype, k, batched)
+    if batched:
+        inputs.append(TensorSpec("past_sequence_length", "int32", ("B",),
+                                 "P_b: valid past slots of row b (slots [P_b, P) of its past are padding, ignored)"))
+    past = ("layer {i} {n}s of the rows' past, sequence-major [B, P, H_kv, D]: row b's valid tokens are slots "
+            "[0, past_sequence_length[b]); P is the longest row's") if batched else \
+        "layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"
     for i in range(cfg.num_hidden_layers):
         for n in ("key", "value"):
-            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv,
-                                     f"layer {i} {n}s of the P valid past tokens, sequence-major [1, P, H_kv, D]"))
+            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", float_dtype, kv, past.format(i=i, n=n)))
     for i in range(cfg.num_hidden_layers):
         for n in ("key", "value"):
             outputs.append(TensorSpec(f"new_key_values.{i}.{n}", float_dtype, new_kv,
@@ -81,26 +92,49 @@ def step_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec]
     return inputs, outputs
 
 
-def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """The step's inputs and outputs other than the KV cache (shared by the portable and fused graphs)."""
+def step_token_io(cfg, float_dtype: str, k: int = STEP_TOPK,
+                  batched: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The step's inputs and outputs other than the KV cache (shared by the portable and fused graphs).
+
+    ``batched``: B rows (sequences) per call, each with S new tokens after its own past, its own tree mask and
+    temperature (see :func:`step_io`); else the batch-1 contract.
+    """
     k = min(k, cfg.vocab_size)
-    inputs = [
-        TensorSpec("input_ids", "int64", (1, "S"), "tokens of this step: the prompt (prefill) or the tree's candidates in node order"),
-        TensorSpec("position_ids", "int64", (1, "S"), "positions: P + arange(S) for prefill, P + depth for a tree step"),
-        TensorSpec("new_token_mask", "bool", ("S", "S"), "[i, j] True if new token i may attend new token j "
-                   "(causal for prefill, the tree attention mask for a tree step); the past is always visible "
-                   "(in a sliding-window layer: the keys whose position p satisfies q - W < p)"),
-        TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
-        *SAMPLER_INPUTS,
-    ]
+    if not batched:
+        inputs = [
+            TensorSpec("input_ids", "int64", (1, "S"), "tokens of this step: the prompt (prefill) or the tree's candidates in node order"),
+            TensorSpec("position_ids", "int64", (1, "S"), "positions: P + arange(S) for prefill, P + depth for a tree step"),
+            TensorSpec("new_token_mask", "bool", ("S", "S"), "[i, j] True if new token i may attend new token j "
+                       "(causal for prefill, the tree attention mask for a tree step); the past is always visible "
+                       "(in a sliding-window layer: the keys whose position p satisfies q - W < p)"),
+            TensorSpec("temperature", "float32", (1,), "softmax temperature of the log-prob outputs (1.0 for greedy)"),
+            *SAMPLER_INPUTS,
+        ]
+        b = 1
+    else:
+        inputs = [
+            TensorSpec("input_ids", "int64", ("B", "S"), "tokens of this step per row: the prompt (prefill) or the "
+                       "tree's candidates in node order (a row shorter than S is padded: see new_token_mask)"),
+            TensorSpec("position_ids", "int64", ("B", "S"), "positions: P_b + arange(S) for prefill, P_b + depth for "
+                       "a tree step (P_b = past_sequence_length[b])"),
+            TensorSpec("new_token_mask", "bool", ("B", "S", "S"), "[b, i, j] True if row b's new token i may attend "
+                       "its new token j (causal for prefill, the tree attention mask for a tree step; a padding token "
+                       "sees itself only and no real token sees it); the row's valid past is always visible (in a "
+                       "sliding-window layer: the keys whose position p satisfies q - W < p)"),
+            TensorSpec("temperature", "float32", ("B",), "softmax temperature of each row's log-prob outputs (1.0 "
+                       "for greedy)"),
+        ]
+        b = "B"
     outputs = [
-        TensorSpec("topk_ids", "int64", (1, "S", k), "the k most likely next tokens at each position, best first"),
-        TensorSpec("topk_logprobs", "float32", (1, "S", k), "their log-probabilities at `temperature`"),
-        TensorSpec("entropy", "float32", (1, "S"), "entropy (nats) of the next-token distribution at `temperature`"),
-        TensorSpec("token_logprobs", "float32", (1, "S", "S"),
+        TensorSpec("topk_ids", "int64", (b, "S", k), "the k most likely next tokens at each position, best first"),
+        TensorSpec("topk_logprobs", "float32", (b, "S", k), "their log-probabilities at `temperature`"),
+        TensorSpec("entropy", "float32", (b, "S"), "entropy (nats) of the next-token distribution at `temperature`"),
+        TensorSpec("token_logprobs", "float32", (b, "S", "S"),
+                   "[b, i, j] = log P(input_ids[b, j] | position i of row b) at `temperature`; a node's acceptance "
+                   "reads [b, parent, node]" if batched else
                    "[0, i, j] = log P(input_ids[j] | position i) at `temperature`; a node's acceptance reads [parent, node]"),
-        TensorSpec("hidden_states", float_dtype, (1, "S", cfg.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
-        *SAMPLER_OUTPUTS,
+        TensorSpec("hidden_states", float_dtype, (b, "S", cfg.hidden_size), "last hidden state (after the final norm), input of heads.onnx"),
+        *(() if batched else SAMPLER_OUTPUTS),
     ]
     return inputs, outputs
 

@@ -29,6 +29,11 @@ past). ``past_key_values.{i}.*`` is the runtime's whole buffer of C slots, of wh
 ``present.{i}.*``, which the runtime binds to the same buffer (ONNX Runtime shares it when the
 two pointers are equal), so nothing of the past is copied. Bound to a fresh buffer instead,
 ``present`` is a copy of the past plus the new rows (correct, slower).
+
+Batched (``build --graph fused --batch-size N``, docs/batching.md): GroupQueryAttention refuses several
+sequences that each have a past and several new tokens, so the batched variant writes the attention out
+(:func:`_write_batched_layers`) over head-major buffers [B, H_kv, C, D] it only reads, masked per row by
+``past_sequence_length`` [B], and returns this step's K/V as ``new_key_values.{i}.*`` [B, H_kv, S, D].
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from ..model.config import BackboneConfig, rope_cos_sin
 from ..model.medusa import STEP_TOPK
 from .contract import TensorSpec, step_token_io
 from .graph import GraphBuilder
-from .portable import layer_key, lm_head_key
+from .portable import Masks, _rope, attend, batched_acceptance_outputs, layer_key, lm_head_key
 from .quantize import CONTRIB_DOMAIN, WeightOnlyConfig
 from .weights import Recipe
 
@@ -49,9 +54,15 @@ from .weights import Recipe
 FUSED_OPS = ("com.microsoft::GroupQueryAttention", "com.microsoft::QuickGelu", "SimplifiedLayerNormalization")
 
 
-def fused_step_io(cfg, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+def fused_step_io(cfg, k: int = STEP_TOPK, batched: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The fused step's inputs and outputs (names, dtypes, shapes with symbolic S and C, meanings):
-    the portable step's token inputs and acceptance outputs, then the past length and the KV buffers."""
+    the portable step's token inputs and acceptance outputs, then the past length and the KV buffers.
+
+    ``batched``: the batched variant (:func:`_write_batched_layers`): B rows, ``past_sequence_length`` [B],
+    KV buffers [B, H_kv, C, D] read only (C >= every row's past length), and this step's K/V returned as
+    ``new_key_values.{i}.*`` [B, H_kv, S, D] instead of written into the buffers."""
+    if batched:
+        return _batched_fused_io(cfg, k)
     kv = (1, cfg.num_key_value_heads, "C", cfg.head_dim)
     inputs, outputs = step_token_io(cfg, "float32", k)
     inputs.append(TensorSpec("past_sequence_length", "int32", (1,), "P: valid past slots at the start of each KV buffer"))
@@ -63,6 +74,24 @@ def fused_step_io(cfg, k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[Tenso
             outputs.append(TensorSpec(f"present.{i}.{n}", "float32", kv,
                                       f"layer {i} {n} cache after the step: bind it to the past_key_values.{i}.{n} "
                                       "buffer; slots [P, P + S) then hold this step's K/V (node j at P + j)"))
+    return inputs, outputs
+
+
+def _batched_fused_io(cfg, k: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    kv = ("B", cfg.num_key_value_heads, "C", cfg.head_dim)
+    new_kv = ("B", cfg.num_key_value_heads, "S", cfg.head_dim)
+    inputs, outputs = step_token_io(cfg, "float32", k, batched=True)
+    inputs.append(TensorSpec("past_sequence_length", "int32", ("B",), "P_b: valid past slots of row b"))
+    for i in range(cfg.num_hidden_layers):
+        for n in ("key", "value"):
+            inputs.append(TensorSpec(f"past_key_values.{i}.{n}", "float32", kv,
+                                     f"layer {i} {n}s of the rows' past, head-major [B, H_kv, C, D]: row b's valid "
+                                     "slots are [0, past_sequence_length[b]); C >= the longest row's (read only)"))
+    for i in range(cfg.num_hidden_layers):
+        for n in ("key", "value"):
+            outputs.append(TensorSpec(f"new_key_values.{i}.{n}", "float32", new_kv,
+                                      f"layer {i} {n}s of this step's S tokens per row, head-major [B, H_kv, S, D] "
+                                      "(write them to slots [P_b, P_b + S) of row b, then compact the accepted)"))
     return inputs, outputs
 
 
@@ -104,9 +133,93 @@ def _attention_biases(b: GraphBuilder, cfg: BackboneConfig) -> dict[int | None, 
     return out
 
 
+def _mlp_block(b: GraphBuilder, cfg: BackboneConfig, i: int, residual: str, norm) -> str:
+    """Post-attention norm, gate-up MatMul, Split, QuickGelu (SiLU) * up, down projection, residual add."""
+    n = f"layers.{i}"
+    h = norm(residual, layer_key(i, "post_attention_layernorm.weight"), f"{n}.post_norm")
+    gu_bias = ((layer_key(i, "mlp.gate_proj.bias"), layer_key(i, "mlp.up_proj.bias")) if cfg.mlp_bias else ())
+    gate_up = b.linear(h, f"{n}.gate_up", (layer_key(i, "mlp.gate_proj.weight"), layer_key(i, "mlp.up_proj.weight")),
+                       gu_bias)
+    gate, up = b.op("Split", [gate_up], f"{n}.gate_up/split", n_out=2, axis=-1, num_outputs=2)  # [B, S, I] each
+    act = b.op("Mul", [b.op("QuickGelu", [gate], f"{n}.silu", domain=CONTRIB_DOMAIN, alpha=1.0), up], f"{n}.act")
+    down_bias = (layer_key(i, "mlp.down_proj.bias"),) if cfg.mlp_bias else ()
+    return b.op("Add", [residual, b.linear(act, f"{n}.down_proj", (layer_key(i, "mlp.down_proj.weight"),),
+                                           down_bias)], f"{n}.mlp/residual")
+
+
+def _write_batched_layers(b: GraphBuilder, cfg: BackboneConfig, norm, cos_table: str, sin_table: str) -> None:
+    """The batched fused step's layers, embedding to ``hidden_states`` [B, S, d].
+
+    The fused graph's norms, packed QKV and gate-up MatMuls and QuickGelu MLP, with the attention written
+    out as :mod:`.portable` writes it (ONNX Runtime's GroupQueryAttention refuses several sequences that
+    each have a past and several new tokens, which is what a batched tree step is): RoPE from the fused
+    graph's cos / sin tables gathered at ``position_ids``; scores of each row's queries against its past
+    (the buffers' first P = max_b P_b slots, masked beyond ``past_sequence_length[b]``) and its new keys
+    (its ``new_token_mask``), one float32 softmax, the weighted values. The step's K/V leave the graph as
+    ``new_key_values.{i}.*`` [B, H_kv, S, D]; the buffers are only read.
+    """
+    hd, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    g = heads // kv
+    axis2 = b.const([2], "int64")
+
+    def rope_rows(table: str, name: str) -> str:  # [max_positions, D/2] -> [B, S, 1, D] at position_ids
+        half = b.op("Gather", [table, "position_ids"], f"rope/{name}_half", axis=0)  # [B, S, D/2]
+        return b.op("Unsqueeze", [b.op("Concat", [half, half], f"rope/{name}_full", axis=-1), axis2], f"rope/{name}")
+
+    cos, sin = rope_rows(cos_table, "cos"), rope_rows(sin_table, "sin")
+    longest = b.op("ReduceMax", ["past_sequence_length", b.const([0], "int64")], "lengths/longest", keepdims=1)
+    past_len = b.cast(longest, "int64", "past_len")  # [1], P
+    masks = Masks(b, cfg, past_len, batched=True)
+    zero = b.const([0], "int64")
+    table = b.weight("model.embed_tokens.weight", Recipe("backbone", ("model.embed_tokens.weight",), "rows",
+                                                         "float32"))[0].name
+    residual = b.op("Gather", [table, "input_ids"], "embed", axis=0)  # [B, S, d]
+    for i in range(cfg.num_hidden_layers):
+        n = f"layers.{i}"
+        h = norm(residual, layer_key(i, "input_layernorm.weight"), f"{n}.input_norm")
+        qkv_keys = tuple(layer_key(i, f"self_attn.{p}.weight") for p in ("q_proj", "k_proj", "v_proj"))
+        qkv_bias = tuple(layer_key(i, f"self_attn.{p}.bias") for p in ("q_proj", "k_proj", "v_proj")) if cfg.qkv_bias else ()
+        qkv = b.linear(h, f"{n}.qkv", qkv_keys, qkv_bias)  # [B, S, (H + 2 H_kv) D]
+        q, key, value = b.op("Split", [qkv, b.const([heads * hd, kv * hd, kv * hd], "int64")], f"{n}.qkv/split",
+                             n_out=3, axis=-1)
+        q = b.op("Reshape", [q, b.const([0, -1, heads, hd], "int64")], f"{n}.q_heads")  # [B, S, H, D]
+        key = b.op("Reshape", [key, b.const([0, -1, kv, hd], "int64")], f"{n}.k_heads")  # [B, S, H_kv, D]
+        value = b.op("Reshape", [value, b.const([0, -1, kv, hd], "int64")], f"{n}.v_heads")
+        if cfg.qk_norm:
+            q = norm(q, layer_key(i, "self_attn.q_norm.weight"), f"{n}.q_norm")
+            key = norm(key, layer_key(i, "self_attn.k_norm.weight"), f"{n}.k_norm")
+        q = _rope(b, q, cos, sin, hd // 2, hd, f"{n}/q_rope")
+        key = _rope(b, key, cos, sin, hd // 2, hd, f"{n}/k_rope")
+        new_k = b.op("Transpose", [key], f"{n}/new_k", perm=[0, 2, 1, 3], outputs=[f"new_key_values.{i}.key"])
+        new_v = b.op("Transpose", [value], f"{n}/new_v", perm=[0, 2, 1, 3], outputs=[f"new_key_values.{i}.value"])
+        q = b.op("Mul", [q, b.const(np.float32(hd ** -0.5))], f"{n}/q_scale")
+        q = b.op("Reshape", [q, b.const([0, -1, kv, g, hd], "int64")], f"{n}/q_groups")  # [B, S, H_kv, G, D]
+        q = b.op("Transpose", [q], f"{n}/q_t", perm=[0, 2, 3, 1, 4])  # [B, H_kv, G, S, D]
+
+        def past(name: str) -> str:  # the buffers' first P slots: [B, H_kv, 1, P, D]
+            x = b.op("Slice", [f"past_key_values.{i}.{name}", zero, past_len, axis2], f"{n}/past_{name}")
+            return b.op("Unsqueeze", [x, axis2], f"{n}/past_{name}_g")
+
+        def keys_t(x: str, name: str) -> str:  # [B, H_kv, 1, L, D] -> [B, H_kv, 1, D, L]
+            return b.op("Transpose", [x], name, perm=[0, 1, 2, 4, 3])
+
+        s_past = b.op("MatMul", [q, keys_t(past("key"), f"{n}/past_k_t")], f"{n}/scores_past")  # [B, H_kv, G, S, P]
+        new_k_g = b.op("Unsqueeze", [new_k, axis2], f"{n}/new_k_g")
+        s_new = b.op("MatMul", [q, keys_t(new_k_g, f"{n}/new_k_t")], f"{n}/scores_new")  # [B, H_kv, G, S, S]
+        o = attend(b, f"{n}.attn", s_past, s_new, lambda: past("value"),
+                   lambda: b.op("Unsqueeze", [new_v, axis2], f"{n}/new_v_g"), masks, past_len, cfg.window(i))
+        o = b.op("Transpose", [o], f"{n}/out_t", perm=[0, 3, 1, 2, 4])  # [B, S, H_kv, G, D]
+        o = b.op("Reshape", [o, b.const([0, -1, heads * hd], "int64")], f"{n}/out_flat")
+        o_bias = (layer_key(i, "self_attn.o_proj.bias"),) if cfg.o_bias else ()
+        residual = b.op("Add", [residual, b.linear(o, f"{n}.o_proj", (layer_key(i, "self_attn.o_proj.weight"),),
+                                                   o_bias)], f"{n}.attn/residual")
+        residual = _mlp_block(b, cfg, i, residual, norm)
+    norm(residual, "model.norm.weight", "norm", out="hidden_states")
+
+
 def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
                      lm_head_quant: WeightOnlyConfig | None = None,
-                     k: int = STEP_TOPK) -> tuple[list[TensorSpec], list[TensorSpec]]:
+                     k: int = STEP_TOPK, batched: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Add the fused step's nodes and weights to ``b`` (float32 activations; see the module docstring).
 
     Args:
@@ -116,6 +229,8 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
             max context).
         lm_head_quant: MatMulNBits settings of the lm_head (None: float ``Gemm``).
         k: width of the top-k outputs (capped at the vocabulary).
+        batched: the batched variant: B rows, explicit attention instead of GroupQueryAttention (which takes
+            one sequence when it has a past and several new tokens), see :func:`_write_batched_layers`.
 
     Returns:
         (inputs, outputs) as :func:`fused_step_io`.
@@ -134,18 +249,23 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
     cos, sin = rope_tables(cfg, max_positions)
     cos = b.array("rope.cos", cos, f"rope cos cache of the config, {max_positions} positions")
     sin = b.array("rope.sin", sin, f"rope sin cache of the config, {max_positions} positions")
-    # Sequence lengths for GQA: total = P + S, seqlens_k = total - 1 (int32).
-    s32 = b.cast(b.op("Shape", ["input_ids"], "lengths/s", start=1, end=2), "int32", "lengths/s32")
-    total = b.op("Add", ["past_sequence_length", s32], "lengths/total")  # [1]
-    seqlens_k = b.op("Sub", [total, b.const([1], "int32")], "lengths/seqlens_k")
-    total_scalar = b.op("Squeeze", [total, b.const([0], "int64")], "lengths/total_scalar")
-    biases = _attention_biases(b, cfg)
 
     def norm(x: str, key: str, name: str, out: str | None = None) -> str:
         w = b.weight(key, Recipe("backbone", (key,), "rows", "float32"))[0].name
         return b.op("SimplifiedLayerNormalization", [x, w], name, outputs=[out] if out else None,
                     axis=-1, epsilon=eps, stash_type=1)
 
+    if batched:
+        _write_batched_layers(b, cfg, norm, cos, sin)
+        rows = b.op("Reshape", ["hidden_states", b.const([-1, d], "int64")], "lm_head/rows")
+        batched_acceptance_outputs(b, b.projection(rows, "lm_head", lm_head_key(cfg), quant=lm_head_quant), k)
+        return fused_step_io(cfg, k, batched=True)
+    # Sequence lengths for GQA: total = P + S, seqlens_k = total - 1 (int32).
+    s32 = b.cast(b.op("Shape", ["input_ids"], "lengths/s", start=1, end=2), "int32", "lengths/s32")
+    total = b.op("Add", ["past_sequence_length", s32], "lengths/total")  # [1]
+    seqlens_k = b.op("Sub", [total, b.const([1], "int32")], "lengths/seqlens_k")
+    total_scalar = b.op("Squeeze", [total, b.const([0], "int64")], "lengths/total_scalar")
+    biases = _attention_biases(b, cfg)
     table = b.weight(embed, Recipe("backbone", (embed,), "rows", "float32"))[0].name
     residual = b.op("Gather", [table, "input_ids"], "embed", axis=0)  # [1, S, d]
     for i in range(cfg.num_hidden_layers):
@@ -175,15 +295,7 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
         o_bias = (layer_key(i, "self_attn.o_proj.bias"),) if cfg.o_bias else ()
         residual = b.op("Add", [residual, b.linear(attn, f"{n}.o_proj", (layer_key(i, "self_attn.o_proj.weight"),),
                                                    o_bias)], f"{n}.attn/residual")
-        h = norm(residual, layer_key(i, "post_attention_layernorm.weight"), f"{n}.post_norm")
-        gu_bias = ((layer_key(i, "mlp.gate_proj.bias"), layer_key(i, "mlp.up_proj.bias")) if cfg.mlp_bias else ())
-        gate_up = b.linear(h, f"{n}.gate_up", (layer_key(i, "mlp.gate_proj.weight"), layer_key(i, "mlp.up_proj.weight")),
-                           gu_bias)
-        gate, up = b.op("Split", [gate_up], f"{n}.gate_up/split", n_out=2, axis=-1, num_outputs=2)  # [1, S, I] each
-        act = b.op("Mul", [b.op("QuickGelu", [gate], f"{n}.silu", domain=CONTRIB_DOMAIN, alpha=1.0), up], f"{n}.act")
-        down_bias = (layer_key(i, "mlp.down_proj.bias"),) if cfg.mlp_bias else ()
-        residual = b.op("Add", [residual, b.linear(act, f"{n}.down_proj", (layer_key(i, "mlp.down_proj.weight"),),
-                                                   down_bias)], f"{n}.mlp/residual")
+        residual = _mlp_block(b, cfg, i, residual, norm)
     norm(residual, "model.norm.weight", "norm", out="hidden_states")
     rows = b.op("Reshape", ["hidden_states", b.const([-1, d], "int64")], "lm_head/rows")
     b.acceptance_outputs(b.projection(rows, "lm_head", lm_head_key(cfg), quant=lm_head_quant), k)

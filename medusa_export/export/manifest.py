@@ -54,6 +54,22 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
                      file: str) -> tuple[dict, dict]:
     """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
     s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
+    if cfg.graph == "fused" and cfg.batched:
+        s_in, s_out = fused_step_io(src.config, STEP_TOPK, batched=True)
+        layout = {
+            "layout": "head-major",
+            "shape": "[B, H_kv, C, D] per layer, separate key and value buffers; row b's valid slots [0, P_b), "
+                     "C >= the longest row's past (the runtime passes the rows' pasts packed to C = max P_b)",
+            "inputs": "past_key_values.{i}.key / .value: the rows' buffers, read only; past_sequence_length [B]",
+            "outputs": "new_key_values.{i}.key / .value [B, H_kv, S, D]: this step's K/V of each row",
+            "compaction": "per row b: write new_key_values[b] into slots [P_b, P_b + S) of its buffer, then move "
+                          "node accepted[i] to slot P_b + i along axis 2 where they differ",
+        }
+        dims = {"B": f"sequences in the call, dynamic (built for up to {cfg.batch_size})", "S": s_dim + " (shorter "
+                "rows padded)", "C": f"KV slots passed, max_b P_b <= C <= max_context ({max_context}: the rotary "
+                "tables end there)"}
+        return layout, {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+                        "dims": dims}
     if cfg.graph == "fused":
         s_in, s_out = fused_step_io(src.config, STEP_TOPK)
         layout = {
@@ -69,7 +85,9 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
         graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
                  "dims": dims}
         return layout, graph
-    s_in, s_out = step_io(src.config, dtype, STEP_TOPK)
+    s_in, s_out = step_io(src.config, dtype, STEP_TOPK, cfg.batched)
+    if cfg.batched:
+        return _batched_step_graph_json(cfg, max_context, tree_size, file, s_in, s_out, s_dim)
     layout = {
         "layout": "sequence-major",
         "shape": "[1, P, H_kv, D] per layer, separate key and value tensors (sequence-major)",
@@ -83,6 +101,36 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
                           "tree_step": {"S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
                           "decode": {"S": [1, 1], "P": [0, max_context - 1]}}}
     return layout, graph
+
+
+def _batched_step_graph_json(cfg: BuildConfig, max_context: int, tree_size: int, file: str, s_in, s_out,
+                             s_dim: str) -> tuple[dict, dict]:
+    """``kv_layout`` and ``graphs.model`` of the batched portable step (``--batch-size`` N > 1)."""
+    n = cfg.batch_size
+    layout = {
+        "layout": "sequence-major",
+        "shape": "[B, P, H_kv, D] per layer, separate key and value tensors (sequence-major); row b's valid past is "
+                 "slots [0, past_sequence_length[b]), P the longest row's, the rest padding",
+        "inputs": "past_key_values.{i}.key / .value: each row's valid past, padded to the longest; "
+                  "past_sequence_length [B]: the rows' valid lengths",
+        "outputs": "new_key_values.{i}.key / .value: K/V of this step's S tokens of each row only",
+        "compaction": "per row b: copy new_key_values[b, accepted_b] into row b's slots [P_b, P_b + len(accepted_b))",
+    }
+    graph = {"file": file, "inputs": [t.to_json() for t in s_in], "outputs": [t.to_json() for t in s_out],
+             "dims": {"B": f"sequences in the call, dynamic (built for up to {n})", "S": s_dim + " (shorter rows "
+                      "padded)", "P": "past slots passed, >= the longest row's valid past (the runtime may "
+                      "round it up: the slots beyond a row's past_sequence_length are masked), <= max_context"},
+             "profiles": {"prefill": {"B": [1, n], "S": [1, max_context], "P": [0, max_context - 1]},
+                          "tree_step": {"B": [1, n], "S": [tree_size, tree_size], "P": [0, max_context - tree_size]},
+                          "decode": {"B": [1, n], "S": [1, 1], "P": [0, max_context - 1]}}}
+    return layout, graph
+
+
+def batch_json(cfg: BuildConfig) -> dict:
+    """The manifest's ``batch`` entry of a batched artifact (absent from batch-1 ones)."""
+    return {"version": 1, "dim": "B", "dynamic": True, "max_batch_size": cfg.batch_size,
+            "note": "every step graph tensor has a leading batch dimension B; past_sequence_length [B] gives each "
+                    "row's valid past (docs/batching.md)", "graph": cfg.graph}
 
 
 def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) -> dict:
@@ -157,7 +205,8 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         "flavour": flavour,
         "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
         "step_topk": min(STEP_TOPK, c.vocab_size),
-        "step_sampler": step_sampler_json(),
+        **({} if cfg.batched else {"step_sampler": step_sampler_json()}),
+        **({"batch": batch_json(cfg)} if cfg.batched else {}),
         "kv_layout": layout,
         "graphs": {
             "model": step_graph,

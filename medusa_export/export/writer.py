@@ -61,10 +61,10 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: in
     dtype = "float16" if cfg.precision == "fp16" else "float32"
     step = GraphBuilder(weights, dtype, step_q)
     if cfg.graph == "fused":
-        ins, outs = write_fused_step(step, bc, max_context, lm_q)
+        ins, outs = write_fused_step(step, bc, max_context, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
     else:
-        ins, outs = write_portable_step(step, bc, lm_q)
+        ins, outs = write_portable_step(step, bc, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
     hp = cfg.resolved_heads_precision
     hd, hq, hc = "float16" if hp == "fp16" else "float32", cfg.weight_only(hp, True), src.heads_config

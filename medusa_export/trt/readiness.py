@@ -374,9 +374,10 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
         model = onnx.load(str(path / rel), load_external_data=False)
         findings, info = check_ops(model, rel, table)
         findings += check_external_data(model, rel, path)
-        if key == "model":  # the tree step: S = T fixed, only the past length P varies
-            findings += check_fixed_shapes(model, rel, {"S": tree_size}, ("P",))
-            info["tree_step"] = f"static with S={tree_size}; P dynamic"
+        if key == "model":  # the tree step: S = T fixed (a batched graph: B at its built size), only P varies
+            fixed = {"S": tree_size, **({"B": manifest["batch"]["max_batch_size"]} if manifest.get("batch") else {})}
+            findings += check_fixed_shapes(model, rel, fixed, ("P",))
+            info["tree_step"] = f"static with {', '.join(f'{k}={v}' for k, v in fixed.items())}; P dynamic"
         report.findings += findings
         report.graphs[key] = info
     return report
