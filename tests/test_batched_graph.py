@@ -15,6 +15,7 @@ from conftest import make_family_medusa, make_tiny_medusa, tiny_loaded
 from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig, UnsupportedGraphError
 from medusa_runtime.artifact import load_artifact, step_batch
+from medusa_runtime.loop import sampler_feed
 from medusa_runtime.tree import tree_from_spec
 
 BATCH = 4
@@ -55,7 +56,7 @@ def _layers(sess) -> int:
 def _single(sess, ids, pos, mask, temperature, past):
     """The batch-1 graph on one row: ids/pos [S], mask [S, S], past per layer (k, v) [1, P, H, D]."""
     feed = {"input_ids": ids[None], "position_ids": pos[None], "new_token_mask": mask,
-            "temperature": np.array([temperature], np.float32)}
+            "temperature": np.array([temperature], np.float32), **sampler_feed(len(ids), None)}
     for i, (k, v) in enumerate(past):
         feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = k, v
     return _run(sess, feed)
