@@ -81,7 +81,7 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
 
 def test_vanilla_and_medusa_rows_give_the_counters_tokens(counter_artifacts):
     """The runs the report is made of: at B = 1 and 4, vanilla (root-only tree) and each Medusa tree return every
-    prompt's independent reference reply."""
+    prompt's independent reference reply, on the batched engine and looped over the same graph."""
     from medusa_runtime.session import MedusaSession
 
     session = MedusaSession(counter_artifacts[0], threads=1)
@@ -95,11 +95,20 @@ def test_vanilla_and_medusa_rows_give_the_counters_tokens(counter_artifacts):
             run = bb.run_once(session.batch_engine, session, tree, prompts, 6, b)
             assert run["ids"] == want, (b, name)
             assert run["max_batch_seen"] == b
+    looped = bb.LoopedBatchEngine(session.engine)  # --looped without --looped-artifacts: the graph as a batch of one
+    assert bb.run_once(looped, session, trees["T=4"], prompts, 6, 4)["ids"] == want
 
 
 def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatch):
     """A Medusa reply that differs from vanilla's is reported (``identical`` false, NO in the table) and the exit
-    status is 1, after the files are written."""
+    status is 1, after the files are written. The looped mode runs on a batch-1 artifact (--looped-artifacts)."""
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+    from medusa_runtime.tree import tree_from_spec
+
+    batch1 = build_artifact(tiny_loaded(make_counter_medusa(), name="counter", max_context=512),
+                            tree_from_spec("16", num_heads=3), tmp_path / "b1", BuildConfig(validate=False, graph="fused"),
+                            progress=False)
     real = bb.run_once
 
     def corrupt(engine, session, tree, *args):
@@ -111,8 +120,22 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     monkeypatch.setattr(bb, "run_once", corrupt)
     out = tmp_path / "bad.json"
     assert bb.main(["--artifacts", str(counter_artifacts[0]), "--trees", "2", "--batch-sizes", "2", "--prompts", "2",
-                    "--max-new-tokens", "3", "--threads", "1", "--out", str(out), "--looped"]) == 1
-    row = json.loads(out.read_text())["artifacts"][0]["rows"][0]
+                    "--max-new-tokens", "3", "--threads", "1", "--out", str(out), "--looped-artifacts", str(batch1)]) == 1
+    art = json.loads(out.read_text())["artifacts"][0]
+    assert art["looped_artifact"] == str(batch1)
+    row = art["rows"][0]
     assert row["identical"] is False and set(row["batched_over_looped"]) == {"vanilla", "medusa"}
     assert row["looped"]["vanilla"]["max_batch_seen"] == 2
     assert "| NO |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trees", "4,4"], "give each Medusa tree once"),
+    (["--trees", "root,4"], "give each Medusa tree once"),
+    (["--batch-sizes", "0,2"], "must be >= 1"),
+    (["--looped-artifacts", "a", "b"], "2 entries for 1 --artifacts"),
+])
+def test_bad_arguments_are_refused_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bb.main(["--artifacts", "/nonexistent", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
