@@ -95,10 +95,12 @@ def run_once(engine, session: MedusaSession, tree, prompt_ids: list[list[int]], 
 
 
 def artifact_label(session: MedusaSession) -> dict:
-    """What a row is labelled by: the manifest's model, precision, step graph and built batch size."""
+    """What a row is labelled by: the manifest's model, precision, step graph (``batch.graph``; for a batch-1
+    artifact its ``flavour``) and built batch size (1 for a batch-1 artifact)."""
     m = session.artifact.manifest
     batch = m.get("batch") or {}
-    graph = batch.get("graph") or ("fused" if "fused" in str(m.get("graph", {}).get("flavour", "")) else "portable")
+    flavour = m.get("flavour", "portable")
+    graph = batch.get("graph") or {"ort-fused": "fused"}.get(flavour, flavour)
     return {"model": m["model"]["name"], "precision": m["precision"]["name"], "graph": graph,
             "max_batch_size": int(batch.get("max_batch_size", 1))}
 
@@ -234,6 +236,26 @@ def chart(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def positive_ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4] (argparse type; each >= 1)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every batch size must be >= 1")
+    return values
+
+
+def tree_specs(text: str) -> list[str]:
+    """``"2,4,dynamic:8"`` -> ["2", "4", "dynamic:8"] (argparse type; each once, no root-only tree)."""
+    specs = [t.strip() for t in text.split(",") if t.strip()]
+    if not specs or len(set(specs)) != len(specs) or {"root", "1"} & set(specs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give each Medusa tree once (vanilla, the root-only tree, "
+                                         "always runs)")
+    return specs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--artifacts", nargs="+", required=True,
@@ -242,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch-1 artifacts for the looped mode, one per --artifacts entry (implies --looped)")
     p.add_argument("--looped", action="store_true",
                    help="also run one batch-1 call per row (the runtime before batched graphs)")
-    p.add_argument("--batch-sizes", default=DEFAULT_SIZES, help="comma-separated B (default: %(default)s)")
-    p.add_argument("--trees", default=DEFAULT_TREES,
+    p.add_argument("--batch-sizes", type=positive_ints, default=DEFAULT_SIZES, help="comma-separated B (default: %(default)s)")
+    p.add_argument("--trees", type=tree_specs, default=DEFAULT_TREES,
                    help="comma-separated Medusa trees to choose from per B (default: %(default)s)")
     p.add_argument("--prompts", type=int, default=8,
                    help="MT-Bench first turns per B, at least B are used (default: %(default)s)")
@@ -256,14 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON record (default: docs/benchmark/<model>-batch.json); the .md "
                                             "table and .png chart are written beside it")
     args = p.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    args.trees = [t.strip() for t in args.trees.split(",") if t.strip()]
-    if min(args.batch_sizes) < 1 or args.prompts < 1 or args.repeats < 1 or args.max_new_tokens < 1:
-        p.error("--batch-sizes, --prompts, --repeats and --max-new-tokens must be >= 1")
+    if min(args.prompts, args.repeats, args.max_new_tokens) < 1:
+        p.error("--prompts, --repeats and --max-new-tokens must be >= 1")
     if args.looped_artifacts and len(args.looped_artifacts) != len(args.artifacts):
         p.error(f"--looped-artifacts has {len(args.looped_artifacts)} entries for {len(args.artifacts)} --artifacts")
-    if len(set(args.trees)) != len(args.trees) or {"root", "1"} & set(args.trees):
-        p.error(f"--trees {','.join(args.trees)}: give each Medusa tree once (vanilla, the root-only tree, always runs)")
     looped = args.looped_artifacts or [None] * len(args.artifacts)
 
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -133,6 +133,8 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     (["--trees", "4,4"], "give each Medusa tree once"),
     (["--trees", "root,4"], "give each Medusa tree once"),
     (["--batch-sizes", "0,2"], "must be >= 1"),
+    (["--batch-sizes", "1,x"], "not a comma-separated list"),
+    (["--prompts", "0"], "must be >= 1"),
     (["--looped-artifacts", "a", "b"], "2 entries for 1 --artifacts"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, message, capsys):
