@@ -25,7 +25,8 @@ every tree, so the spread is visible.
 Reported per artifact and B: total tokens/s (all reply tokens over the wall time of the whole run,
 prefills included), per-sequence tokens/s (median over sequences of reply tokens over that
 sequence's own time, admission to finish), tokens per tree step, the Medusa/vanilla ratio, and
-whether every reply is token-identical to vanilla's (greedy Medusa is lossless). ``--looped`` also
+whether every reply is token-identical to vanilla's (greedy Medusa is lossless; ``differs`` names the
+engine and tree of any that is not). ``--looped`` also
 runs every mode with one batch-1 call per row (:class:`~medusa_runtime.batch.LoopedBatchEngine`: the
 runtime before batched graphs) on the same graph as a batch of one, or on ``--looped-artifacts``
 (batch-1 artifacts, one per ``--artifacts`` entry, same order), and reports batched/looped.
@@ -143,8 +144,8 @@ def measure_artifact(path: str, looped_path: str | None, args) -> dict:
                 engine, sess = engines[e]
                 rs.append(run_once(engine, sess, trees[t], ids, args.max_new_tokens, b))
         reference = runs[("batched", "vanilla")][0]["ids"]
-        row = {"batch": b, "sequences": len(ids),
-               "identical": all(r["ids"] == reference for rs in runs.values() for r in rs)}
+        differs = [f"{e} {t}" for (e, t), rs in runs.items() if any(r["ids"] != reference for r in rs)]
+        row = {"batch": b, "sequences": len(ids), "identical": not differs, "differs": differs}
         for e in engines:
             modes = {t: {k: statistics.median(r[k] for r in runs[(e, t)]) for k in METRICS}
                      | {"tree_size": trees[t].size, "max_batch_seen": max(r["max_batch_seen"] for r in runs[(e, t)])}
@@ -178,7 +179,7 @@ def markdown(report: dict) -> str:
                          f"{v['tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} | {m['tree']} | "
                          f"{r['batched']['medusa_over_vanilla']:.2f} | {v['per_sequence_tokens_per_s']:.1f} | "
                          f"{m['per_sequence_tokens_per_s']:.1f} | {m['tokens_per_step']:.2f} | "
-                         f"{'yes' if r['identical'] else 'NO'} |")
+                         f"{'yes' if r['identical'] else 'NO: ' + ', '.join(r['differs'])} |")
     lines += ["", "Total tokens/s of every tree (batched engine):", ""]
     names = list(report["artifacts"][0]["trees"])
     lines += ["| precision | B | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]

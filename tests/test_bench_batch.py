@@ -62,7 +62,7 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
         assert [(r["batch"], r["sequences"]) for r in a["rows"]] == [(1, 3), (2, 3), (4, 4)]
         for r in a["rows"]:
             ba = r["batched"]
-            assert r["identical"] is True and "looped" not in r
+            assert r["identical"] is True and r["differs"] == [] and "looped" not in r
             assert set(ba["trees"]) == {"vanilla", "T=2", "T=4"}
             assert ba["vanilla"]["tokens_per_step"] == 1.0 and ba["vanilla"]["max_batch_seen"] == r["batch"]
             # the chosen tree is the measured best, and the counter's heads are always right
@@ -124,9 +124,10 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     art = json.loads(out.read_text())["artifacts"][0]
     assert art["looped_artifact"] == str(batch1)
     row = art["rows"][0]
-    assert row["identical"] is False and set(row["batched_over_looped"]) == {"vanilla", "medusa"}
+    assert row["identical"] is False and row["differs"] == ["batched T=2", "looped T=2"]
+    assert set(row["batched_over_looped"]) == {"vanilla", "medusa"}
     assert row["looped"]["vanilla"]["max_batch_seen"] == 2
-    assert "| NO |" in out.with_suffix(".md").read_text()
+    assert "| NO: batched T=2, looped T=2 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
