@@ -1,17 +1,19 @@
 """The manifest as typed, versioned data (medusa_runtime.manifest): the shipped JSON Schema is the one the
 dataclasses generate, a built artifact's manifest round-trips byte for byte and validates against its schema,
-bad documents fail with the key named, unknown keys are kept."""
+bad documents fail with the key named, and no module outside the manifest code indexes the manifest dict."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from medusa_runtime.artifact import load_artifact
 from medusa_runtime.errors import ArtifactError
-from medusa_runtime.manifest import SUPPORTED_VERSIONS, Manifest, json_schema, schema_text
+from medusa_runtime.manifest import MANIFEST_SCHEMA, SUPPORTED_VERSIONS, Manifest, json_schema, schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +36,10 @@ def test_built_manifest_round_trips_and_validates(tiny_trt_artifact):
     m = Manifest.from_json(doc)
     assert m.to_json() == doc and json.dumps(m.to_json(), indent=2) + "\n" == text  # byte for byte
     assert m.model.num_layers == doc["model"]["num_layers"] and m.graphs["model"].inputs[0].name == "input_ids"
+    # the schema travels with the artifact, listed and checksummed like every other file
+    assert (art / MANIFEST_SCHEMA).read_text() == schema_text()
+    assert m.files["manifest_schema"] == MANIFEST_SCHEMA and MANIFEST_SCHEMA in m.checksums
+    assert load_artifact(art).manifest == m
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator(json_schema()).validate(doc)
 
@@ -71,3 +77,21 @@ def test_unknown_keys_are_kept(tiny_trt_artifact):
     merged = m.merged({"engines": {"fp16": {"status": "a"}}}, {"x.txt": {"sha256": "0" * 64, "bytes": 1}})
     assert merged.engines == {"fp16": {"status": "a"}} and merged.checksums["x.txt"].bytes == 1
     assert merged.extra == m.extra
+
+
+_INDEXING = re.compile(r"manifest(\[|\.get\()")
+_OWNERS = {"runtime/manifest.py", "medusa_export/export/manifest.py"}
+
+
+def test_no_module_indexes_the_manifest_dict():
+    """Readers go through the typed Manifest; only the manifest code itself touches the JSON document."""
+    found = []
+    for folder in ("runtime", "medusa_export", "scripts"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            rel = path.relative_to(ROOT).as_posix()
+            if path.suffix not in (".py", ".sh") or rel in _OWNERS:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if _INDEXING.search(line):
+                    found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "index the typed Manifest instead:\n" + "\n".join(found)
