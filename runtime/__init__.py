@@ -12,6 +12,7 @@ in ``medusa_export`` uses them too.
 
 from .errors import (ArtifactError, BackendUnavailableError, ChatTemplateError, ContextOverflowError,
                      InvalidTreeError, MedusaError)
+from .manifest import Manifest
 from .session import Completion, MedusaSession
 from .tree import Tree, TreeBuffers, make_tree, tree_from_spec
 
@@ -22,6 +23,7 @@ __all__ = [
     "Completion",
     "ContextOverflowError",
     "InvalidTreeError",
+    "Manifest",
     "MedusaError",
     "MedusaSession",
     "Tree",

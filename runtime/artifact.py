@@ -16,32 +16,24 @@ import numpy as np
 
 from .candidates import ProbabilityMap
 from .errors import ArtifactError, MedusaError
+from .manifest import (ARTIFACT_FORMAT, ARTIFACT_VERSION, HEAD_TYPES, KV_LAYOUTS, MANIFEST, MANIFEST_SCHEMA,  # noqa: F401
+                       Manifest, ModelInfo, as_manifest)
 from .tree import Tree, tree_from_json
 
-#: Head types an artifact may declare (``manifest["heads"]["type"]``; absent = "medusa").
-HEAD_TYPES = ("medusa", "hydra")
-
-
-def head_type(manifest: dict) -> str:
+def head_type(manifest: Manifest | dict) -> str:
     """The artifact's head type: "medusa" (Medusa heads, one run of ``heads.onnx`` per step) or "hydra"
     (path-conditioned heads, ``heads_level{j}.onnx`` run level by level).
 
     Raises:
         ArtifactError: an unknown type.
     """
-    kind = manifest.get("heads", {}).get("type", HEAD_TYPES[0])
-    if kind not in HEAD_TYPES:
-        raise ArtifactError(f"unknown heads.type {kind!r}; this runtime reads {', '.join(HEAD_TYPES)}")
-    return kind
+    return as_manifest(manifest).head_type
 
 
 def level_graph(depth: int) -> str:
     """The manifest's ``graphs`` / ``files`` key of the level-``depth`` graph of path-conditioned heads."""
     return f"heads_level{depth}"
 
-ARTIFACT_FORMAT = "medusa-export-artifact"
-ARTIFACT_VERSION = 1
-MANIFEST = "manifest.json"
 #: Files larger than this are checked by size only unless a full verification is asked for.
 QUICK_HASH_LIMIT = 64 << 20
 
@@ -61,7 +53,7 @@ class Artifact:
 
     Attributes:
         path: the directory.
-        manifest: the parsed manifest.json.
+        manifest: the parsed, checked manifest.json (:class:`~medusa_runtime.manifest.Manifest`).
         tree: the tree the artifact was built for.
         head_accuracies: float64 [K, topk] calibrated a_k^(i) the tree was built from
             (seeds/001 §2.3.3), or None when the build had no calibration.
@@ -71,24 +63,24 @@ class Artifact:
     """
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     tree: Tree
     head_accuracies: np.ndarray | None = None
     calibration: ProbabilityMap | None = None
     simulated: dict | None = None
 
     def file(self, key: str) -> Path:
-        """Absolute path of a file named in manifest["files"][key]."""
-        return self.path / self.manifest["files"][key]
+        """Absolute path of the file the manifest's ``files`` names ``key``."""
+        return self.path / self.manifest.files[key]
 
     @property
-    def model(self) -> dict:
-        return self.manifest["model"]
+    def model(self) -> ModelInfo:
+        return self.manifest.model
 
     @property
     def head_type(self) -> str:
         """"medusa" (also when the manifest has no ``heads`` entry) or "hydra"."""
-        return head_type(self.manifest)
+        return self.manifest.head_type
 
 
 def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
@@ -109,38 +101,33 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     if not mpath.is_file():
         raise ArtifactError(f"{path} is not an artifact: {MANIFEST} is missing")
     try:
-        manifest = json.loads(mpath.read_text())
+        doc = json.loads(mpath.read_text())
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{mpath} is not valid JSON: {exc}") from None
-    if manifest.get("format") != ARTIFACT_FORMAT:
-        raise ArtifactError(f"{mpath}: format is {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
-    if manifest.get("format_version") != ARTIFACT_VERSION:
-        raise ArtifactError(
-            f"{mpath}: format_version {manifest.get('format_version')!r} is not supported "
-            f"(this runtime reads version {ARTIFACT_VERSION})"
-        )
-    for key in ("files", "checksums", "model", "tree", "graphs"):
-        if key not in manifest:
-            raise ArtifactError(f"{mpath}: missing key {key!r}")
-    for rel, rec in manifest["checksums"].items():
+    try:
+        manifest = Manifest.from_json(doc)
+    except ArtifactError as exc:
+        raise ArtifactError(f"{mpath}: {exc}") from None
+    for rel, rec in manifest.checksums.items():
         f = path / rel
         if not f.is_file():
             raise ArtifactError(f"artifact file {rel} is missing from {path}")
         size = f.stat().st_size
-        if size != rec["bytes"]:
-            raise ArtifactError(f"artifact file {rel} has {size} bytes, the manifest records {rec['bytes']}")
-        if (full_verify or size <= QUICK_HASH_LIMIT) and sha256_file(f) != rec["sha256"]:
+        if size != rec.bytes:
+            raise ArtifactError(f"artifact file {rel} has {size} bytes, the manifest records {rec.bytes}")
+        if (full_verify or size <= QUICK_HASH_LIMIT) and sha256_file(f) != rec.sha256:
             raise ArtifactError(f"artifact file {rel} fails its SHA-256 check: it was changed after the build")
-    for key, rel in manifest["files"].items():
-        if rel not in manifest["checksums"]:
+    for key, rel in manifest.files.items():
+        if rel not in manifest.checksums:
             raise ArtifactError(f"{mpath}: file {key}={rel} has no checksum")
+    heads = manifest.model.medusa_heads
     try:
-        tree_data = json.loads((path / manifest["files"]["tree"]).read_text())
-        tree = tree_from_json(tree_data, num_heads=manifest["model"]["medusa_heads"])
+        tree_data = json.loads((path / manifest.files["tree"]).read_text())
+        tree = tree_from_json(tree_data, num_heads=heads)
     except (MedusaError, KeyError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{path}: bad tree: {exc}") from None
-    if tree.size != manifest["tree"]["size"]:
-        raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest['tree']['size']}")
+    if tree.size != manifest.tree.size:
+        raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest.tree.size}")
     check_model_vs_graphs(manifest, mpath, tree)
     calibration = simulated = None
     if isinstance(tree_data, dict):
@@ -151,8 +138,7 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
                 simulated = {str(p): {int(n): float(v) for n, v in t.items()} for p, t in tree_data["simulated"].items()}
         except (MedusaError, KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"{path}: tree.json calibration/simulated: {exc}") from None
-    return Artifact(path, manifest, tree, _accuracies(tree_data, path, manifest["model"]["medusa_heads"]),
-                    calibration, simulated)
+    return Artifact(path, manifest, tree, _accuracies(tree_data, path, heads), calibration, simulated)
 
 
 def _accuracies(tree_data, path: Path, num_heads: int) -> np.ndarray | None:
@@ -165,28 +151,21 @@ def _accuracies(tree_data, path: Path, num_heads: int) -> np.ndarray | None:
     return acc
 
 
-#: KV cache layouts an artifact may declare (``manifest["kv_layout"]["layout"]``; absent = sequence-major).
-KV_LAYOUTS = ("sequence-major", "head-major")
-
-
-def kv_layout(manifest: dict) -> str:
+def kv_layout(manifest: Manifest | dict) -> str:
     """The artifact's KV cache layout: "sequence-major" ([1, P, H_kv, D] past views, new K/V
     returned) or "head-major" ([1, H_kv, C, D] whole buffers written in place, ``ort-fused``).
 
     Raises:
         ArtifactError: an unknown layout name.
     """
-    layout = manifest.get("kv_layout", {}).get("layout", KV_LAYOUTS[0])
-    if layout not in KV_LAYOUTS:
-        raise ArtifactError(f"unknown kv_layout.layout {layout!r}; this runtime reads {', '.join(KV_LAYOUTS)}")
-    return layout
+    return as_manifest(manifest).layout
 
 
-def _dims(spec: dict, name: str) -> list | None:
-    return next((t["shape"] for t in spec if t["name"] == name), None)
+def _dims(spec: list, name: str) -> list | None:
+    return next((t.shape for t in spec if t.name == name), None)
 
 
-def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
+def check_model_vs_graphs(manifest: Manifest | dict, mpath: Path, tree: Tree) -> None:
     """The manifest's model geometry must agree with its own graph I/O lists.
 
     Checks: one key and one value input per layer, KV shape [1, P, H_kv, D] (head-major:
@@ -196,21 +175,22 @@ def check_model_vs_graphs(manifest: dict, mpath: Path, tree: Tree) -> None:
     Raises:
         ArtifactError: a disagreement (an edited manifest); the message names both values.
     """
+    manifest = as_manifest(manifest)
+    m = manifest.model
+    layers, kv_heads, head_dim, heads = m.num_layers, m.num_kv_heads, m.head_dim, m.medusa_heads
+    kind = manifest.head_type
     try:
-        m = manifest["model"]
-        step = manifest["graphs"]["model"]["inputs"]
-        layers, kv_heads, head_dim, heads = m["num_layers"], m["num_kv_heads"], m["head_dim"], m["medusa_heads"]
-        kind = head_type(manifest)
-        heads_out = ([manifest["graphs"][level_graph(j)]["outputs"] for j in range(1, heads + 1)] if kind == "hydra"
-                     else [manifest["graphs"]["heads"]["outputs"]])
-    except (KeyError, TypeError) as exc:
+        step = manifest.graphs["model"].inputs
+        heads_out = ([manifest.graphs[level_graph(j)].outputs for j in range(1, heads + 1)] if kind == "hydra"
+                     else [manifest.graphs["heads"].outputs])
+    except KeyError as exc:
         raise ArtifactError(f"{mpath}: incomplete model or graphs section (missing {exc})") from None
-    past = [t["name"] for t in step if t["name"].startswith("past_key_values.")]
+    past = [t.name for t in step if t.name.startswith("past_key_values.")]
     if len(past) != 2 * layers:
         raise ArtifactError(f"{mpath}: model.num_layers is {layers} but the step graph has {len(past)} "
                             f"past_key_values inputs (expected {2 * layers})")
     kv = _dims(step, "past_key_values.0.key") or []
-    heads_and_dim = [kv[1], kv[3]] if kv_layout(manifest) == "head-major" and len(kv) == 4 else kv[2:]
+    heads_and_dim = [kv[1], kv[3]] if manifest.layout == "head-major" and len(kv) == 4 else kv[2:]
     if heads_and_dim != [kv_heads, head_dim]:
         raise ArtifactError(f"{mpath}: the KV inputs are {kv} but the model section says "
                             f"{kv_heads} KV heads of dimension {head_dim}")
@@ -239,14 +219,15 @@ class StepLimits(NamedTuple):
     has_sampler: bool  # the in-graph sampler (step_sampler)
 
 
-def step_limits(manifest: dict) -> StepLimits:
+def step_limits(manifest: Manifest | dict) -> StepLimits:
     """The :class:`StepLimits` of an artifact's step graph.
 
     Raises:
         ArtifactError: a bad ``step_sampler`` entry (:func:`step_sampler`).
     """
-    m = manifest["model"]
-    return StepLimits(int(m["max_context"]), int(m["vocab_size"]), int(manifest.get("step_topk", 0)) or None,
+    manifest = as_manifest(manifest)
+    m = manifest.model
+    return StepLimits(int(m.max_context), int(m.vocab_size), int(manifest.step_topk or 0) or None,
                       step_sampler(manifest))
 
 
@@ -254,8 +235,8 @@ def step_limits(manifest: dict) -> StepLimits:
 STEP_BATCH_VERSIONS = (1,)
 
 
-def step_batch(manifest: dict) -> int:
-    """The batch size a batched step graph was built for (``manifest["batch"]["max_batch_size"]``), or 0
+def step_batch(manifest: Manifest | dict) -> int:
+    """The batch size a batched step graph was built for (the manifest's ``batch.max_batch_size``), or 0
     for a batch-1 graph (no ``batch`` entry: every artifact built before batching).
 
     A batched step graph (docs/batching.md) takes B rows per call: ``input_ids`` / ``position_ids``
@@ -268,27 +249,27 @@ def step_batch(manifest: dict) -> int:
         ArtifactError: an unknown ``batch`` version, a bad size, or a step graph without
             ``past_sequence_length`` or ``new_key_values.*``.
     """
-    spec = manifest.get("batch")
-    if not spec:
+    manifest = as_manifest(manifest)
+    spec = manifest.batch
+    if spec is None:
         return 0
-    version = spec.get("version") if isinstance(spec, dict) else None
+    version = spec.version
     if version not in STEP_BATCH_VERSIONS:
         raise ArtifactError(f"batch version {version!r} is not supported (this runtime reads "
                             f"{', '.join(map(str, STEP_BATCH_VERSIONS))})")
-    size = spec.get("max_batch_size")
+    size = spec.max_batch_size
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ArtifactError(f"batch.max_batch_size must be an integer >= 1, got {size!r}")
-    kv_layout(manifest)
-    graph = manifest["graphs"]["model"]
-    names = {t["name"] for t in graph["inputs"]} | {t["name"] for t in graph["outputs"]}
+    manifest.layout  # noqa: B018 (checks the layout name)
+    names = manifest.graphs["model"].names()
     missing = [n for n in ("past_sequence_length", "new_key_values.0.key") if n not in names]
     if missing:
         raise ArtifactError(f"batch is declared but the step graph lacks {', '.join(missing)}")
     return size
 
 
-def step_sampler(manifest: dict) -> bool:
-    """Whether the step graph has the in-graph sampler (``manifest["step_sampler"]``, docs/sampling.md).
+def step_sampler(manifest: Manifest | dict) -> bool:
+    """Whether the step graph has the in-graph sampler (the manifest's ``step_sampler``, docs/sampling.md).
 
     Absent: no sampler (every artifact built before it). Present: ``{"version": 1, ...}``, and the
     step graph's I/O lists must hold its inputs ``sample_uniforms`` float32 [1, S], ``sample_top_k``
@@ -297,15 +278,15 @@ def step_sampler(manifest: dict) -> bool:
     Raises:
         ArtifactError: an unknown version, or tensors missing from the step graph's I/O lists.
     """
-    spec = manifest.get("step_sampler")
-    if not spec:
+    manifest = as_manifest(manifest)
+    spec = manifest.step_sampler
+    if spec is None:
         return False
-    version = spec.get("version") if isinstance(spec, dict) else None
+    version = spec.version
     if version not in STEP_SAMPLER_IO:
         raise ArtifactError(f"step_sampler version {version!r} is not supported (this runtime reads "
                             f"{', '.join(map(str, STEP_SAMPLER_IO))})")
-    graph = manifest["graphs"]["model"]
-    names = {t["name"] for t in graph["inputs"]} | {t["name"] for t in graph["outputs"]}
+    names = manifest.graphs["model"].names()
     missing = [n for group in STEP_SAMPLER_IO[version] for n in group if n not in names]
     if missing:
         raise ArtifactError(f"step_sampler is declared but the step graph lacks {', '.join(missing)}")

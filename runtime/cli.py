@@ -246,7 +246,7 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
         print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
               "the model continues it; it is not answered as a chat message]", file=err)
     kwargs = _gen_kwargs(args, session)  # and settings this artifact cannot sample exactly, before any work
-    if session.artifact.manifest["model"].get("heads_source", "").startswith("init"):
+    if session.artifact.model.heads_source.startswith("init"):
         print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
               "guess), so few candidates are accepted]", file=err)
 
@@ -274,7 +274,7 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     kwargs = _gen_kwargs(args, session)
     session.reset(args.system)
     interactive = inp.isatty()
-    print(f"chat with {session.artifact.model['name']} ({_mode(session, args)}); /reset starts over, "
+    print(f"chat with {session.artifact.model.name} ({_mode(session, args)}); /reset starts over, "
           "/exit or Ctrl-D quits", file=err)
 
     def write(text: str) -> None:

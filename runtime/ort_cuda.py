@@ -151,17 +151,17 @@ class OrtCudaEngine:
             )
         if kv_layout(artifact.manifest) != "sequence-major":
             raise BackendUnavailableError(
-                f"{artifact.path} is an {artifact.manifest.get('flavour')} artifact (head-major KV written in place by "
+                f"{artifact.path} is an {artifact.manifest.flavour} artifact (head-major KV written in place by "
                 "ONNX Runtime's CPU kernels); this CUDA engine binds the sequence-major step of the portable graph: "
                 "run it with the onnxruntime backend, or build --graph portable")
         m = artifact.model
-        self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
-        self.num_heads = m["medusa_heads"]
-        self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest["precision"]["kv_dtype"]])
+        self.num_layers, self.num_kv_heads, self.head_dim = m.num_layers, m.num_kv_heads, m.head_dim
+        self.num_heads = m.medusa_heads
+        self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest.precision.kv_dtype])
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
         self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(artifact.manifest)
         self.has_sampler = False
-        self.hidden_size = m["hidden_size"]
+        self.hidden_size = m.hidden_size
         self.device_id = device_id
         self.cudart = _load_cudart()
         providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
@@ -172,7 +172,7 @@ class OrtCudaEngine:
                                           f"heads are {artifact.head_type!r}: use the ort (CPU) backend")
         self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
         for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
-            check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
+            check_graph_io(sess, artifact.manifest.graphs[key], artifact.file(key))
 
     def make_cache(self, capacity: int) -> DeviceKVCache:
         return DeviceKVCache(self, capacity)

@@ -26,6 +26,7 @@ import numpy as np
 from .artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from .errors import ArtifactError, ContextOverflowError, MedusaError
 from .loop import HeadMajorKVCache, InPlacePast, KVCache, RowInputs, SamplerInputs, StepResult, sampler_feed
+from .manifest import Graph
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -56,7 +57,7 @@ _ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64":
 _STEP_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs", "hidden_states")
 
 
-def check_graph_io(session, graph: dict, path) -> None:
+def check_graph_io(session, graph: Graph, path) -> None:
     """The ONNX graph's inputs/outputs must be the manifest's: names, dtypes, static dims.
 
     Args:
@@ -69,18 +70,18 @@ def check_graph_io(session, graph: dict, path) -> None:
             dimension (the graph is from another build, or the manifest was edited).
     """
     actual = {a.name: a for a in session.get_inputs() + session.get_outputs()}
-    expected = {t["name"]: t for t in graph["inputs"] + graph["outputs"]}
+    expected = {t.name: t for t in graph.inputs + graph.outputs}
     if set(actual) != set(expected):
         missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
         raise ArtifactError(f"{path} does not match the manifest: tensors missing from the graph {missing[:3]}, "
                             f"not in the manifest {extra[:3]}")
     for name, t in expected.items():
         a = actual[name]
-        same_dims = len(a.shape) == len(t["shape"]) and all(
-            x == y for x, y in zip(a.shape, t["shape"]) if isinstance(x, int) and isinstance(y, int))
-        if a.type != _ORT_TYPES.get(t["dtype"]) or not same_dims:
+        same_dims = len(a.shape) == len(t.shape) and all(
+            x == y for x, y in zip(a.shape, t.shape) if isinstance(x, int) and isinstance(y, int))
+        if a.type != _ORT_TYPES.get(t.dtype) or not same_dims:
             raise ArtifactError(f"{path}: tensor {name} is {a.type} {a.shape} in the graph but "
-                                f"{t['dtype']} {t['shape']} in the manifest")
+                                f"{t.dtype} {t.shape} in the manifest")
 
 
 class OrtEngine:
@@ -104,11 +105,11 @@ class OrtEngine:
         import onnxruntime as ort
 
         m = artifact.model
-        self.num_layers = m["num_layers"]
-        self.num_kv_heads = m["num_kv_heads"]
-        self.head_dim = m["head_dim"]
-        self.num_heads = m["medusa_heads"]
-        self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest["precision"]["kv_dtype"]])
+        self.num_layers = m.num_layers
+        self.num_kv_heads = m.num_kv_heads
+        self.head_dim = m.head_dim
+        self.num_heads = m.medusa_heads
+        self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest.precision.kv_dtype])
         self.hidden_dtype = self.kv_dtype
         opts = session_options(threads, spin)
         for key, value in (session_config or {}).items():
@@ -126,13 +127,13 @@ class OrtEngine:
             opts.profile_file_prefix = profile_prefix
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
         for key, sess in (("model", self.step_session), *heads_sessions.items()):
-            check_graph_io(sess, artifact.manifest["graphs"][key], artifact.file(key))
+            check_graph_io(sess, artifact.manifest.graphs[key], artifact.file(key))
         self._heads_outputs = [o.name for o in self.heads_session.get_outputs()] if self.heads_session else []
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
         self._outputs = [o.name for o in self.step_session.get_outputs()]
         self._kv_outputs = [i for i, n in enumerate(self._outputs) if n.startswith("new_key_values.")]
         self.kv_layout = kv_layout(artifact.manifest)
-        self.max_positions = int(m["max_context"])
+        self.max_positions = int(m.max_context)
         self.max_context, self.vocab_size, self.step_topk, self.has_sampler = step_limits(artifact.manifest)
         #: the batch size a batched step graph was built for (manifest ``batch``), 0 for a batch-1 graph
         self.max_batch = step_batch(artifact.manifest)

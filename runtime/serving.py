@@ -242,7 +242,7 @@ def parse_request(fields: Mapping[str, object], session: MedusaSession, *,
     raw = _bool("raw", fields["raw"]) if "raw" in fields else False
     try:
         if "input_ids" in fields:
-            ids = _input_ids(fields["input_ids"], int(session.artifact.model["vocab_size"]))
+            ids = _input_ids(fields["input_ids"], int(session.artifact.model.vocab_size))
         elif "messages" in fields:
             ids = tuple(session.encode(_messages(fields["messages"])))
         else:

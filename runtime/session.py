@@ -183,7 +183,7 @@ class MedusaSession:
                  max_context: int | None = None, tree: Tree | str | None = None, full_verify: bool = False,
                  progress: Callable[[str], None] | None = None, **engine_options):
         self.artifact: Artifact = load_artifact(artifact_dir, full_verify=full_verify)
-        limit = int(self.artifact.model["max_context"])
+        limit = int(self.artifact.model.max_context)
         if max_context is not None and not 1 <= max_context <= limit:
             raise MedusaError(f"max_context must be in 1..{limit} (the artifact's), got {max_context}")
         self.max_context = max_context or limit
@@ -200,7 +200,7 @@ class MedusaSession:
     def _resolve_tree(self, tree: Tree | DynamicTree | str | None) -> Tree | DynamicTree:
         base = self.artifact.tree
         if tree is None:  # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
-            tree = self.artifact.manifest.get("tree", {}).get("policy")
+            tree = self.artifact.manifest.tree.policy
             if not tree or not hasattr(self.engine, "heads_logprobs"):  # engines of fixed trees run the static one
                 return base
         acc = self.artifact.head_accuracies

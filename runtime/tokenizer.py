@@ -118,12 +118,12 @@ class RuntimeTokenizer:
         Raises:
             ArtifactError: the manifest has no tokenizer section or a file is missing.
         """
-        tok = artifact.manifest.get("tokenizer")
-        if not isinstance(tok, dict) or "tokenizer" not in artifact.manifest["files"]:
+        tok = artifact.manifest.tokenizer
+        if tok is None or "tokenizer" not in artifact.manifest.files:
             raise ArtifactError(f"{artifact.path}: the manifest has no tokenizer")
-        template_file = artifact.manifest["files"].get("chat_template")
+        template_file = artifact.manifest.files.get("chat_template")
         template = (artifact.path / template_file).read_text() if template_file else None
-        return cls(artifact.file("tokenizer"), template, tok.get("eos_token_ids", []))
+        return cls(artifact.file("tokenizer"), template, tok.eos_token_ids)
 
     @property
     def has_chat_template(self) -> bool:

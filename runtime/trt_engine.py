@@ -265,8 +265,8 @@ class TrtEngine:
                                 f"build it with `medusa-export engine --artifact {artifact.path} --precision {precision}` or "
                                 f"`bash engines/build_engine.sh {precision}` on this GPU machine")
         m = artifact.model
-        self.num_layers, self.num_kv_heads, self.head_dim = m["num_layers"], m["num_kv_heads"], m["head_dim"]
-        self.num_heads, self.hidden_size = m["medusa_heads"], m["hidden_size"]
+        self.num_layers, self.num_kv_heads, self.head_dim = m.num_layers, m.num_kv_heads, m.head_dim
+        self.num_heads, self.hidden_size = m.medusa_heads, m.hidden_size
         self.manifest = manifest
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
         self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(manifest)

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import MedusaError
 from .kvcache import compaction_slots
+from .manifest import Manifest, TensorSpec, as_manifest
 
 #: Order of the model graph's optimization profiles in an engine (profile index = position).
 PROFILE_ORDER = ("prefill", "tree_step", "decode")
@@ -59,9 +60,9 @@ def _opt(lo: int, hi: int) -> int:
     return lo + (hi - lo) // 2
 
 
-def model_profiles(manifest: dict) -> list[Profile]:
+def model_profiles(manifest: Manifest | dict) -> list[Profile]:
     """The backbone step graph's profiles, in :data:`PROFILE_ORDER`."""
-    spec = manifest["graphs"]["model"]["profiles"]
+    spec = as_manifest(manifest).graphs["model"].profiles or {}
     unknown = set(spec) - set(PROFILE_ORDER)
     if unknown:
         raise MedusaError(f"manifest lists unknown profiles {sorted(unknown)}; known: {', '.join(PROFILE_ORDER)}")
@@ -69,12 +70,12 @@ def model_profiles(manifest: dict) -> list[Profile]:
             for name in PROFILE_ORDER if name in spec]
 
 
-def heads_profiles(manifest: dict) -> list[Profile]:
+def heads_profiles(manifest: Manifest | dict) -> list[Profile]:
     """The heads graph's one profile: R (rows) in [1, tree size], tuned for the loop's R = 1."""
-    return [Profile("heads", {"R": (1, 1, max(1, manifest["tree"]["size"]))})]
+    return [Profile("heads", {"R": (1, 1, max(1, as_manifest(manifest).tree.size))})]
 
 
-def graph_profiles(manifest: dict, graph: str) -> list[Profile]:
+def graph_profiles(manifest: Manifest | dict, graph: str) -> list[Profile]:
     """Profiles of ``graph`` ("model" or "heads")."""
     return model_profiles(manifest) if graph == "model" else heads_profiles(manifest)
 
@@ -101,20 +102,27 @@ def concrete_shape(shape: list, sizes: dict[str, int]) -> tuple[int, ...]:
     return tuple(int(d) if isinstance(d, int) else int(sizes[d]) for d in shape)
 
 
-def profile_shapes(tensors: list[dict], profile: Profile) -> dict[str, tuple[tuple, tuple, tuple]]:
-    """Per input tensor of the manifest: (min, opt, max) concrete shapes under ``profile``."""
+def _specs(tensors: list) -> list[TensorSpec]:
+    """Manifest tensors as :class:`TensorSpec` (given as such, or as their JSON entries)."""
+    return [t if isinstance(t, TensorSpec) else TensorSpec.from_json(t, "tensor") for t in tensors]
+
+
+def profile_shapes(tensors: list[TensorSpec], profile: Profile) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """Per input tensor of the manifest (:class:`TensorSpec` or its JSON): (min, opt, max) concrete shapes under
+    ``profile``."""
     pick = [{s: r[k] for s, r in profile.dims.items()} for k in range(3)]
-    return {t["name"]: tuple(concrete_shape(t["shape"], sizes) for sizes in pick) for t in tensors}
+    return {t.name: tuple(concrete_shape(t.shape, sizes) for sizes in pick) for t in _specs(tensors)}
 
 
-def io_shapes(tensors: list[dict], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
-    """Concrete shapes of the manifest's tensors (inputs or outputs) for ``sizes``."""
-    return {t["name"]: concrete_shape(t["shape"], sizes) for t in tensors}
+def io_shapes(tensors: list[TensorSpec], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Concrete shapes of the manifest's tensors (inputs or outputs; :class:`TensorSpec` or its JSON) for
+    ``sizes``."""
+    return {t.name: concrete_shape(t.shape, sizes) for t in _specs(tensors)}
 
 
-def plan_files(manifest: dict, precision: str) -> dict[str, str]:
+def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
     """Artifact-relative plan paths of ``precision``: the manifest's record, else the default names."""
-    rec = manifest.get("engines", {}).get(precision, {})
+    rec = (as_manifest(manifest).engines or {}).get(precision, {})
     return {g: rec.get(f"{g}_plan", f"{ENGINE_DIR}/{g}.{precision}.plan") for g in ("model", "heads")}
 
 

@@ -228,8 +228,8 @@ def run(args) -> dict:
               file=sys.stderr)
     m = session.artifact.manifest
     report = {
-        "model": m["model"]["name"], "heads_source": m["model"]["heads_source"], "artifact": str(args.artifact),
-        "precision": m["precision"]["name"], "backend": session.backend, "threads": args.threads, "spin": args.spin,
+        "model": m.model.name, "heads_source": m.model.heads_source, "artifact": str(args.artifact),
+        "precision": m.precision_name, "backend": session.backend, "threads": args.threads, "spin": args.spin,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
                  "medusa_choices": [list(c) for c in getattr(session.tree, "choices", ())],

@@ -99,11 +99,10 @@ def artifact_label(session: MedusaSession) -> dict:
     """What a row is labelled by: the manifest's model, precision, step graph (``batch.graph``; for a batch-1
     artifact its ``flavour``) and built batch size (1 for a batch-1 artifact)."""
     m = session.artifact.manifest
-    batch = m.get("batch") or {}
-    flavour = m.get("flavour", "portable")
-    graph = batch.get("graph") or {"ort-fused": "fused"}.get(flavour, flavour)
-    return {"model": m["model"]["name"], "precision": m["precision"]["name"], "graph": graph,
-            "max_batch_size": int(batch.get("max_batch_size", 1))}
+    flavour = m.flavour or "portable"
+    graph = (m.batch.graph if m.batch else None) or {"ort-fused": "fused"}.get(flavour, flavour)
+    return {"model": m.model.name, "precision": m.precision_name, "graph": graph,
+            "max_batch_size": int(m.batch.max_batch_size if m.batch else 1)}
 
 
 def candidate_trees(session: MedusaSession, specs: list[str]) -> dict:

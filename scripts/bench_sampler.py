@@ -94,7 +94,7 @@ def bench_artifact(path: str, past: int, repeats: int, threads: int) -> list[dic
         raise SystemExit(f"{path}: no step_sampler in the manifest (built before the in-graph sampler)")
     rng = np.random.default_rng(0)
     fns, meta = {}, {}
-    for s in sorted({1, int(art.manifest["tree"]["size"])}):
+    for s in sorted({1, int(art.manifest.tree.size)}):
         cache = KVCache.for_engine(eng, past + s)
         cache.length = past
         ids = rng.integers(0, eng.vocab_size, (1, s), dtype=np.int64)

@@ -116,7 +116,7 @@ class _Bench:
 def _rows(bench: _Bench, times: dict, sizes: list[int]) -> list[dict]:
     m = bench.art.manifest
     eng = bench.eng
-    vocab, hidden, k = m["model"]["vocab_size"], m["model"]["hidden_size"], m["step_topk"]
+    vocab, hidden, k = m.model.vocab_size, m.model.hidden_size, m.step_topk
     kv_bytes_per_token = 2 * eng.num_layers * eng.num_kv_heads * eng.head_dim * np.dtype(eng.kv_dtype).itemsize
     rows = []
     for t in sizes:
@@ -166,7 +166,7 @@ def main() -> None:
     benches = []
     prompt = None
     for path in args.artifacts:
-        vocab = load_artifact(path).model["vocab_size"]
+        vocab = load_artifact(path).model.vocab_size
         if prompt is None:
             prompt = np.random.default_rng(0).integers(0, vocab, args.past, dtype=np.int64)
         benches.append(_Bench(path, args, prompt))
@@ -186,9 +186,9 @@ def main() -> None:
     for b in benches:
         m = b.art.manifest
         rows = _rows(b, times, args.sizes)
-        report["artifacts"].append({"artifact": str(b.path), "flavour": m.get("flavour"), "heads": b.art.head_type,
+        report["artifacts"].append({"artifact": str(b.path), "flavour": m.flavour, "heads": b.art.head_type,
                                     "policy": args.policy, "rows": rows})
-        print(f"artifact {b.path}: {m['model']['name']}, {m['precision']['name']}, flavour {m.get('flavour')}, "
+        print(f"artifact {b.path}: {m.model.name}, {m.precision_name}, flavour {m.flavour}, "
               f"{b.art.head_type} heads, {args.policy} trees, "
               f"past length {args.past}, median of {args.repeats}" + (" (interleaved)" if len(benches) > 1 else ""))
         print(f"{'T':>4} {'step ms':>9} {'heads ms':>9} {'heads share':>12} {'out KB/step':>12} {'with [T,V] logits KB':>21}")

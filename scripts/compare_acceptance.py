@@ -167,8 +167,8 @@ def run(args) -> dict:
     session.generate(prompt_ids=prompts[0], max_new_tokens=4)  # warm-up
     m = session.artifact.manifest
     report = {
-        "date": dt.date.today().isoformat(), "model": m["model"]["name"], "heads_source": m["model"]["heads_source"],
-        "artifact": str(args.artifact), "precision": m["precision"]["name"], "backend": session.backend,
+        "date": dt.date.today().isoformat(), "model": m.model.name, "heads_source": m.model.heads_source,
+        "artifact": str(args.artifact), "precision": m.precision_name, "backend": session.backend,
         "threads": args.threads, "tree": {"size": session.tree.size, "depth": session.tree.max_depth},
         "prompts": len(texts), "seeds": args.seeds, "max_new_tokens": args.max_new_tokens,
         "top_k": args.top_k, "top_p": args.top_p, "posterior_alpha": SamplingConfig.posterior_alpha,

@@ -102,8 +102,8 @@ from medusa_runtime.loop import generate
 from medusa_runtime.ort_engine import OrtEngine
 
 art, new_tokens, rows, precisions = load_artifact(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-ctx = art.model["max_context"]
-vocab = art.model["vocab_size"]
+ctx = art.model.max_context
+vocab = art.model.vocab_size
 rng = np.random.default_rng(0)
 prompts = [list(rng.integers(3, vocab, size=n)) for n in (8, 32, 96)]
 

@@ -124,10 +124,10 @@ def test_build_tree_auto_keeps_the_measured_best(auto_artifact):
     from medusa_runtime.artifact import load_artifact
 
     art = load_artifact(auto_artifact)
-    sel = art.manifest["tree"]["selection"]
+    sel = art.manifest.tree.selection
     table = sel["candidates"]
     best = max(table, key=lambda c: (c["expected_tokens_per_second"], -c["size"]))
-    assert sel["chosen"] == best["size"] == art.tree.size == art.manifest["tree"]["size"]
+    assert sel["chosen"] == best["size"] == art.tree.size == art.manifest.tree.size
     assert [c["size"] for c in table] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     np.testing.assert_allclose(art.head_accuracies[:, :2], ACC)
     data = json.loads((auto_artifact / "tree.json").read_text())

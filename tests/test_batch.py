@@ -284,7 +284,7 @@ def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
     from medusa_runtime.errors import BackendUnavailableError
 
     art = load_artifact(counter_artifact)
-    if not art.manifest.get("batch"):
+    if art.manifest.batch is None:
         pytest.skip("a batch-1 artifact")
     with pytest.raises(BackendUnavailableError, match="--backend onnxruntime, or build with --batch-size 1"):
         create_engine(art, "tensorrt")

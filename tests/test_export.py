@@ -134,7 +134,8 @@ def test_reduced_precision_builds(tmp_path, precision):
         assert 0.0 <= p["agreement"] <= 1.0
     # only the artifact's own files: no leftover exporter/quantizer data files
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        ["chat_template.jinja", "heads.onnx", "manifest.json", "model.onnx", "tokenizer", "tree.json", "weights.bin"])
+        ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer", "tree.json",
+         "weights.bin"])
     if precision == "fp16":
         assert m["precision"]["kv_dtype"] == "float16"
         assert max(p["max_logprob_diff"] for p in v["prompts"]) < 5e-2

@@ -239,7 +239,7 @@ def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, a
 
     hf, model = tiny
     art = load_artifact(attached[head_type + "-subset"])
-    assert art.manifest["heads_vocab"]["size"] == 64
+    assert art.manifest.heads_vocab.size == 64
     engine = OrtEngine(art, threads=1)
     spec = DynamicTree(size=8, num_heads=3, topk=art.tree.topk)
     got = generate(engine, PROMPT, spec, max_new_tokens=25)
@@ -269,14 +269,16 @@ def test_build_writes_the_heads_graphs_of_each_head_type(attached):
     from medusa_runtime.artifact import load_artifact
 
     med, hyd = load_artifact(attached["medusa"]), load_artifact(attached["hydra"])
-    assert med.manifest["heads"]["type"] == "medusa" and hyd.manifest["heads"]["type"] == "hydra"
-    assert [t["name"] for t in med.manifest["graphs"]["heads"]["outputs"]] == ["medusa_topk_ids", "medusa_topk_logprobs"]
-    assert sorted(k for k in hyd.manifest["graphs"] if k != "model") == ["heads_level1", "heads_level2", "heads_level3"]
-    assert hyd.manifest["files"]["heads_level2"] == "heads_level2.onnx" and "heads" not in hyd.manifest["files"]
-    assert [t["shape"] for t in hyd.manifest["graphs"]["heads_level2"]["inputs"]] == [["H", 32], ["R", 2]]
-    assert hyd.manifest["validation"]["passed"] is True
-    assert json.loads((hyd.path / "tree.json").read_text())["head_type"] == "hydra"
-    assert hyd.manifest["trt_readiness"]["graphs"].keys() >= {"model", "heads_level1", "heads_level3"}
+    hyd_path = hyd.path
+    med, hyd = med.manifest.to_json(), hyd.manifest.to_json()
+    assert med["heads"]["type"] == "medusa" and hyd["heads"]["type"] == "hydra"
+    assert [t["name"] for t in med["graphs"]["heads"]["outputs"]] == ["medusa_topk_ids", "medusa_topk_logprobs"]
+    assert sorted(k for k in hyd["graphs"] if k != "model") == ["heads_level1", "heads_level2", "heads_level3"]
+    assert hyd["files"]["heads_level2"] == "heads_level2.onnx" and "heads" not in hyd["files"]
+    assert [t["shape"] for t in hyd["graphs"]["heads_level2"]["inputs"]] == [["H", 32], ["R", 2]]
+    assert hyd["validation"]["passed"] is True
+    assert json.loads((hyd_path / "tree.json").read_text())["head_type"] == "hydra"
+    assert hyd["trt_readiness"]["graphs"].keys() >= {"model", "heads_level1", "heads_level3"}
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])

@@ -19,8 +19,8 @@ from medusa_runtime.loop import generate
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree, tree_from_spec
 
-ARTIFACT_FILES = ["chat_template.jinja", "heads.onnx", "manifest.json", "model.onnx", "tokenizer", "tree.json",
-                  "weights.bin"]
+ARTIFACT_FILES = ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer",
+                  "tree.json", "weights.bin"]
 
 
 @pytest.fixture(scope="module")

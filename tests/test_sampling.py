@@ -220,7 +220,7 @@ def test_emitted_sampler_follows_the_contract(wide, graph):
     and = the host's draw from the top-k outputs where that is exact (top_k <= 10); the manifest declares it."""
     hf, arts = wide
     art = load_artifact(arts[graph])
-    assert art.manifest["step_sampler"] == {"version": 1, "spec": "docs/sampling.md"}
+    assert art.manifest.step_sampler.to_json() == {"version": 1, "spec": "docs/sampling.md"}
     eng = OrtEngine(art, threads=1)
     assert eng.has_sampler
     ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]], np.int64)

@@ -259,7 +259,7 @@ def test_fp32_layers_cover_every_rmsnorm_chain_and_softmax(art):
     model = onnx.load(str(art / "model.onnx"), load_external_data=False)
     pinned = set(fp32_node_names(model))
     chains = rmsnorm_chains(model)
-    layers = load_artifact(art).model["num_layers"]
+    layers = load_artifact(art).model.num_layers
     assert len(chains) == 2 * layers + 1
     for chain in chains:
         assert [n.op_type for n in chain] == ["Pow", "ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul", "Mul"]
@@ -274,7 +274,7 @@ def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
     assert main(["engine", "--artifact", str(art), "--precision", "fp16"]) == EXIT_NO_TENSORRT
     err = capsys.readouterr().err
     assert "TensorRT is not available here" in err and "bash engines/build_engine.sh fp16" in err
-    m = load_artifact(art).manifest  # checksums still hold after the manifest update
+    m = load_artifact(art).manifest.to_json()  # checksums still hold after the manifest update
     rec = m["engines"]["fp16"]
     assert rec["status"].startswith("pending") and rec["model_plan"] == "engines/model.fp16.plan"
     assert {"engines/trtexec.fp16.txt", "engines/build_engine.sh"} <= set(m["checksums"])
@@ -349,7 +349,7 @@ def test_update_manifest_merges_and_rechecksums(art):
     (art / "engines/a.txt").write_text("x")
     update_manifest(art, {"engines": {"fp16": {"status": "a"}}}, ["engines/a.txt"])
     update_manifest(art, {"engines": {"int8": {"status": "b"}}})
-    m = load_artifact(art).manifest
+    m = load_artifact(art).manifest.to_json()
     assert m["engines"] == {"fp16": {"status": "a"}, "int8": {"status": "b"}}
     assert m["checksums"]["engines/a.txt"]["bytes"] == 1
     assert not list(art.glob(".manifest.json.tmp*"))
@@ -407,12 +407,12 @@ def test_trt_engine_matches_onnxruntime(art):
 
     assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
     a = load_artifact(art)
-    assert a.manifest["engines"]["fp32"]["status"] == "built"
+    assert a.manifest.engines["fp32"]["status"] == "built"
     trt_engine = TrtEngine(a, precision="fp32")
     try:
         for prompt in ([5, 6, 7], list(range(10, 40))):
-            ref = generate(OrtEngine(a), prompt, a.tree, max_new_tokens=24, max_context=a.model["max_context"])
-            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model["max_context"])
+            ref = generate(OrtEngine(a), prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
             assert got.tokens == ref.tokens
     finally:
         trt_engine.close()
@@ -422,11 +422,11 @@ def test_readiness_line_says_not_applicable_for_ort_only_flavours():
     from medusa_export.cli.trt import readiness_line
 
     refused = {"tensorrt": "10.15", "passed": False, "errors": ["flavour is 'ort-fused'"], "warnings": [], "graphs": {}}
-    line = readiness_line({"flavour": "ort-fused", "trt_readiness": refused})
+    line = readiness_line(refused, "ort-fused")
     assert "not applicable" in line and "ort-fused" in line and "--graph portable" in line
     # a portable artifact that fails is a real failure
-    assert "FAILED (1 error(s)" in readiness_line({"flavour": "portable", "trt_readiness": refused})
+    assert "FAILED (1 error(s)" in readiness_line(refused, "portable")
     ok = {"tensorrt": "10.15", "passed": True, "errors": [], "warnings": [],
           "graphs": {"model": {"op_types": ["MatMul", "Add"]}}}
-    assert "PASSED (2 op types" in readiness_line({"flavour": "portable", "trt_readiness": ok})
-    assert readiness_line({"flavour": "portable"}) is None
+    assert "PASSED (2 op types" in readiness_line(ok, "portable")
+    assert readiness_line(None, "portable") is None

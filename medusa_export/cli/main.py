@@ -173,37 +173,38 @@ def _print_summary(path, seconds: float, lm=None) -> None:
     import json
     from pathlib import Path
 
+    from medusa_runtime.manifest import MANIFEST, Manifest
+
     from .trt import readiness_line
 
-    m = json.loads((Path(path) / "manifest.json").read_text())
-    size = sum(r["bytes"] for r in m["checksums"].values())
-    print(f"\nartifact: {path}  ({size / 1e6:.1f} MB, built in {seconds:.0f}s)")
-    print(f"  model: {m['model']['name']} ({m['model']['num_layers']} layers, {m['model']['medusa_heads']} Medusa heads), "
-          f"precision {m['precision']['name']}, max context {m['model']['max_context']}")
+    m = Manifest.from_json(json.loads((Path(path) / MANIFEST).read_text()))
+    print(f"\nartifact: {path}  ({m.total_bytes() / 1e6:.1f} MB, built in {seconds:.0f}s)")
+    print(f"  model: {m.model.name} ({m.model.num_layers} layers, {m.model.medusa_heads} Medusa heads), "
+          f"precision {m.precision_name}, max context {m.model.max_context}")
     if lm is not None:
         print(architecture_line(lm))
-    policy = m["tree"].get("policy")
-    print(f"  tree: {m['tree']['size']} nodes, depth {m['tree']['depth']} (tree.json)"
+    policy = m.tree.policy
+    print(f"  tree: {m.tree.size} nodes, depth {m.tree.depth} (tree.json)"
           + (f"; runtimes choose a {policy.split(':')[1]}-node tree every step ({policy})" if policy else ""))
-    if m.get("heads", {}).get("type", "medusa") != "medusa":
-        print(f"  heads: {m['heads']['type']} (path-conditioned): {m['heads']['runs']}")
-    sel = m["tree"].get("selection")
+    if m.head_type != "medusa":
+        print(f"  heads: {m.head_type} (path-conditioned): {m.heads.runs}")
+    sel = m.tree.selection
     if sel:
         best = next(c for c in sel["candidates"] if c["size"] == sel["chosen"])
         print(f"        chosen by --tree auto: {best['expected_tokens_per_step']:.2f} expected tokens/step, "
               f"{best['step_ms'] + best['heads_ms']:.1f} ms/step here, {best['expected_tokens_per_second']:.1f} "
               f"expected tokens/s (all sizes: manifest tree.selection)")
-    for key in ["model", *(k for k in m["files"] if k.startswith("heads")), "weights"]:
-        f = m["files"][key]
-        print(f"  {f:12s} {m['checksums'][f]['bytes'] / 1e6:9.1f} MB")
-    b = m.get("build")
+    for key in ["model", *(k for k in m.files if k.startswith("heads")), "weights"]:
+        f = m.files[key]
+        print(f"  {f:12s} {m.checksums[f].bytes / 1e6:9.1f} MB")
+    b = m.build
     if b:
         times = ", ".join(f"{t['stage'].split(':')[0]} {t['seconds']:.1f}s" for t in b["stages"])
         print(f"  time per stage: {times}")
         print(f"  peak resident memory {b['peak_rss_bytes'] / 1e9:.2f} GB; weights written at "
               f"{b['weights_gb_per_s']:.2f} GB/s")
-    v = m.get("validation")
-    template = m["files"].get("chat_template")
+    v = m.validation
+    template = m.files.get("chat_template")
     no_template = not template or not (Path(path) / template).read_text().strip()
     if v:
         from ..validation.validate import validation_summary
@@ -216,8 +217,9 @@ def _print_summary(path, seconds: float, lm=None) -> None:
     if no_template:
         print("  chat template: none (a base model): `generate --artifact` continues a plain-text prompt; "
               "`chat` needs a template")
-    if readiness_line(m):
-        print(readiness_line(m))
+    line = readiness_line(m.trt_readiness, m.flavour)
+    if line:
+        print(line)
 
 
 def cmd_verify(args) -> int:
@@ -234,7 +236,7 @@ def cmd_verify(args) -> int:
 
     art = load_artifact(args.artifact, full_verify=True)
     m = art.manifest
-    name = m["model"]["name"]
+    name = m.model.name
     if name in load_registry():
         lm = open_model(name, model_path=args.model_path, heads_path=args.heads)
     elif args.model_path:  # a model built from a local path: that path is the model
@@ -244,10 +246,10 @@ def cmd_verify(args) -> int:
                           "--model-path (an HF model dir or .gguf file)")
     print_notes(lm)
     texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
-    cfg = BuildConfig(precision=m["precision"]["name"], graph="fused" if m["flavour"] == "ort-fused" else "portable",
+    cfg = BuildConfig(precision=m.precision_name, graph="fused" if m.flavour == "ort-fused" else "portable",
                       new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
-                      max_context=m["model"]["max_context"], batch_size=step_batch(m) or 1)
-    plan = plan_validation(lm.sources, cfg.precision, m["weights"]["bytes"], graph=cfg.graph, checks=cfg.checks,
+                      max_context=m.model.max_context, batch_size=step_batch(m) or 1)
+    plan = plan_validation(lm.sources, cfg.precision, m.weights.bytes, graph=cfg.graph, checks=cfg.checks,
                            layers=cfg.validate_layers)
     for line in plan.describe():
         print(f"  {line}", file=sys.stderr)
@@ -274,7 +276,7 @@ def cmd_verify(args) -> int:
     if not v["passed"]:
         print("FAILED:\n  " + "\n  ".join(v["failures"]), file=sys.stderr)
         return EXIT_MISMATCH
-    print(f"PASSED: {len(texts)} prompts, precision {m['precision']['name']} (checks: {', '.join(v['ran'])})")
+    print(f"PASSED: {len(texts)} prompts, precision {m.precision_name} (checks: {', '.join(v['ran'])})")
     return 0
 
 

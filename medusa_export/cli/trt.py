@@ -55,12 +55,12 @@ def after_build(args, path) -> int:
     return run_engine(path, args) if args.engine == "trt" else 0
 
 
-def readiness_line(manifest: dict) -> str | None:
-    """The build summary's TensorRT readiness line, from the manifest."""
-    r = manifest.get("trt_readiness")
+def readiness_line(r: dict | None, flavour: str | None) -> str | None:
+    """The build summary's TensorRT readiness line, from the manifest's ``trt_readiness`` report and ``flavour``
+    (None when the manifest has no report)."""
     if not r:
         return None
-    flavour = manifest.get("flavour", "portable")
+    flavour = flavour or "portable"
     if flavour != "portable" and not r["passed"]:  # refused by design, not a defect of this build
         return (f"  TensorRT {r['tensorrt']} readiness: not applicable: flavour {flavour} runs on ONNX Runtime only "
                 "(for TensorRT build --graph portable --precision fp32|fp16 --heads-precision auto)")

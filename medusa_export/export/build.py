@@ -17,11 +17,13 @@ import shutil
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from medusa_runtime.artifact import MANIFEST, load_artifact
+from medusa_runtime.manifest import MANIFEST_SCHEMA, Manifest
 from medusa_runtime.tree import Tree
 
 from ..errors import ArtifactError, InvalidTreeError, MedusaError
@@ -32,7 +34,7 @@ from ..loading.sources import ModelSources, sources_of
 from ..trt.readiness import check_artifact
 from .config import BuildConfig
 from .contract import HEADS_FILE, MODEL_FILE
-from .manifest import manifest_json, selection_json
+from .manifest import build_manifest, selection_json, write_manifest, write_schema
 from .weights import WEIGHTS_FILE
 from .writer import WrittenGraphs, heads_files, plan_graphs, write_graphs
 
@@ -85,7 +87,7 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
 
     artifact = load_artifact(folder)
     say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
-    tree, table = auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model["max_context"],
+    tree, table = auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model.max_context,
                             topk=artifact.tree.topk, progress=say, policy=policy, calibration=artifact.calibration,
                             simulated=artifact.simulated)
     if isinstance(tree, DynamicTree):
@@ -96,7 +98,7 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
 
 
 def write_artifact(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig,
-                   max_context: int, vocab_ids: np.ndarray | None = None, progress: bool = True) -> tuple[dict, WrittenGraphs]:
+                   max_context: int, vocab_ids: np.ndarray | None = None, progress: bool = True) -> tuple[Manifest, WrittenGraphs]:
     """Graphs, weights, tree, tokenizer and manifest of an artifact in ``folder`` (no validation).
 
     Also used for the truncated check's artifact (``src`` with a truncated config).
@@ -118,7 +120,8 @@ def vocab_origin(lm: LoadedMedusa, vocab_ids: np.ndarray | None) -> str:
 
 
 FILES = {"model": MODEL_FILE, "heads": HEADS_FILE, "weights": WEIGHTS_FILE, "tree": "tree.json",
-         "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja"}
+         "tokenizer": "tokenizer/tokenizer.json", "chat_template": "chat_template.jinja",
+         "manifest_schema": MANIFEST_SCHEMA}
 #: What ``tree.json`` carries over from the heads' ``accuracies.json`` (``medusa-export calibrate``): the
 #: probability map of per-step trees, the simulated tokens per step of each policy (``--tree auto``).
 CALIBRATION_KEYS = ("calibration", "simulated", "head_type")
@@ -131,7 +134,7 @@ def artifact_files(src: ModelSources) -> dict[str, str]:
 
 
 def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int,
-                written: WrittenGraphs, vocab_ids: np.ndarray | None, policy: str = "") -> dict:
+                written: WrittenGraphs, vocab_ids: np.ndarray | None, policy: str = "") -> Manifest:
     """tree.json, the tokenizer, the chat template and the manifest (last: it checksums the others).
 
     ``policy`` "dynamic:T" records per-step trees (``tree.json`` / ``manifest.tree`` ``policy``; ``tree`` is then
@@ -147,17 +150,14 @@ def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, c
     (folder / "tree.json").write_text(json.dumps(tree_json) + "\n")
     lm.tokenizer.save_pretrained(str(folder / "tokenizer"))
     (folder / "chat_template.jinja").write_text(lm.chat_template or "")
+    write_schema(folder)
     dtype = "float16" if cfg.precision == "fp16" else "float32"
-    m = manifest_json(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, dtype,
-                      written.quantized, vocab_ids)
+    m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, dtype,
+                       written.quantized, vocab_ids)
     if policy:
-        m["tree"]["policy"] = policy
-    _save_manifest(folder, m)
+        m = replace(m, tree=replace(m.tree, policy=policy))
+    write_manifest(folder, m)
     return m
-
-
-def _save_manifest(folder: Path, manifest: dict) -> None:
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _peak_rss() -> int:
@@ -182,10 +182,10 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         auto_tree: ``--tree auto``: ``tree`` is only the largest candidate; after export the tree
             step is timed at several sizes on ONNX Runtime on this machine and the tree with the
             most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
-            goes to ``manifest["tree"]["selection"]``).
+            goes to the manifest's ``tree.selection``).
         tree_policy: "static", or "dynamic" (``--tree dynamic:T`` / ``auto:dynamic``): the runtime chooses a
             ``tree.size``-node tree every step from the heads' log-probabilities; recorded as
-            ``manifest["tree"]["policy"]`` = "dynamic:T" (``tree`` stays the static tree of fixed-tree engines).
+            the manifest's ``tree.policy`` = "dynamic:T" (``tree`` stays the static tree of fixed-tree engines).
 
     Returns:
         The artifact path.
@@ -248,24 +248,25 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
                 tree, table, policy = _choose_tree_here(tmp, progress=progress, policy=tree_policy)
                 manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids, policy)
-                manifest["tree"]["selection"] = selection_json(table, tree.size)
-                _save_manifest(tmp, manifest)
+                manifest = replace(manifest, tree=replace(manifest.tree, selection=selection_json(table, tree.size)))
+                write_manifest(tmp, manifest)
         with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
-            manifest["trt_readiness"] = check_artifact(tmp, manifest).to_json()
-            _save_manifest(tmp, manifest)
+            manifest = replace(manifest, trt_readiness=check_artifact(tmp, manifest).to_json())
+            write_manifest(tmp, manifest)
         if plan.checks:
             with stages(f"validating: {', '.join(plan.checks)}"):
                 validation = run_checks(plan, tmp, lm, src, cfg, prompts=prompts, vocab_ids=vocab_ids,
                                         progress=progress)
-                manifest["validation"] = validation
-                _save_manifest(tmp, manifest)
+                manifest = replace(manifest, validation=validation)
+                write_manifest(tmp, manifest)
                 if not validation["passed"]:
                     raise ValidationError("validation failed:\n  " + "\n  ".join(validation["failures"]))
         stages.times.append({"stage": "total", "seconds": round(time.perf_counter() - t_start, 2)})
-        manifest["build"] = {"stages": stages.times, "peak_rss_bytes": _peak_rss(),
-                             "weights_gb_per_s": round(written.weights["bytes"] / 1e9 / max(written.seconds, 1e-9), 3),
-                             "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}}
-        _save_manifest(tmp, manifest)
+        manifest = replace(manifest, build={
+            "stages": stages.times, "peak_rss_bytes": _peak_rss(),
+            "weights_gb_per_s": round(written.weights["bytes"] / 1e9 / max(written.seconds, 1e-9), 3),
+            "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}})
+        write_manifest(tmp, manifest)
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,7 @@ OPSET = 18
 IR_VERSION = 10
 MODEL_FILE = "model.onnx"
 HEADS_FILE = "heads.onnx"
-#: Graph file of head j (1-based) of path-conditioned heads (``manifest["heads"]["type"] == "hydra"``).
+#: Graph file of head j (1-based) of path-conditioned heads (the manifest's ``heads.type`` == "hydra").
 LEVEL_FILE = "heads_level{}.onnx"
 
 

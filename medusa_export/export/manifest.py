@@ -1,19 +1,25 @@
 """The artifact's ``manifest.json``, as ``build`` writes it: model, precision, graphs, KV layout, files.
 
 Functions of the loaded model, the build options and the files already written into the
-artifact folder (their checksums); :func:`manifest_json` returns the whole document.
+artifact folder (their checksums); :func:`build_manifest` returns the whole document as the runtime's
+typed :class:`~medusa_runtime.manifest.Manifest` (the contract), :func:`write_manifest` writes it and
+:func:`write_schema` the JSON Schema beside it.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from medusa_runtime.acceptance import TypicalConfig
-from medusa_runtime.artifact import ARTIFACT_FORMAT, ARTIFACT_VERSION, sha256_file
+from medusa_runtime.artifact import sha256_file
+from medusa_runtime.manifest import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, MANIFEST_SCHEMA, Batch, Checksum,
+                                     Exporter, Graph, Heads, HeadsVocab, KvLayout, Manifest, ModelInfo, Precision,
+                                     StepSampler, TokenizerInfo, TreeInfo, TypicalDefaults, Weights, schema_text)
 from medusa_runtime.tree import Tree
 
 from ..loading.draft_vocab import DRAFT_VOCAB_FILE
@@ -147,9 +153,9 @@ def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) ->
             "draft_vocab_ids": seen}
 
 
-def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
-                  files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
-                  vocab_ids: np.ndarray | None = None) -> dict:
+def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
+                   files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
+                   vocab_ids: np.ndarray | None = None) -> Manifest:
     """The manifest of the artifact being written in ``folder``.
 
     Args:
@@ -159,7 +165,7 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         cfg: the build options (precisions, graph).
         max_context: KV capacity in tokens the graphs were built for.
         folder: the artifact folder; every file in it is checksummed (sha256, bytes), so the
-            manifest is written last.
+            manifest is written last (the schema, :func:`write_schema`, before it).
         files: the artifact's file names by role (``model``, ``heads`` or ``heads_level{j}``, ``weights``, ``tree``,
             ``tokenizer``, ``chat_template``).
         weights_info: what :meth:`~medusa_export.export.weights.WeightsWriter.close` returned (``records``: each
@@ -169,8 +175,11 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
         vocab_ids: int64 [N], the heads' token subset (None: the full vocabulary).
 
     Returns:
-        The JSON document (a dict), without ``trt_readiness``, ``validation`` or ``tree.selection``,
-        which later build stages add.
+        The manifest, without ``trt_readiness``, ``validation`` or ``tree.selection``, which later build
+        stages add (``dataclasses.replace``).
+
+    Raises:
+        ArtifactError: a value of the wrong type (a bug of the writer: the runtime would refuse the artifact).
     """
     c = src.config
     h = src.heads_config
@@ -179,49 +188,58 @@ def manifest_json(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCon
     checksums = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = f.relative_to(folder).as_posix()
-        checksums[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        checksums[rel] = Checksum(sha256=sha256_file(f), bytes=f.stat().st_size)
     import onnx
     import onnxruntime
 
     from .. import __version__
 
     flavour, contrib = _flavour(folder, [files["model"], *(g["file"] for g in heads_graphs.values())], cfg.graph)
-    return {
-        "format": ARTIFACT_FORMAT,
-        "format_version": ARTIFACT_VERSION,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "exporter": {"medusa_export": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
-                     "onnxruntime": onnxruntime.__version__, "opset": OPSET},
-        "model": {
-            "name": lm.name, "backbone_source": lm.backbone_source, "heads_source": lm.heads_source,
-            "architecture": c.model_type, "features": c.features, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-            "num_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-            "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rope_theta": c.rope_theta,
-            "medusa_heads": h.num_heads, "medusa_layers": h.num_layers,
-            "medusa_own_projection": h.own_projection, "max_context": max_context,
-        },
-        "precision": _precision_json(cfg, dtype, quantized),
-        "heads_vocab": _heads_vocab_json(lm, c.vocab_size, vocab_ids),
-        "flavour": flavour,
-        "flavour_note": FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
-        "step_topk": min(STEP_TOPK, c.vocab_size),
-        **({} if cfg.batched else {"step_sampler": step_sampler_json()}),
-        **({"batch": batch_json(cfg)} if cfg.batched else {}),
-        "kv_layout": layout,
-        "graphs": {
-            "model": step_graph,
-            **heads_graphs,
-        },
-        "heads": {"type": h.head_type, "num_heads": h.num_heads, "num_layers": h.num_layers,
-                  "runs": HEADS_RUNS[h.head_type]},
-        "weights": {"file": files["weights"], **weights_info},
-        "tree": {"file": files["tree"], "size": tree.size, "depth": tree.max_depth, "topk": tree.topk},
-        "tokenizer": {"dir": "tokenizer", "eos_token_ids": lm.eos_token_ids, "chat_template": files["chat_template"]},
-        "typical_defaults": {"temperature": TypicalConfig.temperature, "posterior_threshold": TypicalConfig.posterior_threshold,
-                             "posterior_alpha": TypicalConfig.posterior_alpha},
-        "files": files,
-        "checksums": checksums,
-    }
+    return Manifest(
+        format=ARTIFACT_FORMAT,
+        format_version=ARTIFACT_VERSION,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        exporter=Exporter(medusa_export=__version__, torch=torch.__version__, onnx=onnx.__version__,
+                          onnxruntime=onnxruntime.__version__, opset=OPSET),
+        model=ModelInfo(
+            name=lm.name, backbone_source=lm.backbone_source, heads_source=lm.heads_source,
+            architecture=c.model_type, features=c.features, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            num_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,
+            medusa_heads=h.num_heads, medusa_layers=h.num_layers,
+            medusa_own_projection=h.own_projection, max_context=max_context,
+        ),
+        precision=Precision.from_json(_precision_json(cfg, dtype, quantized), "precision"),
+        heads_vocab=HeadsVocab.from_json(_heads_vocab_json(lm, c.vocab_size, vocab_ids), "heads_vocab"),
+        flavour=flavour,
+        flavour_note=FLAVOURS[flavour] + (f": {', '.join(contrib)}" if contrib else ""),
+        step_topk=min(STEP_TOPK, c.vocab_size),
+        step_sampler=None if cfg.batched else StepSampler.from_json(step_sampler_json(), "step_sampler"),
+        batch=Batch.from_json(batch_json(cfg), "batch") if cfg.batched else None,
+        kv_layout=KvLayout.from_json(layout, "kv_layout"),
+        graphs={"model": Graph.from_json(step_graph, "graphs.model"),
+                **{k: Graph.from_json(g, f"graphs.{k}") for k, g in heads_graphs.items()}},
+        heads=Heads(type=h.head_type, num_heads=h.num_heads, num_layers=h.num_layers, runs=HEADS_RUNS[h.head_type]),
+        weights=Weights.from_json({"file": files["weights"], **weights_info}, "weights"),
+        tree=TreeInfo(file=files["tree"], size=tree.size, depth=tree.max_depth, topk=tree.topk),
+        tokenizer=TokenizerInfo(dir="tokenizer", eos_token_ids=list(lm.eos_token_ids),
+                                chat_template=files["chat_template"]),
+        typical_defaults=TypicalDefaults(temperature=TypicalConfig.temperature,
+                                         posterior_threshold=TypicalConfig.posterior_threshold,
+                                         posterior_alpha=TypicalConfig.posterior_alpha),
+        files=files,
+        checksums=checksums,
+    ).checked()
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` into ``folder`` (``to_json``, 2-space indented)."""
+    (folder / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+
+
+def write_schema(folder: Path) -> None:
+    """Write the manifest's JSON Schema (``manifest.schema.json``) into ``folder``."""
+    (folder / MANIFEST_SCHEMA).write_text(schema_text())
 
 
 #: The manifest's ``heads.runs``: how a runtime runs each head type's graphs.

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
 from medusa_runtime.batch import DEFAULT_BATCH_SIZE
+from medusa_runtime.manifest import Graph
 
 from .. import __version__
 from ..errors import ArtifactError, MedusaError
@@ -155,7 +156,7 @@ def generation_config(name: str, params: dict[str, str], instances: int, gpu: bo
     )
 
 
-def engine_config(name: str, graph: dict, plan: bool, profiles: int = 1) -> str:
+def engine_config(name: str, graph: Graph, plan: bool, profiles: int = 1) -> str:
     """config.pbtxt of one graph of the artifact served on its own.
 
     Args:
@@ -171,14 +172,14 @@ def engine_config(name: str, graph: dict, plan: bool, profiles: int = 1) -> str:
     def tensors(specs):
         out = []
         for t in specs:
-            if t["dtype"] not in TRITON_DTYPES:
-                raise ArtifactError(f"tensor {t['name']} has dtype {t['dtype']}, which has no Triton type")
-            out.append(_tensor(t["name"], TRITON_DTYPES[t["dtype"]], _dims(t["shape"])))
+            if t.dtype not in TRITON_DTYPES:
+                raise ArtifactError(f"tensor {t.name} has dtype {t.dtype}, which has no Triton type")
+            out.append(_tensor(t.name, TRITON_DTYPES[t.dtype], _dims(t.shape)))
         return out
 
     head = (f'name: "{name}"\nplatform: "tensorrt_plan"\ndefault_model_filename: "model.plan"\n' if plan else
             f'name: "{name}"\nbackend: "onnxruntime"\ndefault_model_filename: "model.onnx"\n')
-    body = "max_batch_size: 0\n" + _io_block("input", tensors(graph["inputs"])) + _io_block("output", tensors(graph["outputs"]))
+    body = "max_batch_size: 0\n" + _io_block("input", tensors(graph.inputs)) + _io_block("output", tensors(graph.outputs))
     if plan:
         listed = ", ".join(f'"{i}"' for i in range(profiles))
         body += f"instance_group [ {{ kind: KIND_GPU count: 1 profile: [ {listed} ] }} ]\n"
@@ -197,9 +198,9 @@ def built_plans(art: Artifact, precision: str | None = None) -> tuple[str, dict]
     Raises:
         ArtifactError: ``precision`` was asked for but has no built plans.
     """
-    engines = art.manifest.get("engines", {})
+    engines = art.manifest.engines or {}
     built = [(p, rec) for p, rec in engines.items() if rec.get("status") == "built"
-             and all(rec[k] in art.manifest["checksums"] for k in ("model_plan", "heads_plan"))]
+             and all(rec[k] in art.manifest.checksums for k in ("model_plan", "heads_plan"))]
     if precision is not None:
         found = [b for b in built if b[0] == precision]
         if not found:
@@ -226,7 +227,7 @@ def _place(src: Path, dst: Path, how: str) -> None:
 
 
 def _place_artifact(art: Artifact, dst: Path, how: str) -> None:
-    for rel in list(art.manifest["checksums"]) + [MANIFEST]:
+    for rel in list(art.manifest.checksums) + [MANIFEST]:
         _place(art.path / rel, dst / rel, how)
 
 
@@ -245,17 +246,17 @@ def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict]
     from medusa_runtime.trt_plan import graph_profiles
 
     written = []
-    heads = [k for k in art.manifest["graphs"] if k.startswith("heads")]
+    heads = [k for k in art.manifest.graphs if k.startswith("heads")]
     for graph, suffix in (("model", "step"), *((k, k) for k in heads)):
         model = f"{name}_{suffix}"
         version = repo / model / "1"
-        spec = art.manifest["graphs"][graph]
+        spec = art.manifest.graphs[graph]
         if plans is not None:
             _place(art.path / plans[1][f"{graph}_plan"], version / "model.plan", how)
             text = engine_config(model, spec, plan=True, profiles=len(graph_profiles(art.manifest, graph)))
         else:
             _place(art.file(graph), version / "model.onnx", how)
-            _place(art.file("weights"), version / art.manifest["files"]["weights"], how)  # external data, beside it
+            _place(art.file("weights"), version / art.manifest.files["weights"], how)  # external data, beside it
             text = engine_config(model, spec, plan=False)
         (repo / model / "config.pbtxt").write_text(text)
         written.append(model)
@@ -338,7 +339,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
         engines = _engine_models(source, tmp, cfg.model_name, plans, how) if cfg.engine_models else []
         (tmp / "README.md").write_text(_readme(cfg, engines))
         record = {"generator": f"medusa-export {__version__}", "artifact": str(art.path.resolve()),
-                  "artifact_mode": cfg.artifact_mode, "model": art.model["name"],
+                  "artifact_mode": cfg.artifact_mode, "model": art.model.name,
                   "generation_model": cfg.model_name, "backend": backend, "engine_models": engines,
                   "engine_format": ("tensorrt_plan " + plans[0]) if plans else "onnxruntime"}
         (tmp / MARKER).write_text(json.dumps(record, indent=2) + "\n")

@@ -14,6 +14,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from medusa_runtime.manifest import Manifest, as_manifest
 from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 
 from .commands import fp32_node_names, strongly_typed
@@ -75,19 +76,19 @@ def _pin_fp32(network, names: set[str]) -> None:
                     ly.set_output_type(i, trt.float32)
 
 
-def _polygraphy_profiles(manifest: dict, graph: str):
+def _polygraphy_profiles(manifest: Manifest | dict, graph: str):
     from polygraphy.backend.trt import Profile
 
     out = []
     for prof in graph_profiles(manifest, graph):
         p = Profile()
-        for name, (lo, opt, hi) in profile_shapes(manifest["graphs"][graph]["inputs"], prof).items():
+        for name, (lo, opt, hi) in profile_shapes(manifest.graphs[graph].inputs, prof).items():
             p.add(name, min=lo, opt=opt, max=hi)
         out.append(p)
     return out
 
 
-def build_graph(folder: Path, manifest: dict, graph: str, cfg: EngineConfig, calibration_feeds=None) -> dict:
+def build_graph(folder: Path, manifest: Manifest | dict, graph: str, cfg: EngineConfig, calibration_feeds=None) -> dict:
     """Build and save one graph's engine; return its part of the build record.
 
     Args:
@@ -98,11 +99,12 @@ def build_graph(folder: Path, manifest: dict, graph: str, cfg: EngineConfig, cal
         calibration_feeds: int8 only (model graph): a list of input dicts at the prefill
             profile's opt shapes (see ``calibration.calibration_feeds``).
     """
+    manifest = as_manifest(manifest)
     import tensorrt as trt
     from polygraphy.backend.trt import (Calibrator, CreateConfig, EngineFromNetwork, NetworkFromOnnxPath,
                                         PostprocessConfig, PostprocessNetwork, SaveEngine)
 
-    onnx_path = folder / manifest["graphs"][graph]["file"]
+    onnx_path = folder / manifest.graphs[graph].file
     typed = strongly_typed(manifest, cfg.precision)
     network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=typed)
     pinned: list[str] = []
@@ -140,17 +142,18 @@ def build_graph(folder: Path, manifest: dict, graph: str, cfg: EngineConfig, cal
             "fp32_layers": len(pinned), "profiles": [p.name for p in graph_profiles(manifest, graph)]}
 
 
-def build_engines(folder: Path, manifest: dict, cfg: EngineConfig, calibration_feeds=None) -> tuple[dict, list[str]]:
+def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, calibration_feeds=None) -> tuple[dict, list[str]]:
     """Build both graphs; return (the manifest's engine record, files written).
 
     Raises:
         UnsupportedModelError: path-conditioned (hydra) heads, whose level graphs TensorRT plans do not cover yet.
     """
-    if manifest.get("heads", {}).get("type", "medusa") != "medusa":
+    manifest = as_manifest(manifest)
+    if manifest.head_type != "medusa":
         from ..errors import UnsupportedModelError
 
         raise UnsupportedModelError(f"TensorRT engines run Medusa heads (heads.onnx) only; this artifact's heads are "
-                                    f"{manifest['heads']['type']!r} (heads_level{{j}}.onnx): run it with ONNX Runtime")
+                                    f"{manifest.head_type!r} (heads_level{{j}}.onnx): run it with ONNX Runtime")
     graphs = {g: build_graph(folder, manifest, g, cfg, calibration_feeds if g == "model" else None)
               for g in ("model", "heads")}
     files = [graphs["model"]["plan"], graphs["heads"]["plan"]]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx
 
+from medusa_runtime.manifest import Manifest, as_manifest
 from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 
 from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS, TIMING_CACHE
@@ -34,17 +35,18 @@ def fp32_node_names(model: onnx.ModelProto) -> list[str]:
         n.op_type in FP32_OPS or RMSNORM_MARK in n.name or n.name.endswith(SOFTMAX_MARK))]
 
 
-def strongly_typed(manifest: dict, precision: str) -> bool:
+def strongly_typed(manifest: Manifest | dict, precision: str) -> bool:
     """An fp16 artifact already carries its types (fp16 weights, explicit float32 casts for
     norms and softmax): TensorRT then builds it strongly typed, exactly as the ONNX says."""
-    return precision == "fp16" and manifest["precision"]["kv_dtype"] == "float16"
+    manifest = as_manifest(manifest)
+    return precision == "fp16" and manifest.precision.kv_dtype == "float16"
 
 
 def _dims(shape: tuple) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def trtexec_args(manifest: dict, graph: str, precision: str, *, fp32_nodes: list[str] = (),
+def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, fp32_nodes: list[str] = (),
                  workspace_mib: int | None = None) -> list[str]:
     """Arguments of one ``trtexec`` build, run from the artifact root.
 
@@ -58,12 +60,13 @@ def trtexec_args(manifest: dict, graph: str, precision: str, *, fp32_nodes: list
     Returns:
         argv without the program name.
     """
+    manifest = as_manifest(manifest)
     if precision not in ENGINE_PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}")
-    g = manifest["graphs"][graph]
-    args = [f"--onnx={g['file']}"]
+    g = manifest.graphs[graph]
+    args = [f"--onnx={g.file}"]
     for i, prof in enumerate(graph_profiles(manifest, graph)):
-        shapes = profile_shapes(g["inputs"], prof)
+        shapes = profile_shapes(g.inputs, prof)
         args.append(f"--profile={i}")
         for k, flag in enumerate(("--minShapes", "--optShapes", "--maxShapes")):
             args.append(f"{flag}=" + ",".join(f"{name}:{_dims(s[k])}" for name, s in shapes.items()))
@@ -84,23 +87,25 @@ def trtexec_args(manifest: dict, graph: str, precision: str, *, fp32_nodes: list
     return args
 
 
-def _fp32_nodes(folder: Path, manifest: dict, graph: str, precision: str) -> list[str]:
+def _fp32_nodes(folder: Path, manifest: Manifest | dict, graph: str, precision: str) -> list[str]:
     if precision == "fp32" or strongly_typed(manifest, precision):
         return []
-    return fp32_node_names(onnx.load(str(folder / manifest["graphs"][graph]["file"]), load_external_data=False))
+    return fp32_node_names(onnx.load(str(folder / manifest.graphs[graph].file), load_external_data=False))
 
 
-def trtexec_commands(folder: Path, manifest: dict, precision: str, workspace_mib: int | None = None) -> list[list[str]]:
+def trtexec_commands(folder: Path, manifest: Manifest | dict, precision: str, workspace_mib: int | None = None) -> list[list[str]]:
     """argv (with ``trtexec``) of the model and heads builds."""
+    manifest = as_manifest(manifest)
     return [["trtexec", *trtexec_args(manifest, g, precision, fp32_nodes=_fp32_nodes(folder, manifest, g, precision),
                                       workspace_mib=workspace_mib)] for g in ("model", "heads")]
 
 
-def build_script(folder: Path, manifest: dict, workspace_mib: int | None = None) -> str:
+def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | None = None) -> str:
     """A bash script that builds the engines of any precision with ``trtexec``.
 
     Usage on the GPU machine: ``bash engines/build_engine.sh [fp16|int8|fp32]``.
     """
+    manifest = as_manifest(manifest)
     from .. import __version__
 
     cases = []
@@ -121,8 +126,8 @@ def build_script(folder: Path, manifest: dict, workspace_mib: int | None = None)
     plans = plan_files(manifest, "$PRECISION")
     return f"""#!/usr/bin/env bash
 # Builds the TensorRT engines of this artifact on a machine with an NVIDIA GPU and TensorRT 10.x.
-# Written by medusa-export {__version__} from manifest.json (model {manifest['model']['name']}, tree of
-# {manifest['tree']['size']} nodes, max context {manifest['model']['max_context']}); the shapes are the manifest's
+# Written by medusa-export {__version__} from manifest.json (model {manifest.model.name}, tree of
+# {manifest.tree.size} nodes, max context {manifest.model.max_context}); the shapes are the manifest's
 # optimization profiles: model.onnx profile 0 = prefill, 1 = tree step, 2 = decode; heads.onnx: R rows.
 #
 #   bash engines/build_engine.sh [fp16|int8|fp32]     (default fp16; TRTEXEC=/path/to/trtexec to choose)
@@ -165,8 +170,9 @@ echo "built {plans['model']} and {plans['heads']} in ${{seconds}}s"
 """
 
 
-def write_commands(folder: Path, manifest: dict, precision: str, workspace_mib: int | None = None) -> list[str]:
+def write_commands(folder: Path, manifest: Manifest | dict, precision: str, workspace_mib: int | None = None) -> list[str]:
     """Write ``engines/trtexec.PRECISION.txt`` and ``engines/build_engine.sh``; return their relative paths."""
+    manifest = as_manifest(manifest)
     (folder / ENGINE_DIR).mkdir(exist_ok=True)
     cmd_rel = f"{ENGINE_DIR}/trtexec.{precision}.txt"
     text = "".join(shlex.join(argv) + "\n" for argv in trtexec_commands(folder, manifest, precision, workspace_mib))

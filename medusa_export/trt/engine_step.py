@@ -32,7 +32,7 @@ class EngineOutcome:
     files: list[str] = field(default_factory=list)
 
 
-def _pending_record(manifest: dict, cfg: EngineConfig, files: list[str]) -> dict:
+def _pending_record(manifest: Manifest, cfg: EngineConfig, files: list[str]) -> dict:
     plans = plan_files(manifest, cfg.precision)
     return {
         "status": "pending: TensorRT was not available where the artifact was built",

@@ -32,6 +32,8 @@ from pathlib import Path, PurePosixPath
 import onnx
 from onnx import shape_inference
 
+from medusa_runtime.manifest import MANIFEST, Manifest, as_manifest
+
 TARGET = "10.15"
 #: ONNX elem type -> the type names the op table uses.
 _TRT_TYPE = {
@@ -339,7 +341,7 @@ def check_external_data(model: onnx.ModelProto, graph_name: str, folder: Path) -
     return findings
 
 
-def check_artifact(path: str | Path, manifest: dict | None = None, version: str = TARGET) -> ReadinessReport:
+def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, version: str = TARGET) -> ReadinessReport:
     """Run every check on an artifact's graphs.
 
     Args:
@@ -351,31 +353,32 @@ def check_artifact(path: str | Path, manifest: dict | None = None, version: str 
         The report; ``passed`` is False when any error was found.
     """
     path = Path(path)
-    manifest = manifest or json.loads((path / "manifest.json").read_text())
+    manifest = as_manifest(manifest or json.loads((path / MANIFEST).read_text()))
     table = load_op_table(version)
     report = ReadinessReport(version, table.opset)
-    if manifest.get("flavour") == "ort-contrib":
+    name = manifest.precision_name
+    if manifest.flavour == "ort-contrib":
         report.findings.append(Finding("error", "manifest.json", (
-            f"this artifact's flavour is 'ort-contrib' (precision {manifest['precision']['name']}, heads "
-            f"{manifest['precision'].get('heads', manifest['precision']['name'])}): its graphs use ONNX Runtime "
+            f"this artifact's flavour is 'ort-contrib' (precision {name}, heads "
+            f"{manifest.precision.heads or name}): its graphs use ONNX Runtime "
             "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
             "on ONNX Runtime only. For TensorRT build the portable flavour: --precision fp32 or fp16 with "
             "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
-    elif manifest.get("flavour") == "ort-fused":
+    elif manifest.flavour == "ort-fused":
         report.findings.append(Finding("error", "manifest.json", (
-            f"this artifact's flavour is 'ort-fused' (precision {manifest['precision']['name']}): its step graph is "
+            f"this artifact's flavour is 'ort-fused' (precision {name}): its step graph is "
             "built from ONNX Runtime's own ops (com.microsoft::GroupQueryAttention, QuickGelu, "
             "SimplifiedLayerNormalization) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
             "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
             "fp32 or fp16")))
-    tree_size = manifest["tree"]["size"]
-    for key in ["model", *(k for k in manifest["graphs"] if k.startswith("heads"))]:
-        rel = manifest["graphs"][key]["file"]
+    tree_size = manifest.tree.size
+    for key in ["model", *(k for k in manifest.graphs if k.startswith("heads"))]:
+        rel = manifest.graphs[key].file
         model = onnx.load(str(path / rel), load_external_data=False)
         findings, info = check_ops(model, rel, table)
         findings += check_external_data(model, rel, path)
         if key == "model":  # the tree step: S = T fixed (a batched graph: B at its built size), only P varies
-            fixed = {"S": tree_size, **({"B": manifest["batch"]["max_batch_size"]} if manifest.get("batch") else {})}
+            fixed = {"S": tree_size, **({"B": manifest.batch.max_batch_size} if manifest.batch else {})}
             findings += check_fixed_shapes(model, rel, fixed, ("P",))
             info["tree_step"] = f"static with {', '.join(f'{k}={v}' for k, v in fixed.items())}; P dynamic"
         report.findings += findings

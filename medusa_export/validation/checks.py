@@ -18,6 +18,7 @@ import torch
 
 from medusa_runtime.artifact import Artifact, load_artifact
 from medusa_runtime.loop import generate
+from medusa_runtime.manifest import Manifest, as_manifest
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
 
@@ -37,7 +38,7 @@ FP32_SESSION_CONFIG = {"session.disable_prepacking": "1"}
 
 def validation_engine(artifact: Artifact) -> OrtEngine:
     """An ONNX Runtime engine over ``artifact`` for validation (:data:`FP32_SESSION_CONFIG` for float32 graphs)."""
-    fp32 = artifact.manifest["precision"]["name"] == "fp32" and "MatMulNBits" not in artifact.manifest["flavour_note"]
+    fp32 = artifact.manifest.precision_name == "fp32" and "MatMulNBits" not in (artifact.manifest.flavour_note or "")
     return OrtEngine(artifact, session_config=FP32_SESSION_CONFIG if fp32 else None)
 
 
@@ -91,14 +92,14 @@ def check_truncated(folder: Path, lm, src: ModelSources, cfg, layers: int, tree,
     return {"layers": layers, **report}
 
 
-def check_checksums(folder: Path, manifest: dict, src: ModelSources, vocab_ids, progress: bool) -> dict:
+def check_checksums(folder: Path, manifest: Manifest | dict, src: ModelSources, vocab_ids, progress: bool) -> dict:
     """(b) Every tensor of ``weights.bin`` against its recorded SHA-256: read back and re-made from the sources."""
     from tqdm.auto import tqdm
 
     from ..export.heads_graph import VOCAB_IDS
     from ..export.weights import WeightsCheckError, verify_weights
 
-    records = manifest["weights"]["records"]
+    records = as_manifest(manifest).weights.records
     total = sum(r["length"] for r in records)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="checksums (weights.bin)", disable=not progress,
                mininterval=0.5, leave=False)
@@ -117,12 +118,12 @@ def check_self(artifact: Artifact, lm, texts, ids, new_tokens: int, progress: bo
     same graph. Artifacts over :data:`~.plan.SELF_CHECK_LIMIT` bytes decode fewer tokens of one prompt."""
     from tqdm.auto import tqdm
 
-    big = artifact.manifest["weights"]["bytes"] > SELF_CHECK_LIMIT
+    big = artifact.manifest.weights.bytes > SELF_CHECK_LIMIT
     if big:
         texts, ids, new_tokens = texts[:1], ids[:1], min(new_tokens, SELF_CHECK_TOKENS)
     eng = validation_engine(artifact)
-    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
-    kw = dict(max_new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids, max_context=artifact.model["max_context"])
+    root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
+    kw = dict(max_new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids, max_context=artifact.model.max_context)
     prompts = []
     for text, pid in tqdm(list(zip(texts, ids)), desc="validating: Medusa vs plain greedy (ONNX Runtime)",
                           disable=not progress, unit="prompt"):
@@ -170,8 +171,8 @@ def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens:
     ONNX Runtime: the full check's rules, with the reference's memory on the device."""
     ref = reference_model(src, None, device)
     runs = reference_runs(None, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                          progress=progress, engine=DeviceEngine(ref, artifact.manifest["step_topk"], device,
-                                                          artifact.model["max_context"]))
+                          progress=progress, engine=DeviceEngine(ref, artifact.manifest.step_topk, device,
+                                                          artifact.model.max_context))
     del ref
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -216,7 +217,7 @@ def run_checks(plan: ValidationPlan, folder: Path, lm, src: ModelSources, cfg, *
         if check == "full":
             out[check] = check_full(artifact, lm, src, texts, ids, n, progress)
         elif check == "truncated":
-            out[check] = check_truncated(folder, lm, src, cfg, plan.layers, artifact.tree, artifact.model["max_context"],
+            out[check] = check_truncated(folder, lm, src, cfg, plan.layers, artifact.tree, artifact.model.max_context,
                                          texts, ids, n, progress)
         elif check == "checksums":
             out[check] = check_checksums(folder, manifest, src, vocab_ids, progress)

@@ -6,10 +6,11 @@ import json
 import os
 from pathlib import Path
 
-from medusa_runtime.artifact import MANIFEST, sha256_file
+from medusa_runtime.artifact import sha256_file
+from medusa_runtime.manifest import MANIFEST, Manifest
 
 
-def update_manifest(folder: str | Path, patch: dict, files: list[str] = ()) -> dict:
+def update_manifest(folder: str | Path, patch: dict, files: list[str] = ()) -> Manifest:
     """Merge ``patch`` into the manifest's top level, (re)checksum ``files``, write atomically.
 
     The new manifest is written to a temporary file in the same folder and renamed over the
@@ -23,19 +24,19 @@ def update_manifest(folder: str | Path, patch: dict, files: list[str] = ()) -> d
 
     Returns:
         The new manifest.
+
+    Raises:
+        ArtifactError: the patched manifest is not valid (the old one is kept).
     """
     folder = Path(folder)
     path = folder / MANIFEST
-    manifest = json.loads(path.read_text())
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key] = {**manifest[key], **value}
-        else:
-            manifest[key] = value
+    manifest = Manifest.from_json(json.loads(path.read_text()))
+    sums = {}
     for rel in files:
         f = folder / rel
-        manifest["checksums"][rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        sums[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    manifest = manifest.merged(patch, sums)
     tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
     os.replace(tmp, path)
     return manifest

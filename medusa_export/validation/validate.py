@@ -34,6 +34,7 @@ import numpy as np
 from medusa_runtime.artifact import Artifact
 from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.loop import KVCache, causal_mask, generate
+from medusa_runtime.manifest import Manifest
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
 
@@ -334,8 +335,8 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
     """
     from tqdm.auto import tqdm
 
-    cap = artifact.model["max_context"]
-    ref = engine or TorchEngine(model, artifact.manifest["step_topk"], max_context=cap)
+    cap = artifact.model.max_context
+    ref = engine or TorchEngine(model, artifact.manifest.step_topk, max_context=cap)
     runs = []
     for ids in tqdm(prompts, desc="validating: the PyTorch reference", disable=not progress, unit="prompt"):
         steps, candidates = step_outputs(ref, ids, artifact)
@@ -349,14 +350,14 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
     return runs
 
 
-def exact_heads(manifest: dict) -> bool:
+def exact_heads(manifest: Manifest) -> bool:
     """True when the artifact's graphs compute what the fp32 reference computes, heads included: an fp32
     backbone with fp32 heads over the whole vocabulary (not ``--heads-precision int8|int4`` nor
     ``--heads-vocab N``, whose candidates legitimately differ). Then the tokens accepted per tree step must
     equal the reference's (the module docstring's check 4)."""
-    p = manifest["precision"]
-    return (tolerance(p["name"]).exact and p.get("heads", p["name"]) == "fp32"
-            and not manifest.get("heads_vocab", {}).get("subset", False))
+    p = manifest.precision
+    return (tolerance(p.name).exact and (p.heads or p.name) == "fp32"
+            and not (manifest.heads_vocab is not None and manifest.heads_vocab.subset))
 
 
 def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str], *, new_tokens: int = 64,
@@ -369,13 +370,13 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     """
     from tqdm.auto import tqdm
 
-    precision = artifact.manifest["precision"]["name"]
+    precision = artifact.manifest.precision_name
     tol = tolerance(precision)
-    root = make_tree([], num_heads=artifact.model["medusa_heads"], topk=artifact.tree.topk)
+    root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
     report = ValidationReport(precision, new_tokens)
     compare_accepted = exact_heads(artifact.manifest)
-    kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model["max_context"])
+    kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
     for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime against the reference and plain greedy",
                           disable=not progress, unit="prompt"):
         lp, ent, hid = step_differences(run.steps, step_outputs(eng, run.prompt_ids, artifact, run.candidates)[0])
@@ -436,7 +437,7 @@ def validate(
     Raises:
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
     """
-    tolerance(artifact.manifest["precision"]["name"])  # an unknown precision fails before any work
+    tolerance(artifact.manifest.precision_name)  # an unknown precision fails before any work
     runs = reference_runs(model, artifact, prompts, new_tokens=new_tokens, eos_token_ids=eos_token_ids,
                           progress=progress)
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=eos_token_ids, engine=engine,
