@@ -1,4 +1,4 @@
-"""Host-side acceptance of a verified tree: greedy, exact sampling and typical (seeds/001 §2.3.1).
+"""Host-side acceptance of a verified tree: greedy, exact sampling and typical (Medusa paper §2.3.1).
 
 Pure numpy. Inputs are the tokens placed on the tree's nodes and what the backbone
 computed at each node; the output is which nodes are accepted and the next token.
@@ -41,7 +41,7 @@ class TypicalConfig:
     Attributes:
         temperature: softmax temperature (> 0) for the posterior and for sampling the
             bonus token.
-        posterior_threshold: epsilon, the hard probability threshold (seeds/001 §2.3.1;
+        posterior_threshold: epsilon, the hard probability threshold (Medusa paper §2.3.1;
             FasterDecoding/Medusa ``medusa_generate`` default 0.09).
         posterior_alpha: delta, the entropy-dependent threshold factor (Medusa default 0.3);
             the threshold is min(epsilon, delta * exp(-H)).
@@ -73,7 +73,7 @@ class SamplingConfig:
         temperature: 0 = greedy decoding; > 0 = sample from softmax(logits / temperature).
         acceptance: "greedy" (temperature 0), "sample" (exact: the output is distributed as
             plain sampling with the same temperature/top-k/top-p, see :func:`accept_sample`) or
-            "typical" (seeds/001 §2.3.1, lossy); None picks greedy at temperature 0 and
+            "typical" (Medusa paper §2.3.1, lossy); None picks greedy at temperature 0 and
             sample above.
         top_k: keep the k most likely tokens (0 = the whole vocabulary). The default, 10, is
             the step graphs' k (manifest ``step_topk``), so the default is exact on every artifact;
@@ -421,7 +421,7 @@ def accept_typical(
     config: TypicalConfig,
     drawn: np.ndarray,
 ) -> Acceptance:
-    """Typical acceptance (seeds/001 §2.3.1): lossy, temperature > 0.
+    """Typical acceptance (Medusa paper §2.3.1): lossy, temperature > 0.
 
     Node x under parent p is accepted when its ancestors are and
     ``P_T(x | p) > min(epsilon, delta * exp(-H(P_T(. | p))))`` with ``P_T`` the softmax at

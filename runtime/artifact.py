@@ -56,7 +56,7 @@ class Artifact:
         manifest: the parsed, checked manifest.json (:class:`~medusa_runtime.manifest.Manifest`).
         tree: the tree the artifact was built for.
         head_accuracies: float64 [K, topk] calibrated a_k^(i) the tree was built from
-            (seeds/001 §2.3.3), or None when the build had no calibration.
+            (Medusa paper §2.3.3), or None when the build had no calibration.
         calibration: the heads' probability map (``tree.json`` ``calibration``; per-step trees), or None.
         simulated: {"static" | "dynamic": {nodes: tokens per step}} simulated by ``calibrate`` for
             these heads (``tree.json`` ``simulated``; ``--tree auto``), or None.

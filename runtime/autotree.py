@@ -1,7 +1,7 @@
 """Hardware-aware trees (``--tree auto``): the tree that maximises accepted tokens per second.
 
 Medusa papers and tools pick the tree that maximises accepted tokens *per step* for a node
-budget (seeds/001 §2.3.3). On a GPU a bigger tree step is nearly free, but on a CPU the tree
+budget (Medusa paper §2.3.3). On a GPU a bigger tree step is nearly free, but on a CPU the tree
 step's cost grows with the node count, so the best tree is the one that maximises
 
     tokens/s(N) = E[accepted tokens per step](N) / (t_step(N) + t_heads)
@@ -9,7 +9,7 @@ step's cost grows with the node count, so the best tree is the one that maximise
 where E[...] is what ``medusa-export calibrate`` simulated for the head type and tree policy in
 use (``simulated`` in ``accuracies.json`` / ``tree.json``: static greedy trees or per-step trees
 of N nodes, on held-out replies), else the expected accepted length of the greedy tree of N
-nodes under the calibrated head accuracies (seeds/001 §2.3.3,
+nodes under the calibrated head accuracies (Medusa paper §2.3.3,
 :func:`medusa_runtime.tree.expected_accept_length`), and the times are measured on the target
 engine: the tree step, and the heads with the candidate selection (per size: per-step trees and
 path-conditioned heads cost more with more nodes). N = 1 is plain decoding (no heads run).
@@ -48,7 +48,7 @@ class TreeTiming:
 
     Attributes:
         size: node count N (root included; 1 = plain decoding).
-        expected_tokens: expected tokens per step, root included (seeds/001 §2.3.3).
+        expected_tokens: expected tokens per step, root included (Medusa paper §2.3.3).
         step_ms: measured engine time of one step of N nodes, milliseconds.
         heads_ms: measured heads-graph time added to each step (0 for N = 1), milliseconds.
     """
@@ -107,7 +107,7 @@ def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: 
 def expected_tokens(tree: Tree | DynamicTree, accuracies: np.ndarray,
                     simulated: Mapping[int, float] | None = None) -> float:
     """Expected tokens per step of a tree: the simulated value for its size when there is one, else the
-    greedy tree's expected accepted length under ``accuracies`` (seeds/001 §2.3.3; for a per-step tree a
+    greedy tree's expected accepted length under ``accuracies`` (Medusa paper §2.3.3; for a per-step tree a
     lower bound: each step's tree is chosen to beat the fixed one)."""
     if tree.size == 1:
         return 1.0

@@ -8,7 +8,7 @@ heads \\ tree        static (``--tree N``, a preset, a file)      per step, T no
 ===================  ==========================================  =========================================
 Medusa (h_t only)    :func:`static_medusa`: every head once on    :func:`dynamic_medusa`: the T-node tree of
                      h_t, tokens gathered by ``candidate_index``  most expected accepted tokens from this
-                     (seeds/001 §2.1.2)                           step's head probabilities (best first)
+                     (Medusa paper §2.1.2)                           step's head probabilities (best first)
 Hydra (path-         :func:`static_levels`: head d on every       :func:`dynamic_levels`: a beam of W nodes
 conditioned)         depth-(d-1) node with children, level by     per level (EAGLE-2), the T-1 best of all
                      level                                        candidates

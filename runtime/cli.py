@@ -34,7 +34,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help=f"0 = greedy decoding (lossless); > 0 = sample at this temperature (default: {_S.temperature:g})")
     p.add_argument("--acceptance", choices=ACCEPTANCES, default=_S.acceptance,
                    help="how tree candidates are accepted: greedy (temperature 0), sample (exact: the output is "
-                        "distributed as plain sampling) or typical (seeds/001 §2.3.1, lossy) "
+                        "distributed as plain sampling) or typical (Medusa paper §2.3.1, lossy) "
                         "(default: greedy at --temperature 0, sample above)")
     p.add_argument("--top-k", type=int, default=_S.top_k,
                    help="sample among the k most likely tokens; 0 = the whole vocabulary, which needs an artifact "
@@ -118,7 +118,7 @@ def summary(c, mode: str) -> str:
 
 def _mode(session, args) -> str:
     tree = session.vanilla_tree if args.vanilla else session.tree
-    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} nodes, "
+    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} node{'' if tree.size == 1 else 's'}, "
             f"{sampling_from_args(args).describe()}")
 
 

@@ -17,7 +17,7 @@ EXIT_UNAVAILABLE = 3
 EXIT_INTERRUPTED = 130
 #: The exit codes for ``--help`` epilogs and docs.
 EXIT_CODES_HELP = (f"exit codes: {EXIT_OK} success; {EXIT_MISMATCH} the artifact disagrees with the PyTorch "
-                   f"reference (verify, build's validation); {EXIT_USAGE} bad input (the message names it); "
+                   f"reference (medusa-export verify and build's validation); {EXIT_USAGE} bad input (the message names it); "
                    f"{EXIT_UNAVAILABLE} a needed backend is not available here (TensorRT, CUDA); "
                    f"{EXIT_INTERRUPTED} interrupted")
 

@@ -1,4 +1,4 @@
-"""KV-cache index compaction after acceptance (seeds/001 Algorithm step 6).
+"""KV-cache index compaction after acceptance (Medusa paper Algorithm step 6).
 
 Two layouts, named in the artifact's manifest (``kv_layout.layout``):
 

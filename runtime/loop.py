@@ -1,4 +1,4 @@
-"""The Medusa decode loop, batch size 1, over any engine (seeds/001, Algorithm).
+"""The Medusa decode loop, batch size 1, over any engine (Medusa paper, Algorithm).
 
 prefill -> candidates from the heads -> one step over the tree (tree mask, position =
 past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated.

@@ -69,7 +69,8 @@ class Completion:
 
     @property
     def tokens_per_step(self) -> float:
-        """Mean tokens per tree step (accepted candidates + 1); 1.0 in vanilla mode."""
+        """Mean tokens emitted per tree step (accepted candidates + 1): 1.0 in vanilla mode, except that the step
+        whose token is EOS emits nothing (the stop token is not part of the reply), which lowers the mean."""
         return self.result.mean_accepted
 
     def stats(self) -> dict:
@@ -283,7 +284,7 @@ class MedusaSession:
             temperature: 0 for greedy acceptance (output identical to greedy decoding); > 0 to
                 sample at this temperature.
             acceptance: "greedy", "sample" (exact: distributed as plain sampling; the default
-                at temperature > 0) or "typical" (seeds/001 §2.3.1, lossy).
+                at temperature > 0) or "typical" (Medusa paper §2.3.1, lossy).
             top_k, top_p: truncation as plain sampling applies it (transformers' order).
             posterior_threshold, posterior_alpha: typical acceptance epsilon and delta.
             seed: seeds the sampling (reproducible; same tokens as ``vanilla`` with this seed

@@ -2,14 +2,14 @@
 
 Pure numpy, no model. A tree is a list of paths (``medusa_choices``): the path
 ``[i1, ..., ik]`` is the node whose token is the ``ik``-th top prediction of Medusa
-head ``k`` (1-based head numbering as in seeds/001 §2.1.1: head k predicts token
+head ``k`` (1-based head numbering as in Medusa paper §2.1.1: head k predicts token
 t+k+1), placed under the node ``[i1, ..., i(k-1)]``. The root (depth 0, path ``[]``)
 is the backbone's own next token and is always present.
 
 Node order (the "slot" order of the tree step) is: root first, then paths sorted by
 (depth, path). Every buffer below is derived from that order; none is stored twice.
 
-Sources: seeds/001 §2.1.2 (tree attention, position = prefix length + depth) and
+Sources: Medusa paper §2.1.2 (tree attention, position = prefix length + depth) and
 §2.3.3 (greedy sparse tree from per-head top-i accuracies).
 """
 
@@ -223,7 +223,7 @@ def build_buffers(choices: Sequence[tuple[int, ...]], topk: int) -> TreeBuffers:
 
 
 def gather_candidates(root_token: int, heads_topk: np.ndarray, tree: Tree) -> np.ndarray:
-    """Fill the tree's nodes with tokens (seeds/001 Algorithm step 2).
+    """Fill the tree's nodes with tokens (Medusa paper Algorithm step 2).
 
     Args:
         root_token: the backbone's next token (node 0).
@@ -249,7 +249,7 @@ def gather_candidates(root_token: int, heads_topk: np.ndarray, tree: Tree) -> np
 
 
 # ---------------------------------------------------------------------------
-# Trees from head accuracies (seeds/001 §2.3.3)
+# Trees from head accuracies (Medusa paper §2.3.3)
 # ---------------------------------------------------------------------------
 
 
@@ -275,7 +275,7 @@ def expected_accept_length(tree: Tree, accuracies: np.ndarray) -> float:
     """Expected tokens per step for a tree under independent head accuracies.
 
     Sum over nodes of prod_j a_j^(i_j), plus 1 for the root token (always produced).
-    Source: seeds/001 §2.3.3.
+    Source: Medusa paper §2.3.3.
 
     Args:
         tree: the tree.
@@ -290,7 +290,7 @@ def _path_accuracy(path: tuple[int, ...], acc: np.ndarray) -> float:
 
 
 def greedy_tree(budget: int, accuracies: np.ndarray, *, topk: int | None = None) -> Tree:
-    """Build the tree of ``budget`` nodes maximising expected accept length (seeds/001 §2.3.3).
+    """Build the tree of ``budget`` nodes maximising expected accept length (Medusa paper §2.3.3).
 
     Repeatedly adds the connected node (parent already in the tree) with the highest
     estimated accuracy prod_j a_j^(i_j). Because a child's accuracy never exceeds its
@@ -396,7 +396,8 @@ def tree_from_spec(
     if path.suffix == ".json" or path.exists():
         return load_tree(path, num_heads=num_heads, topk=topk)
     raise InvalidTreeError(
-        f"unknown tree {text!r}: give a node budget (e.g. 64), dynamic:T (a T-node tree chosen every step), "
+        f"unknown tree {text!r}: give a node budget (e.g. 64), dynamic:T (a T-node tree chosen every step), auto or "
+        f"auto:dynamic (at build: measured on this machine), "
         f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
     )
 

@@ -10,7 +10,7 @@ generates with:
 * ``plain``: plain sampling (the root-only tree: one token per step) - the reference law;
 * ``sample``: Medusa with exact sampling acceptance (same tokens as ``plain`` seed by seed, so
   its drift numbers measure nothing but the method's noise floor);
-* ``typical e=<epsilon>``: Medusa with typical acceptance (seeds/001 §2.3.1), epsilon swept
+* ``typical e=<epsilon>``: Medusa with typical acceptance (Medusa paper §2.3.1), epsilon swept
   (``--epsilons``), delta at its default.
 
 All modes share top-k / top-p (``--top-k``, ``--top-p``; defaults: SamplingConfig's) and the seeds.

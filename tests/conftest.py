@@ -19,8 +19,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+#: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
+SHARED = Path(os.environ.get("MEDUSA_EXPORT_SHARED") or Path(__file__).resolve().parents[2] / "shared")
 MT_BENCH = SHARED / "data" / "eval" / "mt_bench" / "question.jsonl"
+
+
+def pytest_configure(config):
+    """Stop at once, with what to do, when the prompt sets the tests read are not there."""
+    if not MT_BENCH.is_file():
+        raise pytest.UsageError(
+            f"the tests read the project's prompt sets from {SHARED / 'data'}, which is missing ({MT_BENCH} "
+            "not found): check out beside the shared/ folder, or set MEDUSA_EXPORT_SHARED to the folder that "
+            "holds data/eval/mt_bench/question.jsonl")
 SMOLLM_TREE = "16"
 
 

@@ -509,7 +509,7 @@ def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, sm
 
 @pytest.mark.slow
 def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_session, smollm_mt_bench_runs):
-    """Issue 5: the accepted length predicted from the shipped a_k^(i) (seeds/001 §2.3.3, calibrated on
+    """Issue 5: the accepted length predicted from the shipped a_k^(i) (Medusa paper §2.3.3, calibrated on
     held-out *training* prompts) is within 15% of the one measured on MT-Bench (never trained on)."""
     from medusa_runtime.tree import expected_accept_length
 

@@ -106,7 +106,7 @@ def run_doctor() -> DoctorReport:
     r.checks.append(Check("nvidia-smi", *_nvidia_smi()))
     r.devices = ["CPU"] + [f"cuda:{i} {n}" for i, n in enumerate(names)]
     if ok:
-        r.backends["onnxruntime"] = ["fp32", "fp16", "int8"] + (["(CUDA)"] if ort_cuda else ["(CPU)"])
+        r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = ["fp32", "fp16", "int8", "int4"]
     r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
     return r

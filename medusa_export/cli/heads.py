@@ -81,7 +81,7 @@ def _prompt_of(rid: str) -> str:
 
 
 def _init_note(args) -> str:
-    start = f"the heads in {args.init_heads}" if args.init_heads else "seeds/001 §2.1.1: zero residual block"
+    start = f"the heads in {args.init_heads}" if args.init_heads else "Medusa paper §2.1.1: zero residual block"
     if args.head_type == "hydra":
         start += ("; path weights zero, so the hydra heads start equal to them" if args.init_heads
                   else " (path weights zero)")
@@ -395,7 +395,7 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda or cuda:N: where generation, teacher targets and training run (default: cpu)")
     p.add_argument("--head-type", choices=HEAD_TYPES, default=HEAD_TYPES[0],
-                   help="medusa: head k reads h_t alone (seeds/001); hydra: head k also reads the root and the "
+                   help="medusa: head k reads h_t alone (Medusa paper); hydra: head k also reads the root and the "
                         "path's tokens (path-conditioned, Hydra), candidates level by level (default: medusa)")
     p.add_argument("--init-heads", metavar="DIR",
                    help="start from these heads (Medusa heads start hydra heads equal to them); default: fresh heads")
@@ -414,7 +414,7 @@ def add_heads_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
     p.set_defaults(func=cmd_train_heads)
 
-    p = sub.add_parser("calibrate", help="measure the heads' top-i accuracies (tree building, seeds/001 §2.3.3)",
+    p = sub.add_parser("calibrate", help="measure the heads' top-i accuracies (tree building, Medusa paper §2.3.3)",
                        description="Greedy replies to held-out prompts; each head's top-i accuracy a_k^(i) on them "
                                    "is written to accuracies.json beside the heads, where --tree N finds it.")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"registered model or path (default: {DEFAULT_MODEL})")

@@ -360,7 +360,7 @@ def _add_build_parser(sub) -> None:
                         "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
                         f"of the same graph (default: {BuildConfig.precision})")
     p.add_argument("--graph", choices=GRAPHS, default=BuildConfig.graph,
-                   help="backbone step graph: portable (traced standard ONNX ops: ONNX Runtime and TensorRT) or fused "
+                   help="backbone step graph: portable (standard ONNX ops, written from the weights: ONNX Runtime and TensorRT) or fused "
                         "(ONNX Runtime's fused operators: GroupQueryAttention with rotary inside, SimplifiedLayerNormalization, "
                         f"QuickGelu, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
                         f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {BuildConfig.graph})")

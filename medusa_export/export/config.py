@@ -21,7 +21,7 @@ HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
 #: The heads of a weight-only artifact under "auto": on SmolLM2-135M int8 heads cost 1.6 ms per step
 #: against fp32's 4.3 ms on an idle machine, with 0.96 top-1 agreement (int4 0.65; see quantize.py).
 QUANTIZED_HEADS_DEFAULT = "int8"
-#: Backbone step graphs (``--graph``): "portable" traced standard ops (:mod:`.portable`), "fused" ONNX Runtime's
+#: Backbone step graphs (``--graph``): "portable" standard ops (:mod:`.portable`), "fused" ONNX Runtime's
 #: fused operators (:mod:`.fused`, flavour ``ort-fused``).
 GRAPHS = ("portable", "fused")
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
@@ -58,7 +58,7 @@ class BuildConfig:
             top N ids of the model's draft vocabulary (:mod:`medusa_export.loading.draft_vocab`; topk <= N <= V). The
             heads graph then reads an [N, d] matrix instead of [V, d]; the output never changes
             (the backbone verifies), a correct guess outside the subset is lost.
-        graph: backbone step graph, one of :data:`GRAPHS`: "portable" (traced standard ops; TensorRT
+        graph: backbone step graph, one of :data:`GRAPHS`: "portable" (standard ops; TensorRT
             too) or "fused" (ONNX Runtime fused operators, flavour ``ort-fused``; precisions
             :data:`FUSED_PRECISIONS`).
         accuracy_level: MatMulNBits compute type of the weight-only *backbone*: 4 (int8

@@ -2,7 +2,7 @@
 
 ``--graph fused`` replaces the standard-op step graph (:mod:`.portable`) by one built from ONNX Runtime
 contrib operators (CPU kernels checked on onnxruntime 1.32), written node by node from the checkpoint's
-weights like every graph of the artifact (:mod:`.graph`). Same model (seeds/001 §2.1.2: tree attention,
+weights like every graph of the artifact (:mod:`.graph`). Same model (Medusa paper §2.1.2: tree attention,
 position = past length + depth), same acceptance outputs:
 
 * ``SimplifiedLayerNormalization`` (ONNX Runtime's RMSNorm kernel) after a plain residual ``Add``.

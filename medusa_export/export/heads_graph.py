@@ -2,7 +2,7 @@
 
 Medusa heads, ``heads.onnx``: ``hidden_states [R, d] -> medusa_topk_ids int64 [R, K, topk],
 medusa_topk_logprobs float32 [R, K, topk]``: each head's residual blocks ``h + SiLU(W1 h + b1)``
-(seeds/001 §2.1.1), then the vocabulary projection: the heads' own ``[V, d]`` matrices, or the
+(Medusa paper §2.1.1), then the vocabulary projection: the heads' own ``[V, d]`` matrices, or the
 backbone's lm_head shared by the K heads as one ``[K R, d] x [d, V]`` Gemm on the backbone's own
 table (stored once in ``weights.bin``), then a float32 LogSoftmax and TopK. The runtime runs it on
 the hidden state of the last accepted node only; per-step trees (``--tree dynamic:T``) score the

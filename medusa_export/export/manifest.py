@@ -265,6 +265,6 @@ def _heads_graphs_json(h, hidden_size: int, dtype: str, topk: int, files: dict[s
 
 def selection_json(table: list, chosen: int) -> dict:
     """The manifest's ``tree.selection`` for ``--tree auto``: the timed candidates and the chosen size."""
-    return {"method": "--tree auto: greedy trees (seeds/001 §2.3.3) timed on ONNX Runtime CPU on the build machine; "
+    return {"method": "--tree auto: greedy trees (Medusa paper §2.3.3) timed on ONNX Runtime CPU on the build machine; "
                       "kept the most expected tokens per second",
             "chosen": chosen, "candidates": [r.to_json() for r in table]}

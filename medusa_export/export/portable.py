@@ -3,7 +3,7 @@
 Standard ONNX ops only (opset 18), so ONNX Runtime and TensorRT both run it. One graph serves the
 prefill (S = prompt length, causal ``new_token_mask``) and the tree step (S = T, the tree's attention
 mask and positions past length + depth, shipped in ``tree.json``); only S and the past length P are
-dynamic. The maths is the PyTorch reference's (``model/backbone.py``, seeds/001 §2.1.2), per layer:
+dynamic. The maths is the PyTorch reference's (``model/backbone.py``, Medusa paper §2.1.2), per layer:
 
 * RMSNorm with the variance and the normalisation in float32 (:meth:`.graph.GraphBuilder.rms_norm`);
 * q / k / v projections (+ biases: Qwen2, Llama ``attention_bias``), q / k RMSNorm over each head's D

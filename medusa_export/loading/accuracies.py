@@ -1,7 +1,7 @@
 """``accuracies.json``: the calibrated per-head top-i accuracies saved beside a set of heads.
 
 ``accuracies[k-1][i]`` = a_k^(i), the probability that head k's i-th choice (0-based) is the
-right token (seeds/001 §2.3.3); :mod:`medusa_export.training.calibrate` measures and writes
+right token (Medusa paper §2.3.3); :mod:`medusa_export.training.calibrate` measures and writes
 them, the registry reads them with :func:`load_accuracies` when it loads the heads.
 """
 

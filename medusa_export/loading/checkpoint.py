@@ -163,7 +163,7 @@ class PrefixSource(TensorSource):
 
 
 class ZeroHeadsSource(TensorSource):
-    """The initial Medusa heads of seeds/001 §2.1.1 (residual blocks W1 = 0, b = 0; the backbone's lm_head
+    """The initial Medusa heads of Medusa paper §2.1.1 (residual blocks W1 = 0, b = 0; the backbone's lm_head
     projects), generated on read: ``{h}.{l}.linear.weight`` [d, d] and ``.bias`` [d], all zero."""
 
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int):

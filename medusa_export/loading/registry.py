@@ -200,7 +200,7 @@ def resolve_model(model: str, model_path: str | None = None) -> tuple[ModelEntry
 
 
 #: How initial heads are described (``LoadedMedusa.heads_source``; :attr:`LoadedMedusa.heads_are_initial` reads it).
-INITIAL_HEADS_SOURCE = "init (seeds/001 §2.1.1: untrained, each head repeats the base next-token prediction)"
+INITIAL_HEADS_SOURCE = "init (Medusa paper §2.1.1: untrained, each head repeats the base next-token prediction)"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,6 @@
 their step and decode loop.
 
 Modules: ``config`` (the backbone's geometry and feature switches), ``backbone`` (the decoder),
-``heads`` (Medusa heads, seeds/001 §2.1.1), ``medusa`` (:class:`~medusa_export.model.medusa.MedusaModel`
+``heads`` (Medusa heads, Medusa paper §2.1.1), ``medusa`` (:class:`~medusa_export.model.medusa.MedusaModel`
 and its tree step), ``decode`` (the PyTorch engine for ``medusa_runtime.loop``).
 """

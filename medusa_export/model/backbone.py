@@ -17,7 +17,7 @@ transformers' ``{Llama,Mistral,Qwen2,Qwen3}ForCausalLM`` compute (transformers 4
   same graph runs the causal prefill and a tree step; the past is fully visible except
   where a layer's sliding window hides it;
 * position ids are an input, so RoPE is computed from them (never frozen to a traced
-  length) and a tree node's position is past length + depth (seeds/001 §2.1.2).
+  length) and a tree node's position is past length + depth (Medusa paper §2.1.2).
 
 Sliding window (Mistral; Qwen2/Qwen3 layers that ``layer_types`` marks): a query at position
 q sees a key at position p iff q - W < p <= q (transformers ``masking_utils``:

@@ -1,4 +1,4 @@
-"""The PyTorch reference Medusa decode loop, batch size 1 (seeds/001, Algorithm).
+"""The PyTorch reference Medusa decode loop, batch size 1 (Medusa paper, Algorithm).
 
 The loop itself is ``medusa_runtime.loop.generate`` (written once, shared with the
 deployed runtime); here it drives a :class:`TorchEngine`, which runs

@@ -1,4 +1,4 @@
-"""Medusa heads (seeds/001 §2.1.1) and writing them in our file format.
+"""Medusa heads (Medusa paper §2.1.1) and writing them in our file format.
 
 Head k (1-based) maps the backbone's last hidden state h_t to logits for token t+k+1::
 
@@ -29,7 +29,7 @@ HEADS_FORMAT = "medusa-export-heads"
 HEADS_FILE = "heads.safetensors"
 HEADS_CONFIG = "heads.json"
 #: Head types of our heads file (``heads.json`` ``head_type``; absent = "medusa"): "medusa" heads read
-#: h_t alone (seeds/001 §2.1.1); "hydra" heads also read the path's tokens
+#: h_t alone (Medusa paper §2.1.1); "hydra" heads also read the path's tokens
 #: (:mod:`medusa_export.model.hydra_heads`).
 HEAD_TYPES = ("medusa", "hydra")
 

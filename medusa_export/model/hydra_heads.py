@@ -2,7 +2,7 @@
 
 A Medusa head k predicts token t+k+1 from the backbone's last hidden state h_t alone, although
 the root t+1 (and, deeper in the tree, every token between) is already chosen when it runs
-(seeds/001 §2.1.1). A Hydra head (Ankner et al. 2024, arXiv 2402.05109; zankner/Hydra
+(Medusa paper §2.1.1). A Hydra head (Ankner et al. 2024, arXiv 2402.05109; zankner/Hydra
 ``hydra/model/hydra_heads/mlp_head.py``, written anew here) reads them too::
 
     x_k = [h_t, n(e(x_{t+1})), ..., n(e(x_{t+k}))]                width (k + 1) d

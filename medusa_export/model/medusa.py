@@ -80,7 +80,7 @@ class MedusaModel(nn.Module):
     def with_initial_heads(
         cls, backbone: Backbone, num_heads: int = 4, num_layers: int = 1, own_projection: bool = False
     ) -> "MedusaModel":
-        """Heads initialised as in seeds/001 §2.1.1 (they reproduce the base next-token prediction)."""
+        """Heads initialised as in Medusa paper §2.1.1 (they reproduce the base next-token prediction)."""
         c = backbone.config
         cfg = HeadsConfig(num_heads, num_layers, c.hidden_size, c.vocab_size, own_projection)
         return cls(backbone, MedusaHeads(cfg, backbone.lm_head))

@@ -1,4 +1,4 @@
-"""Head calibration: per-head top-i accuracies a_k^(i) on held-out prompts (seeds/001 §2.3.3).
+"""Head calibration: per-head top-i accuracies a_k^(i) on held-out prompts (Medusa paper §2.3.3).
 
 The backbone answers the prompts greedily (batched, replies stored as token ids, hidden states
 recomputed: see :mod:`medusa_export.training.replies`); at every reply position the heads' top-k are compared
@@ -297,7 +297,7 @@ def fit_probability_map(tokens: Sequence[Sequence[int]], topk_ids: Sequence[np.n
     Every top-k candidate of head k at position i (with a target r_{i+k}) is one sample. For
     path-conditioned heads the log-probabilities come from the right path (teacher forcing), so
     the map is P(right | ancestors right, q), what per-step trees need; for Medusa heads it is
-    the marginal (seeds/001's independence approximation).
+    the marginal (Medusa paper's independence approximation).
 
     Args:
         tokens, topk_ids, topk_logprobs: per reply, r and the :func:`heads_topk` outputs [n, K, k].

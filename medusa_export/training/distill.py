@@ -1,4 +1,4 @@
-"""Medusa-1 head training on a frozen backbone with self-distillation (seeds/001 §2.2.1, §2.3.2).
+"""Medusa-1 head training on a frozen backbone with self-distillation (Medusa paper §2.2.1, §2.3.2).
 
 Stages, each resumable from its cache directory:
 
@@ -401,12 +401,12 @@ class ProjectedCE(torch.autograd.Function):
 
 def heads_loss(heads: nn.Module, proj_bf16: torch.Tensor, batch: Batch, *, decay: float = LOSS_DECAY
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Medusa-1 loss sum_k decay^k * CE(head k, targets) (seeds/001 eq. 1, app. B.2).
+    """Medusa-1 loss sum_k decay^k * CE(head k, targets) (Medusa paper eq. 1, app. B.2).
 
     The vocabulary projection is frozen and shared, run in bf16 (fast on CPUs with
     AVX512-BF16/AMX) as one matmul for all K heads (:class:`ProjectedCE`); the residual blocks and
     the softmax run in fp32. With soft targets the CE is against the teacher's top-S distribution
-    (seeds/001 §2.3.2).
+    (Medusa paper §2.3.2).
 
     Args:
         heads: heads without their own projection (``head_states(hidden, path_ids)`` -> [K, B, d]).

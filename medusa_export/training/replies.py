@@ -1,4 +1,4 @@
-"""Self-distillation replies: prompts -> decode requests -> the reply store (seeds/001 §2.3.2).
+"""Self-distillation replies: prompts -> decode requests -> the reply store (Medusa paper §2.3.2).
 
 The backbone answers every training prompt greedily, plus ``samples - 1`` replies sampled at a
 temperature (more text from few prompts), with :class:`~medusa_export.training.batch_decode.BatchedDecoder`;
