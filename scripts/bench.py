@@ -37,18 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.loop import KVCache, causal_mask, proposer
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
-
-
-def read_first_turns(path: Path, n: int) -> list[str]:
-    """The first user turn of the first ``n`` MT-Bench questions."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:n]
-    return [json.loads(line)["turns"][0] for line in lines]
 
 
 def accept_rates(depths: list[int], max_depth: int) -> list[float]:

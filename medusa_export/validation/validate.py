@@ -24,7 +24,6 @@ lossless relative to their own precision; 1 and 2 are recorded as agreement with
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -36,6 +35,7 @@ from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.manifest import Manifest
 from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 
 from ..errors import MedusaError
@@ -229,28 +229,12 @@ def default_prompts() -> list[str]:
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """First user turns from a JSONL file: records with "prompt", "turns" (MT-Bench) or "messages".
 
+    The shared reader :func:`medusa_runtime.prompts.read_first_turns`.
+
     Raises:
-        MedusaError: the file is missing or a line has none of those keys.
+        PromptFileError: the file is missing, a line is not a JSON object or has none of those keys.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise MedusaError(f"prompts file {path} does not exist")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "prompt" in rec:
-            out.append(rec["prompt"])
-        elif "turns" in rec:
-            out.append(rec["turns"][0])
-        elif "messages" in rec:
-            out.append(next(m["content"] for m in rec["messages"] if m["role"] == "user"))
-        else:
-            raise MedusaError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' key")
-        if limit and len(out) >= limit:
-            break
-    return out
+    return read_first_turns(path, limit)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
