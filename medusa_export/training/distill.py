@@ -192,15 +192,11 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
         UnknownModelError, WeightsNotFoundError, UnsupportedModelError: as
             :func:`medusa_export.loading.registry.load_model`.
     """
-    from ..loading.registry import entry_for, load_entry_backbone
-    from ..loading.transformers_twin import transformers_twin
+    from ..loading.transformers_twin import load_transformers_model
 
-    entry, local = entry_for(model)
-    loaded = load_entry_backbone(entry, local or model_path, dtype=dtype)
-    hf_model = transformers_twin(loaded.backbone).to(device)
+    hf_model, loaded = load_transformers_model(model, model_path, dtype=dtype, device=device)
     tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    hf_model.requires_grad_(False)
     return Generator(hf_model, tokenizer, loaded.chat_template, eos, int(pad), loaded.source, loaded)
 
 
