@@ -39,6 +39,7 @@ from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 
 from ..errors import MedusaError
+from ..export.precisions import PRECISION_TABLE, Tolerance
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
 
@@ -49,35 +50,8 @@ class ValidationError(MedusaError):
     exit_code = EXIT_MISMATCH  # as `verify`'s: a mismatch, not bad input
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """Per-precision pass/fail rule.
-
-    Attributes:
-        atol: limit on |log-prob| and |entropy| differences against PyTorch (None: not checked).
-        hidden_atol: limit on |hidden state| differences against PyTorch (None: not checked).
-        margin: below this top-2 log-prob gap a token divergence from PyTorch counts as a
-            near-tie (0 = every divergence fails).
-        exact: greedy tokens must equal PyTorch's exactly.
-        reference: "pytorch": the limits above decide; "vanilla": Medusa must equal plain
-            greedy decoding of the same graph token for token, and the PyTorch figures are
-            information (agreement with fp32), not pass/fail.
-    """
-
-    atol: float | None
-    hidden_atol: float | None
-    margin: float
-    exact: bool
-    reference: str = "pytorch"
-
-
-_SELF = Tolerance(atol=None, hidden_atol=None, margin=0.0, exact=False, reference="vanilla")
-TOLERANCES = {
-    "fp32": Tolerance(atol=1e-3, hidden_atol=1e-3, margin=0.0, exact=True),
-    "fp16": Tolerance(atol=5e-2, hidden_atol=2e-1, margin=0.1, exact=False),  # hidden values reach ~10: fp16 ulp ~1e-2
-    "int8": _SELF,  # weight-only MatMulNBits: lossless relative to its own graph
-    "int4": _SELF,
-}
+#: precision name -> its validation rule (:class:`~medusa_export.export.precisions.Tolerance`), from the table.
+TOLERANCES = {n: p.tolerance for n, p in PRECISION_TABLE.items()}
 
 
 def tolerance(precision: str) -> Tolerance:
