@@ -11,14 +11,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
-from typing import NamedTuple, TextIO
+from typing import TextIO
 
 from .acceptance import ACCEPTANCES, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
 from .batch import DEFAULT_BATCH_SIZE
 from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
-                     MedusaError, PromptFileError)
+                     MedusaError)
+from .prompts import PROMPT_FILE_FORMAT, read_prompt_file
 from .tokenizer import NO_TEMPLATE_MESSAGE
 
 _S = SamplingConfig  # every default below is read from it
@@ -122,11 +122,6 @@ def _mode(session, args) -> str:
             f"{sampling_from_args(args).describe()}")
 
 
-#: What ``generate --prompt-file`` reads, for help texts and errors.
-PROMPT_FILE_FORMAT = ("JSONL, one object a line with 'prompt' (a user message), 'messages' (a conversation) or "
-                      "'turns' (MT-Bench: the first turn); optional 'max_new_tokens' and 'seed' per line")
-
-
 def add_prompt_args(p: argparse.ArgumentParser) -> None:
     """``--prompt`` or ``--prompt-file`` (one of them required) and ``--batch-size`` (generate)."""
     group = p.add_mutually_exclusive_group(required=True)
@@ -137,59 +132,6 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"with --prompt-file: at most B sequences share each step (in-flight batching) "
                         f"(default: {DEFAULT_BATCH_SIZE})")
-
-
-class PromptRecord(NamedTuple):
-    """One line of a prompt file."""
-
-    prompt: str | list  # a user message, or a list of {"role", "content"} messages
-    max_new_tokens: int | None  # the line's own budget, or None
-    seed: int | None  # the line's own seed, or None
-
-
-def _record_int(rec: dict, key: str, where: str) -> int | None:
-    value = rec.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PromptFileError(f"{where}: {key} must be an integer >= 0, got {value!r}")
-    return value
-
-
-def read_prompt_file(path: str | Path) -> list[PromptRecord]:
-    """The prompts of a JSONL file (:data:`PROMPT_FILE_FORMAT`); blank lines are skipped, other keys ignored.
-
-    Raises:
-        PromptFileError: the file is missing, empty, or a line is not a JSON object with a usable
-            prompt (the message names the file and the line).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise PromptFileError(f"prompt file {path} does not exist")
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PromptFileError(f"{where}: not valid JSON ({exc})") from None
-        if not isinstance(rec, dict):
-            raise PromptFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-        if isinstance(rec.get("prompt"), str):
-            prompt = rec["prompt"]
-        elif isinstance(rec.get("messages"), list) and rec["messages"]:
-            prompt = rec["messages"]
-        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
-            prompt = rec["turns"][0]
-        else:
-            raise PromptFileError(f"{where}: expected a 'prompt' string, a non-empty 'messages' list or a 'turns' "
-                                  f"list of strings; the line has keys {sorted(rec)}")
-        out.append(PromptRecord(prompt, _record_int(rec, "max_new_tokens", where), _record_int(rec, "seed", where)))
-    if not out:
-        raise PromptFileError(f"prompt file {path} holds no prompts")
-    return out
 
 
 def run_generate_batch(args, out: TextIO, err: TextIO) -> int:

@@ -37,18 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.loop import KVCache, causal_mask, proposer
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
-
-
-def read_first_turns(path: Path, n: int) -> list[str]:
-    """The first user turn of the first ``n`` MT-Bench questions."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:n]
-    return [json.loads(line)["turns"][0] for line in lines]
 
 
 def accept_rates(depths: list[int], max_depth: int) -> list[float]:
@@ -133,25 +128,18 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
 def load_transformers_model(model_name: str, threads: int | None):
     """The registered backbone as a transformers model, fp32, eval mode (imports torch).
 
-    Loaded as our exporter loads it: from the GGUF file a package ships, or from the HF cache.
+    Loaded as our exporter loads it (:func:`medusa_export.loading.transformers_twin.load_transformers_model`:
+    the registry's loader, its tensors in the family's transformers model).
     """
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    from medusa_export.loading.backbone import align_parameters, find_package_file, hf_cache_snapshot
-    from medusa_export.loading.registry import get_entry
+    from medusa_export.loading.backbone import align_parameters
+    from medusa_export.loading.transformers_twin import load_transformers_model as load_twin
 
-    hf_logging.set_verbosity_error()
     if threads:
         torch.set_num_threads(threads)
-    src = get_entry(model_name).backbone
-    if src["source"] == "package":
-        path = find_package_file(src["package"], src["file"])
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_cache_snapshot(src["repo"])), torch_dtype=torch.float32)
-    align_parameters(model.eval())  # as our loader does: GEMMs on the GGUF loader's unaligned tensors crawl
+    model, _ = load_twin(model_name, dtype=torch.float32)
+    align_parameters(model)  # GEMMs on the GGUF loader's unaligned tensors crawl
     return model
 
 

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 
 from medusa_runtime.batch import LoopedBatchEngine, Scheduler, SequenceRequest
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import tree_from_spec
 
@@ -57,12 +58,6 @@ DEFAULT_QUESTIONS = ROOT.parent / "shared" / "data" / "eval" / "mt_bench" / "que
 DEFAULT_SIZES = "1,2,4,8,16"
 DEFAULT_TREES = "2,4,8,16"
 METRICS = ("tokens_per_s", "per_sequence_tokens_per_s", "tokens_per_step", "wall_s")
-
-
-def read_first_turns(path: Path, n: int) -> list[str]:
-    """The first user turn of the first ``n`` MT-Bench questions."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:n]
-    return [json.loads(line)["turns"][0] for line in lines]
 
 
 def run_once(engine, session: MedusaSession, tree, prompt_ids: list[list[int]], max_new_tokens: int,

@@ -446,7 +446,7 @@ def hf_encoder(ctx: Context) -> tuple[Callable[[str], list[int]], list[int]]:
 def run(args) -> dict:
     """Prepare every system, run the interleaved rounds, aggregate."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench.py
-    from bench import read_first_turns
+    from medusa_runtime.prompts import read_first_turns
 
     wanted = [p for p in args.systems.split(",") if p]
     unknown = sorted(set(wanted) - set(PEERS))

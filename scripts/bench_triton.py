@@ -25,18 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_runtime.prompts import read_first_turns
+
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
-
-
-def read_prompts(path: Path, n: int) -> list[str]:
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            out.append(rec["prompt"] if "prompt" in rec else rec["turns"][0])
-        if len(out) == n:
-            break
-    return out
 
 
 def triton_request(grpc, url: str, prompt: str, max_new_tokens: int) -> tuple[list[int], float, float]:
@@ -85,7 +76,7 @@ def main() -> int:
     from medusa_export.triton.repository import TritonConfig, write_repository
     from medusa_runtime import MedusaSession
 
-    prompts = read_prompts(args.prompts_file, args.prompts)
+    prompts = read_first_turns(args.prompts_file, args.prompts)
     session = MedusaSession(args.artifact, threads=args.threads)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-triton-") as tmp:

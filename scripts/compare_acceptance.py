@@ -48,16 +48,11 @@ import numpy as np
 
 from medusa_runtime.acceptance import SamplingConfig, truncated_probs
 from medusa_runtime.loop import KVCache, causal_mask, generate
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 
 DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
 ENTROPY_BUCKET = 16
-
-
-def read_first_turns(path: Path, n: int) -> list[str]:
-    """The first user turn of the first ``n`` MT-Bench questions."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()][:n]
-    return [json.loads(line)["turns"][0] for line in lines]
 
 
 def modes(temperature: float, epsilons: list[float], top_k: int, top_p: float) -> dict[str, tuple[SamplingConfig, bool]]:

@@ -382,6 +382,24 @@ def test_generator_of_every_layout_equals_transformers_greedy(tmp_path, layout):
     torch.testing.assert_close(feats.hidden, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_one_loader_shares_the_reference_tensors(tmp_path):
+    """load_transformers_model (train-heads, calibrate, the benchmarks) and load_model (build) read the same
+    checkpoint through load_registered_backbone: the transformers model holds the backbone's tensors
+    (no copy), with gradients off, and its logits equal the original model's."""
+    from medusa_export.loading.registry import load_model
+    from medusa_export.loading.transformers_twin import load_transformers_model
+
+    hf = _write_layout(tmp_path, next(iter(LAYOUTS)))
+    model, loaded = load_transformers_model(str(tmp_path))
+    assert model.lm_head.weight.data_ptr() == loaded.backbone.lm_head.weight.data_ptr()
+    assert not any(p.requires_grad for p in model.parameters())
+    x = torch.tensor([[5, 17, 42, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, hf(x).logits, atol=0, rtol=0)
+        ref = load_model(str(tmp_path)).model.backbone
+        assert torch.equal(ref.lm_head.weight, loaded.backbone.lm_head.weight)
+
+
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     f = tmp_path_factory.mktemp("prompts") / "p.jsonl"

@@ -12,6 +12,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from ..export.precisions import precisions
+
 
 @dataclass
 class Check:
@@ -106,7 +108,7 @@ def run_doctor() -> DoctorReport:
     r.checks.append(Check("nvidia-smi", *_nvidia_smi()))
     r.devices = ["CPU"] + [f"cuda:{i} {n}" for i, n in enumerate(names)]
     if ok:
-        r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = ["fp32", "fp16", "int8", "int4"]
+        r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = list(precisions())
     r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
     return r

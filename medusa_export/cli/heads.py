@@ -37,12 +37,7 @@ def _caps(values: list[str] | None) -> dict[str, int]:
 def _prompts(paths: list[str]):
     from ..training.distill import load_prompts
 
-    out = []
-    for p in paths:
-        if not Path(p).is_file():
-            raise MedusaError(f"prompt file {p} does not exist")
-        out.extend(load_prompts(p))
-    return out
+    return [p for path in paths for p in load_prompts(path)]
 
 
 def _part(text: str) -> tuple[int, int]:

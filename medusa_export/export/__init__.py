@@ -4,6 +4,6 @@ Modules: ``graph`` (the graph builder the writers use), ``portable`` (the standa
 ``fused`` (ONNX Runtime's fused-operator step graph), ``heads_graph`` (the Medusa heads graph),
 ``weights`` (``weights.bin``: recipes, the streaming writer, checksums), ``writer`` (both graphs written
 from the tensor sources), ``contract`` (the graphs' I/O contract as data), ``quantize`` (MatMulNBits
-weight-only precisions), ``config`` (``build``'s options and choices), ``manifest`` (the artifact's
+weight-only precisions), ``precisions`` (the table of precisions every stage reads), ``config`` (``build``'s options and choices), ``manifest`` (the artifact's
 ``manifest.json``), ``build`` (sources + tree -> a validated artifact directory).
 """

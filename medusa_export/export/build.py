@@ -151,8 +151,7 @@ def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, c
     lm.tokenizer.save_pretrained(str(folder / "tokenizer"))
     (folder / "chat_template.jinja").write_text(lm.chat_template or "")
     write_schema(folder)
-    dtype = "float16" if cfg.precision == "fp16" else "float32"
-    m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, dtype,
+    m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, cfg.spec.dtype,
                        written.quantized, vocab_ids)
     if policy:
         m = replace(m, tree=replace(m.tree, policy=policy))

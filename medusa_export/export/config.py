@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 from ..errors import MedusaError
 from ..loading.draft_vocab import HeadsVocabError
+from .precisions import PRECISION_TABLE, PrecisionSpec, precisions
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig
 
-#: Backbone precisions: fp32 / fp16 are portable (standard ONNX ops, the TensorRT path);
-#: int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
-PRECISIONS = ("fp32", "fp16", *WEIGHT_ONLY_BITS)
+#: Backbone precisions (:data:`.precisions.PRECISION_TABLE`): fp32 / fp16 are portable (standard ONNX ops,
+#: the TensorRT path); int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
+PRECISIONS = precisions()
 #: Heads-graph precisions: "auto" (portable backbones: same; weight-only ones:
 #: :data:`QUANTIZED_HEADS_DEFAULT`), "same" as the backbone, or a weight-only precision.
 HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
@@ -25,11 +26,11 @@ QUANTIZED_HEADS_DEFAULT = "int8"
 #: fused operators (:mod:`.fused`, flavour ``ort-fused``).
 GRAPHS = ("portable", "fused")
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
-FUSED_PRECISIONS = ("fp32", *WEIGHT_ONLY_BITS)
+FUSED_PRECISIONS = precisions(fused=True)
 
 
 #: MatMulNBits accuracy level of a weight-only backbone by precision (see BuildConfig.accuracy_level).
-BACKBONE_ACCURACY = {"int4": 1, "int8": 4}
+BACKBONE_ACCURACY = {n: p.accuracy_level for n, p in PRECISION_TABLE.items() if p.weight_only}
 
 
 class UnknownPrecisionError(MedusaError, ValueError):
@@ -106,7 +107,7 @@ class BuildConfig:
             raise UnsupportedGraphError(f"--graph fused does not take --precision {self.precision} (its CPU kernels "
                                         f"compute in fp32); choose --precision {', '.join(FUSED_PRECISIONS)}, or "
                                         f"--graph portable for {self.precision}")
-        if self.precision == "fp16" and self.resolved_heads_precision != "fp16":
+        if self.spec.dtype != PRECISION_TABLE[self.resolved_heads_precision].dtype:  # fp16 with weight-only heads
             raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
                                         "backbone (the fp16 graph's hidden states are float16); use same or auto")
         if self.heads_vocab < 0:
@@ -126,6 +127,11 @@ class BuildConfig:
     def batched(self) -> bool:
         """Whether the step graph has the batch dimension (``batch_size`` > 1)."""
         return self.batch_size > 1
+
+    @property
+    def spec(self) -> PrecisionSpec:
+        """The backbone precision's row of :data:`.precisions.PRECISION_TABLE`."""
+        return PRECISION_TABLE[self.precision]
 
     @property
     def resolved_heads_precision(self) -> str:

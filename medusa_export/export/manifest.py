@@ -29,6 +29,7 @@ from ..model.medusa import STEP_TOPK
 from .config import BuildConfig
 from .contract import OPSET, heads_io, level_io, level_key, step_io, step_sampler_json
 from .fused import FUSED_OPS, fused_step_io
+from .precisions import PRECISION_TABLE
 from .quantize import uses_contrib_ops
 
 #: The artifact's ``flavour``: which runtimes can run its graphs.
@@ -41,7 +42,7 @@ FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
 def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
     def weights(precision: str, heads: bool) -> str:
         wo = cfg.weight_only(precision, heads)
-        return {"fp32": "float32", "fp16": "float16"}[precision] if wo is None else wo.describe()
+        return PRECISION_TABLE[precision].dtype if wo is None else wo.describe()
 
     heads = cfg.resolved_heads_precision
     return {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,

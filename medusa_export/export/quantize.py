@@ -47,9 +47,10 @@ import numpy as np
 import onnx
 
 from ..errors import MedusaError
+from .precisions import PRECISION_TABLE
 
-#: weight-only precision name -> bits per weight (MatMulNBits).
-WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
+#: weight-only precision name -> bits per weight (MatMulNBits), from :data:`.precisions.PRECISION_TABLE`.
+WEIGHT_ONLY_BITS = {n: p.weight_bits for n, p in PRECISION_TABLE.items() if p.weight_only}
 CONTRIB_DOMAIN = "com.microsoft"
 
 

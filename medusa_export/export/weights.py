@@ -31,7 +31,7 @@ from onnx import TensorProto
 
 from ..errors import MedusaError
 from ..loading.checkpoint import TensorSource
-from .quantize import nbits_geometry, quantize_rows
+from .quantize import WEIGHT_ONLY_BITS, nbits_geometry, quantize_rows
 
 WEIGHTS_FILE = "weights.bin"
 ALIGN = 4096
@@ -39,7 +39,6 @@ ALIGN = 4096
 CHUNK_ELEMENTS = 1 << 24
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "uint8": TensorProto.UINT8,
                "int64": TensorProto.INT64, "int32": TensorProto.INT32}
-_BITS = {"int8": 8, "int4": 4}
 
 
 class WeightsCheckError(MedusaError):
@@ -73,7 +72,7 @@ class Recipe:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in _BITS
+        return self.dtype in WEIGHT_ONLY_BITS
 
     def to_json(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v not in ("", 0, False) or k in ("source", "keys")}
@@ -119,8 +118,8 @@ def recipe_outputs(name: str, recipe: Recipe, sources: dict[str, TensorSource],
         if len(shape) != 2:
             raise MedusaError(f"{name}: MatMulNBits needs a 2-D weight, {recipe.keys[0]} is {list(shape)}")
         n, k = shape
-        blocks, blob, zp = nbits_geometry(k, _BITS[recipe.dtype], recipe.block_size)
-        q = f"{name}_Q{_BITS[recipe.dtype]}"
+        blocks, blob, zp = nbits_geometry(k, WEIGHT_ONLY_BITS[recipe.dtype], recipe.block_size)
+        q = f"{name}_Q{WEIGHT_ONLY_BITS[recipe.dtype]}"
         outs = [OutTensor(q, "uint8", (n, blocks, blob)), OutTensor(f"{q}_scales", "float32", (n, blocks))]
         if not recipe.symmetric:
             outs.append(OutTensor(f"{q}_zero_points", "uint8", (n, zp)))
@@ -167,7 +166,7 @@ def produce(recipe: Recipe, sources: dict[str, TensorSource], arrays: dict[str, 
     if recipe.quantized:
         scales, zps = [], []
         for block in row_blocks():
-            packed, s, z = quantize_rows(block.contiguous().numpy(), _BITS[recipe.dtype], recipe.block_size,
+            packed, s, z = quantize_rows(block.contiguous().numpy(), WEIGHT_ONLY_BITS[recipe.dtype], recipe.block_size,
                                          recipe.symmetric)
             scales.append(s)
             zps.append(z)

@@ -31,6 +31,7 @@ from .contract import HEADS_FILE, LEVEL_FILE, MODEL_FILE, level_key
 from .fused import write_fused_step
 from .graph import GraphBuilder
 from .heads_graph import write_heads, write_level
+from .precisions import PRECISION_TABLE
 from .portable import lm_head_key, write_portable_step
 from .weights import WEIGHTS_FILE, WeightsPlan, WeightsWriter
 
@@ -58,8 +59,7 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: in
     bc = src.config
     step_q = cfg.weight_only(cfg.precision)
     lm_q = step_q if step_q is not None and step_q.vocab_projection else None
-    dtype = "float16" if cfg.precision == "fp16" else "float32"
-    step = GraphBuilder(weights, dtype, step_q)
+    step = GraphBuilder(weights, cfg.spec.dtype, step_q)
     if cfg.graph == "fused":
         ins, outs = write_fused_step(step, bc, max_context, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
@@ -67,7 +67,7 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: in
         ins, outs = write_portable_step(step, bc, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
     hp = cfg.resolved_heads_precision
-    hd, hq, hc = "float16" if hp == "fp16" else "float32", cfg.weight_only(hp, True), src.heads_config
+    hd, hq, hc = PRECISION_TABLE[hp].dtype, cfg.weight_only(hp, True), src.heads_config
     if hc.head_type == "hydra":  # path-conditioned heads: one graph per tree level
         for j in range(1, hc.num_heads + 1):
             level = GraphBuilder(weights, hd)

@@ -268,6 +268,27 @@ def load_entry_backbone(entry: ModelEntry, model_path: str | None = None, *, dty
     return load_backbone(path, dtype=dtype, trust_remote_code=trust_remote_code, chat_template=entry_template(entry))
 
 
+def load_registered_backbone(model: str, model_path: str | None = None, *, dtype: torch.dtype = torch.float32,
+                             trust_remote_code: bool = False) -> tuple[ModelEntry, LoadedBackbone]:
+    """The one "registry name or path -> loaded backbone" loader (build, train-heads, calibrate, benchmarks).
+
+    Args:
+        model: a registry name, or a path to an HF model folder / ``.gguf`` file (:func:`entry_for`).
+        model_path: local backbone weights overriding the registry's source.
+        dtype: weight dtype (GGUF and FP8 weights are dequantized to it).
+        trust_remote_code: passed to transformers.
+
+    Returns:
+        (the entry, its backbone and tokenizer with the entry's chat template applied).
+
+    Raises:
+        UnknownModelError: neither a registered name nor an existing path.
+        WeightsNotFoundError, UnsupportedModelError: see :func:`~.backbone.load_backbone`.
+    """
+    entry, local = entry_for(model)
+    return entry, load_entry_backbone(entry, local or model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
 def entry_template(entry: ModelEntry) -> str | None:
     """The chat template file an entry ships (overriding the tokenizer's), or None."""
     return (models_dir() / entry.chat_template).read_text() if entry.chat_template else None
@@ -336,8 +357,7 @@ def load_model(
         WeightsNotFoundError: the weights are not on disk (message says what to download).
         HeadsFormatError: the heads do not fit the backbone.
     """
-    entry, local = entry_for(model)
-    loaded = load_entry_backbone(entry, local or model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+    entry, loaded = load_registered_backbone(model, model_path, dtype=dtype, trust_remote_code=trust_remote_code)
     heads, heads_source, hp = load_entry_heads(entry, loaded, heads_path)
     if heads is None:
         medusa = MedusaModel.with_initial_heads(loaded.backbone, entry.heads["num_heads"], entry.heads["num_layers"])

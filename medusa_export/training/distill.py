@@ -26,7 +26,6 @@ at ``hidden[i]`` predicts r_{i+k}. r_i is the root of a decode step at position 
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -37,6 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from medusa_runtime.prompts import jsonl_records
 
 from ..model.heads import HeadsConfig, MedusaHeads
 
@@ -100,18 +101,20 @@ def record_messages(rec: dict) -> list[dict]:
 def load_prompts(path: str | Path) -> list[Prompt]:
     """Read a prompt JSONL file (see :func:`record_messages`); unusable records are skipped.
 
-    A record's source is its ``source`` field, else the file's stem.
+    A record's source is its ``source`` field, else the file's stem; its id its ``id`` or
+    ``question_id`` field, else its 0-based line index. Lines are read by the shared
+    :func:`medusa_runtime.prompts.jsonl_records`.
+
+    Raises:
+        PromptFileError: the file is missing, or a line is not a JSON object (names file and line).
     """
     path = Path(path)
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n")):  # not splitlines(): U+2028 in strings
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for line_no, rec in jsonl_records(path):
         msgs = record_messages(rec)
         if msgs:
             src = str(rec.get("source", path.stem))
-            rid = str(rec.get("id", rec.get("question_id", n)))
+            rid = str(rec.get("id", rec.get("question_id", line_no - 1)))
             out.append(Prompt(f"{src}/{rid}", src, tuple(msgs)))
     return out
 
@@ -189,15 +192,11 @@ def load_generator(model: str, *, model_path: str | None = None, dtype: torch.dt
         UnknownModelError, WeightsNotFoundError, UnsupportedModelError: as
             :func:`medusa_export.loading.registry.load_model`.
     """
-    from ..loading.registry import entry_for, load_entry_backbone
-    from ..loading.transformers_twin import transformers_twin
+    from ..loading.transformers_twin import load_transformers_model
 
-    entry, local = entry_for(model)
-    loaded = load_entry_backbone(entry, local or model_path, dtype=dtype)
-    hf_model = transformers_twin(loaded.backbone).to(device)
+    hf_model, loaded = load_transformers_model(model, model_path, dtype=dtype, device=device)
     tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    hf_model.requires_grad_(False)
     return Generator(hf_model, tokenizer, loaded.chat_template, eos, int(pad), loaded.source, loaded)
 
 

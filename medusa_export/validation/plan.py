@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InsufficientMemoryError, MedusaError
+from ..export.precisions import PRECISION_TABLE
 from ..loading.checkpoint import backbone_shapes
 from ..loading.sources import ModelSources
 
@@ -50,11 +51,12 @@ BASE_BYTES = 800_000_000
 #: graph protos).
 EXPORT_WORKING_BYTES = 256 << 20
 #: ONNX Runtime CPU session resident bytes per byte of ``weights.bin``, by precision, as validation opens them
-#: (``checks.FP32_SESSION_CONFIG``: no pre-packing for float32 graphs). Measured on the embedded model
-#: (onnxruntime 1.32, session + three 100-token prefill steps, resident growth / weights): fp32 1.26 (the
-#: mapped weights file's pages, 1.68 with pre-packing), fp16 3.1 (ONNX Runtime's CPU casts keep float32
-#: copies of the fp16 weights), int8 1.45, int4 1.23; rounded up here.
-ORT_FACTORS = {"fp32": 1.4, "fp16": 3.3, "int8": 1.6, "int4": 1.4}
+#: (``checks.FP32_SESSION_CONFIG``: no pre-packing for float32 graphs); :attr:`PrecisionSpec.ort_factor
+#: <medusa_export.export.precisions.PrecisionSpec>`. Measured on the embedded model (onnxruntime 1.32, session +
+#: three 100-token prefill steps, resident growth / weights): fp32 1.26 (the mapped weights file's pages, 1.68
+#: with pre-packing), fp16 3.1 (ONNX Runtime's CPU casts keep float32 copies of the fp16 weights), int8 1.45,
+#: int4 1.23; rounded up.
+ORT_FACTORS = {n: p.ort_factor for n, p in PRECISION_TABLE.items()}
 #: The share of available memory a plan may use (the rest is headroom for the OS and other processes).
 HEADROOM = 0.9
 #: Above this many bytes of weights, the ``self`` check decodes :data:`SELF_CHECK_TOKENS` tokens of the

@@ -24,7 +24,6 @@ lossless relative to their own precision; 1 and 2 are recorded as agreement with
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -36,9 +35,11 @@ from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.loop import KVCache, causal_mask, generate
 from medusa_runtime.manifest import Manifest
 from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 
 from ..errors import MedusaError
+from ..export.precisions import PRECISION_TABLE, Tolerance
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
 
@@ -49,35 +50,8 @@ class ValidationError(MedusaError):
     exit_code = EXIT_MISMATCH  # as `verify`'s: a mismatch, not bad input
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """Per-precision pass/fail rule.
-
-    Attributes:
-        atol: limit on |log-prob| and |entropy| differences against PyTorch (None: not checked).
-        hidden_atol: limit on |hidden state| differences against PyTorch (None: not checked).
-        margin: below this top-2 log-prob gap a token divergence from PyTorch counts as a
-            near-tie (0 = every divergence fails).
-        exact: greedy tokens must equal PyTorch's exactly.
-        reference: "pytorch": the limits above decide; "vanilla": Medusa must equal plain
-            greedy decoding of the same graph token for token, and the PyTorch figures are
-            information (agreement with fp32), not pass/fail.
-    """
-
-    atol: float | None
-    hidden_atol: float | None
-    margin: float
-    exact: bool
-    reference: str = "pytorch"
-
-
-_SELF = Tolerance(atol=None, hidden_atol=None, margin=0.0, exact=False, reference="vanilla")
-TOLERANCES = {
-    "fp32": Tolerance(atol=1e-3, hidden_atol=1e-3, margin=0.0, exact=True),
-    "fp16": Tolerance(atol=5e-2, hidden_atol=2e-1, margin=0.1, exact=False),  # hidden values reach ~10: fp16 ulp ~1e-2
-    "int8": _SELF,  # weight-only MatMulNBits: lossless relative to its own graph
-    "int4": _SELF,
-}
+#: precision name -> its validation rule (:class:`~medusa_export.export.precisions.Tolerance`), from the table.
+TOLERANCES = {n: p.tolerance for n, p in PRECISION_TABLE.items()}
 
 
 def tolerance(precision: str) -> Tolerance:
@@ -229,28 +203,12 @@ def default_prompts() -> list[str]:
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """First user turns from a JSONL file: records with "prompt", "turns" (MT-Bench) or "messages".
 
+    The shared reader :func:`medusa_runtime.prompts.read_first_turns`.
+
     Raises:
-        MedusaError: the file is missing or a line has none of those keys.
+        PromptFileError: the file is missing, a line is not a JSON object or has none of those keys.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise MedusaError(f"prompts file {path} does not exist")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if "prompt" in rec:
-            out.append(rec["prompt"])
-        elif "turns" in rec:
-            out.append(rec["turns"][0])
-        elif "messages" in rec:
-            out.append(next(m["content"] for m in rec["messages"] if m["role"] == "user"))
-        else:
-            raise MedusaError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' key")
-        if limit and len(out) >= limit:
-            break
-    return out
+    return read_first_turns(path, limit)
 
 
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:

@@ -1,0 +1,67 @@
+"""The one prompt-file reader (medusa_runtime.prompts) and the readers built on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import MT_BENCH
+from medusa_runtime.errors import MedusaError, PromptFileError
+from medusa_runtime.prompts import jsonl_records, read_first_turns, read_prompt_file
+
+
+def _write(tmp_path, lines: list) -> object:
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join((x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)) + "\n" for x in lines),
+                 encoding="utf-8")
+    return f
+
+
+def test_first_turns_of_every_format_in_order(tmp_path):
+    f = _write(tmp_path, [{"prompt": "a"}, "", {"turns": ["b", "second"]},
+                          {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "c"}]}])
+    assert read_first_turns(f) == ["a", "b", "c"]
+    assert read_first_turns(f, 2) == ["a", "b"]
+    assert [n for n, _ in jsonl_records(f)] == [1, 3, 4]  # blank lines skipped, numbers are the file's
+
+
+def test_a_json_string_may_hold_a_line_separator(tmp_path):
+    f = _write(tmp_path, [{"prompt": "one\u2028two"}, {"prompt": "three"}])
+    assert read_first_turns(f) == ["one\u2028two", "three"]
+    assert [r.prompt for r in read_prompt_file(f)] == ["one\u2028two", "three"]
+
+
+def test_mt_bench_first_turns_are_the_files():
+    first = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines()[:3]]
+    assert read_first_turns(MT_BENCH, 3) == first
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "prompt file {f} does not exist"),
+    ("{\"prompt\": \"a\"}\n{not json\n", "{f}:2: not valid JSON"),
+    ("[1, 2]\n", "{f}:1: expected a JSON object, got list"),
+    ("{\"prompt\": \"a\"}\n{\"text\": \"b\"}\n", "{f}:2: expected a 'prompt', 'turns' or 'messages' key"),
+])
+def test_first_turns_errors_name_file_and_line(tmp_path, content, message):
+    f = tmp_path / "p.jsonl"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(PromptFileError) as exc:
+        read_first_turns(f)
+    assert str(exc.value).startswith(message.format(f=f)) and isinstance(exc.value, MedusaError)
+
+
+def test_training_and_validation_read_through_it(tmp_path):
+    from medusa_export.training.distill import load_prompts
+    from medusa_export.validation.validate import read_prompts
+
+    f = _write(tmp_path, [{"prompt": "a"}, "", {"turns": ["b"], "question_id": 81}, {"text": "skipped"},
+                          {"prompt": "c", "source": "mine", "id": "x"}])
+    assert [(p.id, p.messages[-1]["content"]) for p in load_prompts(f)] == [("p/0", "a"), ("p/81", "b"),
+                                                                             ("mine/x", "c")]
+    with pytest.raises(PromptFileError, match=":4: expected a 'prompt', 'turns' or 'messages' key"):
+        read_prompts(f)
+    assert read_prompts(f, 2) == ["a", "b"]
+    with pytest.raises(PromptFileError, match=r"p\.jsonl:2: not valid JSON"):
+        load_prompts(_write(tmp_path, [{"prompt": "a"}, "{oops"]))
