@@ -225,7 +225,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
                     if k == "export" or k in plan.checks or (k.startswith("gpu") and "gpu" in plan.checks)))
     for line in plan.describe() if cfg.validate else ["validation: skipped (--no-validate)"]:
         say(f"  {line}")
-    stages = Stages(4 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
+    stages = Stages(3 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
