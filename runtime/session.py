@@ -20,6 +20,7 @@ engine on the chosen backend and the tokenizer, and offers:
 from __future__ import annotations
 
 import numbers
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +28,16 @@ from typing import Callable, Sequence
 
 from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
-from .autotree import TreeTiming, auto_policy, auto_tree, is_auto
+from .autotree import TreeTiming, auto_policy, auto_tree, candidate_trees, is_auto
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
 from .candidates import DynamicTree
 from .engines import DEFAULT_BACKEND, create_engine
 from .errors import ChatTemplateError, MedusaError
 from .loop import GenerationResult, KVCache, engine_sampling_route, generate
 from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
-from .tree import Tree, make_tree, tree_from_spec
+from .tree import Tree, default_accuracies, make_tree, tree_from_spec
+from .treecache import (ARTIFACT_SPEC, DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,
+                        TREE_ENV, cached_choice, default_spec, machine_fingerprint, timing_key)
 
 #: Reply budget when none is given (generate, the CLIs, Triton requests).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -134,6 +137,15 @@ def _text_stream(stream: Callable[[str], None] | None) -> Callable[[list[int], s
     return None if stream is None else (lambda ids, piece: stream(piece) if piece else None)
 
 
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def artifact_identity_of(art: Artifact) -> str:
+    """The artifact's identity for cached timings (:func:`medusa_runtime.treecache.artifact_identity`)."""
+    return artifact_identity(art.manifest.checksums)
+
+
 def _per_prompt(value, n: int, name: str, kind: type) -> list:
     """``value`` for each of n prompts: a single value repeated, or a list of n values.
 
@@ -162,16 +174,22 @@ class MedusaSession:
         backend: engine backend name (see :mod:`medusa_runtime.engines`).
         threads: intra-op threads for CPU work (None: ONNX Runtime's default).
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
-        tree: override the artifact's tree (default: its static tree, or the per-step trees of its
-            ``manifest.tree.policy`` when it was built with ``--tree dynamic:T`` and the engine runs them;
-            a :class:`Tree` or a ``--tree`` spec such as "8",
-            "chain", "dynamic:6": a 6-node tree chosen every step from the heads' calibrated
-            probabilities); backends with a fixed tree shape (TensorRT) may reject it.
-            ``"auto"`` times the tree step at several sizes on this engine and keeps the one
-            with the most expected tokens per second (:mod:`medusa_runtime.autotree`; the
-            table is in :attr:`tree_timings`); ``"auto:dynamic"`` does so for per-step trees.
+        tree: the tree to run. Default (None): ``$MEDUSA_EXPORT_TREE``, else the tree that is fastest
+            on this engine and machine, timed once and cached (:mod:`medusa_runtime.treecache`; per-step
+            trees when the artifact was built with ``--tree dynamic:T``; :attr:`default_tree` says how
+            it was obtained); engines whose tree is fixed when they are built (TensorRT plans) run the
+            artifact's tree. Else a :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was
+            built with, per-step when built with ``--tree dynamic:T``), "8", "root", "chain",
+            "dynamic:6" (a 6-node tree chosen every step from the heads' calibrated probabilities);
+            backends with a fixed tree shape (TensorRT) may reject them. ``"auto"`` times the tree step
+            at several sizes now, uncached, and keeps the one with the most expected tokens per second
+            (:mod:`medusa_runtime.autotree`); ``"auto:dynamic"`` does so for per-step trees. The timed
+            table is in :attr:`tree_timings`.
         full_verify: hash every file, even the large weights, when opening.
         progress: called with a line per measurement of ``tree="auto"`` (default: silent).
+        notice: called with one line when the default tree is timed (the first time on this
+            machine, or when the cached timing is stale) or when the engine's tree is fixed
+            (default: printed to standard error; None: silent).
         **engine_options: passed to the backend (e.g. ``device_id``).
 
     Raises:
@@ -182,7 +200,8 @@ class MedusaSession:
 
     def __init__(self, artifact_dir: str | Path, backend: str = DEFAULT_BACKEND, threads: int | None = None,
                  max_context: int | None = None, tree: Tree | str | None = None, full_verify: bool = False,
-                 progress: Callable[[str], None] | None = None, **engine_options):
+                 progress: Callable[[str], None] | None = None,
+                 notice: Callable[[str], None] | None = _stderr_line, **engine_options):
         self.artifact: Artifact = load_artifact(artifact_dir, full_verify=full_verify)
         limit = int(self.artifact.model.max_context)
         if max_context is not None and not 1 <= max_context <= limit:
@@ -193,20 +212,39 @@ class MedusaSession:
         self.engine = create_engine(self.artifact, backend, threads=threads, **engine_options)
         self._progress = progress
         self.tree_timings: list[TreeTiming] = []
-        self.tree = self._resolve_tree(tree)
+        #: How the default tree was obtained (timed now or cached); None when a tree was given.
+        self.default_tree: DefaultTree | None = None
+        #: Where the tree comes from, for summaries ("fastest here, cached", "given", ...).
+        self.tree_source = f"--tree {tree}" if isinstance(tree, str) else "as given"
+        self.tree = self._resolve_tree(tree, threads, notice)
         self.vanilla_tree = make_tree([], num_heads=self.engine.num_heads, topk=self.tree.topk)
         self._chat = _Chat()
         self._batch_engine = None
 
-    def _resolve_tree(self, tree: Tree | DynamicTree | str | None) -> Tree | DynamicTree:
+    def _resolve_tree(self, tree: Tree | DynamicTree | str | None, threads: int | None,
+                      notice: Callable[[str], None] | None) -> Tree | DynamicTree:
         base = self.artifact.tree
-        if tree is None:  # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
+        if tree is None:
+            tree = default_spec()
+            if getattr(self.engine, "fixed_tree", False):
+                self.tree_source = "fixed when the engine was built"
+                if notice:
+                    notice(f"the {self.backend} engine's tree is fixed when it is built: running the artifact's "
+                           f"{base.size}-node tree (no timing of other sizes)")
+                return base
+            if tree == DEFAULT_SPEC:
+                return self._fastest_tree(threads, notice)
+            self.tree_source = f"${TREE_ENV}={tree}"
+        if isinstance(tree, str) and tree.strip() == ARTIFACT_SPEC:
+            # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
+            self.tree_source = "the artifact's"
             tree = self.artifact.manifest.tree.policy
             if not tree or not hasattr(self.engine, "heads_logprobs"):  # engines of fixed trees run the static one
                 return base
         acc = self.artifact.head_accuracies
         art = self.artifact
         if is_auto(tree):
+            self.tree_source = f"--tree {tree.strip()}, timed now"
             tree, self.tree_timings = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk,
                                                 progress=self._progress, policy=auto_policy(tree),
                                                 calibration=art.calibration, simulated=art.simulated)
@@ -218,6 +256,37 @@ class MedusaSession:
             raise MedusaError(f"tree (topk {tree.topk}, depth {tree.max_depth}) exceeds the artifact's heads graph "
                               f"(topk {base.topk}, {self.engine.num_heads} heads)")
         return tree
+
+    def _policy(self) -> str:
+        """The tree policy the artifact was built for: "dynamic" (per-step trees, when the engine runs them)."""
+        return "dynamic" if self.artifact.manifest.tree.policy and hasattr(self.engine, "heads_logprobs") else "static"
+
+    def _fastest_tree(self, threads: int | None, notice: Callable[[str], None] | None) -> Tree | DynamicTree:
+        """The default tree: the cached ``--tree auto`` choice for this artifact, machine and backend, timed and
+        cached when there is none or it is stale (:mod:`medusa_runtime.treecache`)."""
+        art, base, policy = self.artifact, self.artifact.tree, self._policy()
+        key = timing_key(artifact=artifact_identity_of(art), machine=machine_fingerprint(),
+                         backend=backend_fingerprint(self.backend, self.engine, threads),
+                         capacity=self.max_context, policy=policy)
+        made: dict = {}
+
+        def measure():
+            made["tree"], table = auto_tree(self.engine, art.head_accuracies, capacity=self.max_context, topk=base.topk,
+                                            progress=self._progress, policy=policy, calibration=art.calibration,
+                                            simulated=art.simulated, sizes=key["sizes"], margin=key["margin"])
+            return made["tree"].size, table
+
+        choice = cached_choice(art.path, key, measure)
+        self.default_tree, self.tree_timings = choice, list(choice.record.table)
+        self.tree_source = choice.describe()
+        if choice.timed and notice:
+            notice(choice.notice())
+        if "tree" in made:
+            return made["tree"]
+        return candidate_trees(art.head_accuracies if art.head_accuracies is not None
+                               else default_accuracies(self.engine.num_heads, base.topk), [choice.record.chosen],
+                               num_heads=self.engine.num_heads, topk=base.topk, policy=policy,
+                               calibration=art.calibration)[choice.record.chosen]
 
     @property
     def eos_token_ids(self) -> list[int]:

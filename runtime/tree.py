@@ -392,12 +392,15 @@ def tree_from_spec(
         raise InvalidTreeError("--tree auto times the tree step on an engine, so it needs an artifact: "
                                "medusa-export build --tree auto, generate/chat --artifact DIR --tree auto, "
                                "or MedusaSession(dir, tree='auto')")
+    if text == "artifact":  # medusa_runtime.treecache.ARTIFACT_SPEC
+        raise InvalidTreeError("--tree artifact means the tree an artifact was built with, so it needs an artifact: "
+                               "generate/chat --artifact DIR --tree artifact, or MedusaSession(dir, tree='artifact')")
     path = Path(text)
     if path.suffix == ".json" or path.exists():
         return load_tree(path, num_heads=num_heads, topk=topk)
     raise InvalidTreeError(
         f"unknown tree {text!r}: give a node budget (e.g. 64), dynamic:T (a T-node tree chosen every step), auto or "
-        f"auto:dynamic (at build: measured on this machine), "
+        f"auto:dynamic (measured on this machine), artifact (with an artifact: the tree it was built with), "
         f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
     )
 

@@ -255,6 +255,10 @@ class TrtEngine:
         ArtifactError: the plans are missing or do not load.
     """
 
+    #: The tree's shape is fixed when the plans are built (their optimization profiles): the runtime's
+    #: default runs the artifact's tree instead of timing other sizes (:mod:`medusa_runtime.treecache`).
+    fixed_tree = True
+
     def __init__(self, artifact: Artifact, precision: str = "fp16", device_id: int = 0, **_):
         trt = _import_tensorrt()
         manifest = artifact.manifest

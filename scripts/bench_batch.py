@@ -117,11 +117,11 @@ def candidate_trees(session: MedusaSession, specs: list[str]) -> dict:
 
 def measure_artifact(path: str, looped_path: str | None, args) -> dict:
     """Every B, engine and tree of one artifact, side by side (see the module docstring)."""
-    session = MedusaSession(path, threads=args.threads, max_context=args.max_context)
+    session = MedusaSession(path, threads=args.threads, max_context=args.max_context, tree="artifact")
     engines = {"batched": (session.batch_engine, session)}
     if args.looped or looped_path:
-        looped = MedusaSession(looped_path, threads=args.threads, max_context=args.max_context) if looped_path \
-            else session
+        looped = MedusaSession(looped_path, threads=args.threads, max_context=args.max_context,
+                               tree="artifact") if looped_path else session
         engines["looped"] = (LoopedBatchEngine(looped.engine), looped)
     trees = candidate_trees(session, args.trees)
     questions = read_first_turns(args.questions, max(args.prompts, max(args.batch_sizes)))

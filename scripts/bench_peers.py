@@ -253,7 +253,7 @@ def ours(artifacts: Sequence[str], threads: int) -> tuple[list[System], Callable
 
     systems, encoder, eos = [], None, []
     for path in artifacts:
-        session = MedusaSession(path, threads=threads)
+        session = MedusaSession(path, threads=threads, tree="artifact")  # the artifact's tree: what it was built for
         precision = session.artifact.manifest.precision_name
         encoder = encoder or session.encode
         eos = eos or session.eos_token_ids

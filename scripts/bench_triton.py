@@ -77,11 +77,11 @@ def main() -> int:
     from medusa_runtime import MedusaSession
 
     prompts = read_first_turns(args.prompts_file, args.prompts)
-    session = MedusaSession(args.artifact, threads=args.threads)
+    session = MedusaSession(args.artifact, threads=args.threads, tree="artifact")  # the tree the server runs
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-triton-") as tmp:
         repo = write_repository(args.artifact, Path(tmp) / "repo",
-                                TritonConfig(threads=args.threads, engine_models=False))
+                                TritonConfig(threads=args.threads, engine_models=False, tree="artifact"))
         t = time.perf_counter()
         with LocalTritonServer(repo, Path(tmp) / "server", models=["medusa"]) as srv:
             print(f"server ready in {time.perf_counter() - t:.1f}s", file=sys.stderr)

@@ -9,12 +9,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tempfile
 from pathlib import Path
 
 # OpenMP threads that spin while waiting made every torch op take ~10-20 ms when the 2 cores were
 # shared with other processes (the tiny-model tests ran ~30x slower, the embedded model ~14x);
 # passive waiting costs little when the machine is idle. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The runtime's default tree is timed on the machine (medusa_runtime.treecache): the suite pins it to the tree each
+# artifact was built with, so that a test's tree does not depend on the machine's timing, and keeps timings out of
+# the user's cache. tests/test_default_tree.py clears MEDUSA_EXPORT_TREE to test the default itself.
+os.environ["MEDUSA_EXPORT_TREE"] = "artifact"
+os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

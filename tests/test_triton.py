@@ -495,9 +495,10 @@ def test_clean_shutdown(server, tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_model_through_triton(smollm_artifact, tmp_path):
+def test_embedded_model_through_triton(smollm_artifact, tmp_path, monkeypatch):
     """The embedded SmolLM2 artifact (real BPE tokenizer and chat template, 30 layers) through a
-    real server: token-exact with the runtime, then a clean stop."""
+    real server with the runtime's default tree (timed when the instance loads, issue 19): token-exact
+    with the runtime (greedy: any tree gives plain greedy decoding's tokens), then a clean stop."""
     grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is in the dev extra")
     from medusa_export.triton.local import LocalTritonServer, TritonUnavailableError, find_bundled
 
@@ -507,8 +508,13 @@ def test_embedded_model_through_triton(smollm_artifact, tmp_path):
         pytest.skip(f"no tritonserver binary: {exc}")
     ref = MedusaSession(smollm_artifact, threads=2).generate(PROMPTS[0], max_new_tokens=16)
     repo = write_repository(smollm_artifact, tmp_path / "repo", TritonConfig(threads=2, engine_models=False))
+    monkeypatch.delenv("MEDUSA_EXPORT_TREE")  # the server's own default, not the suite's pinned tree
+    monkeypatch.setenv("MEDUSA_EXPORT_CACHE", str(tmp_path / "cache"))
     with LocalTritonServer(repo, tmp_path / "server", models=["medusa"]) as srv:
         chunks, err = _request(srv, grpc, _inputs(grpc, text=PROMPTS[0], max_new_tokens=16, stream=True))
         assert err is None
         assert sum((c[0] for c in chunks), []) == ref.token_ids
         assert "".join(c[1] for c in chunks) == ref.text
+        log = srv.log_tail(20000)
+        assert "timing tree sizes on this machine" in log and "(fastest here, timed now)" in log
+    assert list((tmp_path / "cache" / "trees").glob("*.json"))  # the instance cached its timing

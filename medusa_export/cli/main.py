@@ -148,7 +148,64 @@ def cmd_build(args) -> int:
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
     _print_summary(path, time.perf_counter() - t0, lm)
+    print_machine_tree(path)
     return after_build(args, path)
+
+
+def print_machine_tree(path) -> None:
+    """After a build: time the tree sizes on this machine as the runtime's default does (and cache the result, so
+    the first ``generate`` reuses it), and print the artifact's tree beside this machine's pick, with the expected
+    tokens/s of each. Skipped, with the reason, when the artifact would not fit in memory on ONNX Runtime."""
+    import psutil
+
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import MedusaError
+    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.treecache import DEFAULT_SPEC, TREE_ENV, default_spec
+
+    if default_spec() != DEFAULT_SPEC:
+        print(f"  on this machine: generate and chat run --tree {default_spec()} (${TREE_ENV}), not timed")
+        return
+    art = load_artifact(path)
+    need = ((art.manifest.build or {}).get("preflight") or {}).get("estimates", {}).get("self", 0)
+    free = psutil.virtual_memory().available
+    if need > free:
+        print(f"  on this machine: tree sizes not timed (running the artifact on ONNX Runtime needs about "
+              f"{need / 1e9:.1f} GB, {free / 1e9:.1f} GB available); generate and chat time them on their first run")
+        return
+    print("  on this machine: timing tree sizes on ONNX Runtime (what generate, chat and Triton run by default) ...",
+          flush=True)
+    try:
+        session = MedusaSession(path, tree=None, notice=None)
+    except MedusaError as exc:
+        print(f"  on this machine: tree sizes not timed ({exc})")
+        return
+    choice = session.default_tree
+    if choice is None:  # an engine whose tree is fixed
+        print(f"  on this machine: generate and chat run the {session.tree.size}-node tree ({session.tree_source})")
+        return
+    for line in machine_tree_lines(choice, art.tree.size):
+        print(line)
+
+
+def machine_tree_lines(choice, artifact_size: int) -> list[str]:
+    """The build summary's lines on the artifact's tree against this machine's pick (``choice``: a
+    :class:`medusa_runtime.treecache.DefaultTree`)."""
+    r = choice.record
+
+    def row(size: int, what: str) -> str:
+        t = r.row(size)
+        if t is None:
+            return f"        {what}: {size} nodes (not among the timed sizes)"
+        return (f"        {what}: {size} node{'s' if size > 1 else ''}, {t.expected_tokens:.2f} expected tokens/step, "
+                f"{t.step_ms + t.heads_ms:.1f} ms/step, {t.tokens_per_second:.1f} expected tokens/s")
+
+    pick = "plain decoding" if r.chosen == 1 else f"the {r.chosen}-node tree"
+    return [f"  on this machine (timed in {r.seconds:.1f} s, cached in {choice.path}):",
+            row(artifact_size, "the artifact's tree"), row(r.chosen, "this machine's pick"),
+            *([row(1, "plain decoding")] if r.chosen != 1 else []),
+            f"        generate, chat and Triton run {pick} here by default; --tree artifact runs the "
+            f"{artifact_size}-node tree"]
 
 
 def architecture_line(lm) -> str:
@@ -192,7 +249,8 @@ def _print_summary(path, seconds: float, lm=None) -> None:
     if sel:
         best = next(c for c in sel["candidates"] if c["size"] == sel["chosen"])
         print(f"        chosen by --tree auto: {best['expected_tokens_per_step']:.2f} expected tokens/step, "
-              f"{best['step_ms'] + best['heads_ms']:.1f} ms/step here, {best['expected_tokens_per_second']:.1f} "
+              f"{1e3 * best['expected_tokens_per_step'] / best['expected_tokens_per_second']:.1f} ms/step here, "
+              f"{best['expected_tokens_per_second']:.1f} "
               f"expected tokens/s (all sizes: manifest tree.selection)")
     for key in ["model", *(k for k in m.files if k.startswith("heads")), "weights"]:
         f = m.files[key]
@@ -287,7 +345,8 @@ def cmd_triton(args) -> int:
     cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances,
                        batch_size=args.batch_size, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
-                       engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit)
+                       engine_models=not args.no_engine_models, max_new_tokens_limit=args.max_new_tokens_limit,
+                       tree=args.tree)
     repo = write_repository(args.artifact, args.out, cfg)
     print(f"Triton model repository: {repo} (see {repo / 'README.md'})")
     return 0
@@ -463,6 +522,9 @@ def _add_triton_parser(sub) -> None:
     p.add_argument("--engine-precision", help="which built TensorRT plans to serve (default: the first built)")
     p.add_argument("--no-engine-models", action="store_true", help="write only the generation model")
     p.add_argument("--max-new-tokens-limit", type=int, help="largest max_new_tokens a request may ask (default: the context)")
+    p.add_argument("--tree", help="the tree the model runs, as generate's --tree (default: the fastest on the serving "
+                                  "machine, timed when the model instance loads and cached; TensorRT plans keep the "
+                                  "artifact's tree)")
     p.set_defaults(func=cmd_triton)
 
 

@@ -266,6 +266,10 @@ def _heads_graphs_json(h, hidden_size: int, dtype: str, topk: int, files: dict[s
 
 def selection_json(table: list, chosen: int) -> dict:
     """The manifest's ``tree.selection`` for ``--tree auto``: the timed candidates and the chosen size."""
-    return {"method": "--tree auto: greedy trees (Medusa paper §2.3.3) timed on ONNX Runtime CPU on the build machine; "
-                      "kept the most expected tokens per second",
+    from medusa_runtime.autotree import DEFAULT_MARGIN
+
+    return {"method": "--tree auto: greedy trees (Medusa paper §2.3.3) timed on ONNX Runtime CPU on the build machine "
+                      "(the tree step; plain decoding and the leading sizes also through the decode loop: loop_ms); "
+                      "kept the most expected tokens per second, plain decoding unless a tree beats it by "
+                      f"{DEFAULT_MARGIN:.0%}",
             "chosen": chosen, "candidates": [r.to_json() for r in table]}

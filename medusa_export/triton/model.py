@@ -81,12 +81,13 @@ class TritonPythonModel:
             options["device_id"] = int(args["model_instance_device_id"])
         self.session = MedusaSession(artifact, backend=params.get("backend") or "onnxruntime",
                                      threads=int(params.get("threads") or 0) or None,
-                                     max_context=int(params.get("max_context") or 0) or None, **options)
+                                     max_context=int(params.get("max_context") or 0) or None,
+                                     tree=params.get("tree") or None, notice=pb_utils.Logger.log_info, **options)
         self.limit = int(params.get("max_new_tokens_limit") or 0) or None
         batch = int(params.get("batch_size") or 0) or DEFAULT_BATCH_SIZE
         self.server = BatchServer(self.session, batch_size=batch, log=pb_utils.Logger.log_info)
         pb_utils.Logger.log_info(f"medusa: {artifact} on {self.session.backend}, tree of {self.session.tree.size} "
-                                 f"nodes, context {self.session.max_context}, up to {batch} requests per step")
+                                 f"nodes ({self.session.tree_source}), context {self.session.max_context}, up to {batch} requests per step")
 
     def execute(self, requests):
         for request in requests:

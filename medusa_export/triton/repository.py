@@ -94,6 +94,9 @@ class TritonConfig:
         engine_precision: which built TensorRT plans to use (None: the first built one).
         engine_models: also write the step and heads graphs as models of their own.
         max_new_tokens_limit: largest max_new_tokens a request may ask (None: the context).
+        tree: the model parameter ``tree``: a ``--tree`` spec (None: the runtime's default, the tree
+            fastest on the serving machine, timed when the instance loads and cached;
+            :mod:`medusa_runtime.treecache`).
     """
 
     model_name: str = "medusa"
@@ -105,6 +108,7 @@ class TritonConfig:
     engine_precision: str | None = None
     engine_models: bool = True
     max_new_tokens_limit: int | None = None
+    tree: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name or not all(c.isalnum() or c in "_-" for c in self.model_name):
@@ -334,6 +338,8 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
             params["threads"] = str(cfg.threads)
         if cfg.max_new_tokens_limit:
             params["max_new_tokens_limit"] = str(cfg.max_new_tokens_limit)
+        if cfg.tree:
+            params["tree"] = cfg.tree
         (tmp / cfg.model_name / "config.pbtxt").write_text(
             generation_config(cfg.model_name, params, cfg.instances, gpu=backend in _GPU_BACKENDS))
         engines = _engine_models(source, tmp, cfg.model_name, plans, how) if cfg.engine_models else []

@@ -1,0 +1,267 @@
+"""The default tree (issue 19): the fastest tree on this engine and machine, timed once and cached.
+
+The suite pins ``MEDUSA_EXPORT_TREE=artifact`` (conftest.py); the tests here clear it to test the default itself,
+each with its own cache folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import medusa_runtime.session as session_module
+from conftest import make_counter_medusa, tiny_loaded
+from medusa_export.cli.main import main
+from medusa_runtime.autotree import (DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick,
+                                     refine_with_loop)
+from medusa_runtime.engines import BACKENDS, register_backend
+from medusa_runtime.errors import InvalidTreeError
+from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.session import MedusaSession
+from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treecache import (CACHE_ENV, TREE_ENV, TreeRecord, artifact_identity, cached_choice, read_record,
+                                      record_path, stale_reason, timing_key, write_record)
+
+README_PROMPT = "Explain speculative decoding in two sentences."
+
+
+@pytest.fixture
+def default_env(monkeypatch, tmp_path):
+    """The runtime's real default (no $MEDUSA_EXPORT_TREE), with a cache folder of the test's own."""
+    monkeypatch.delenv(TREE_ENV, raising=False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _build_counter(out, seed_scale: float = 6.0, tree: str = "8"):
+    from medusa_export.export.build import build_artifact
+    from medusa_export.export.config import BuildConfig
+
+    lm = tiny_loaded(make_counter_medusa(scale=seed_scale), name="counter", max_context=256)
+    return build_artifact(lm, tree_from_spec(tree, num_heads=3), out, BuildConfig(validate=False), progress=False)
+
+
+@pytest.fixture(scope="module")
+def counter_artifact(tmp_path_factory):
+    return _build_counter(tmp_path_factory.mktemp("default-tree") / "counter")
+
+
+# --- the pure choice ----------------------------------------------------------------------------------------
+
+
+def _rows(*rows):
+    return [TreeTiming(*r) for r in rows]
+
+
+def test_plain_decoding_is_kept_unless_a_tree_beats_it_by_the_margin():
+    # root: 1 token / 10 ms = 100 tokens/s; 4 nodes: 1.5 / 14 ms = 107 (7% more); 2 nodes: 1.3 / 12 = 108.
+    table = _rows((1, 1.0, 10.0, 0.0), (2, 1.3, 11.0, 1.0), (4, 1.5, 13.0, 1.0))
+    assert DEFAULT_MARGIN == 0.1
+    assert pick(table).size == 1
+    assert pick(table, margin=0.0).size == 2
+    faster = _rows((1, 1.0, 10.0, 0.0), (4, 1.5, 12.0, 1.0))  # 115 tokens/s: 15% more
+    assert pick(faster).size == 4
+    trees = candidate_trees([[0.5, 0.2], [0.3, 0.1]], [1, 2], num_heads=2, topk=2)
+    with pytest.raises(InvalidTreeError, match="margin over plain decoding must be >= 0"):
+        choose_tree(trees, [[0.5, 0.2], [0.3, 0.1]], {1: 1.0, 2: 1.0}, heads_ms=0.0, margin=-0.1)
+
+
+def test_the_decode_loop_retimes_plain_decoding_and_the_leader_and_spreads_its_overhead():
+    # By the step table: root 100 tokens/s, 2 nodes 1.3/11 = 118, 4 nodes 1.6/12 = 133, 8 nodes 1.8/15 = 120.
+    table = _rows((1, 1.0, 10.0, 0.0), (2, 1.3, 10.0, 1.0), (4, 1.6, 11.0, 1.0), (8, 1.8, 14.0, 1.0))
+    calls = []
+
+    def loop_ms(size):  # the loop costs 3 ms more than the table for every tree, nothing more for plain decoding
+        calls.append(size)
+        row = next(r for r in table if r.size == size)
+        return row.step_ms + row.heads_ms + (3.0 if size > 1 else 0.0)
+
+    rows = refine_with_loop(table, loop_ms)
+    # Root and the leader (4 nodes) timed: 4 nodes 1.6 / 15 ms = 106.7 tokens/s; the others get the 3 ms
+    # overhead (2 nodes 1.3 / 14 = 92.9, 8 nodes 1.8 / 18 = 100); nothing beats root by 10%: plain decoding.
+    assert calls == [1, 4]
+    assert [r.loop_ms for r in rows] == [10.0, None, 15.0, None]
+    assert [r.overhead_ms for r in rows] == [0.0, 3.0, 0.0, 3.0]
+    assert [round(r.tokens_per_second, 1) for r in rows] == [100.0, 92.9, 106.7, 100.0]
+    assert pick(rows).size == 1
+    assert pick(rows, margin=0.0).size == 4
+    assert rows[1].to_json()["overhead_ms"] == 3.0 and rows[2].to_json()["loop_ms"] == 15.0
+
+
+# --- the cache: keys, records, reuse and invalidation -------------------------------------------------------
+
+
+def _key(**changes):
+    base = dict(artifact="a" * 64, machine={"host": "h", "cpu": "c", "arch": "x86_64", "cores": 2},
+                backend={"backend": "onnxruntime", "threads": None}, capacity=2048, policy="static")
+    return timing_key(**{**base, **changes})
+
+
+def test_stale_reasons_name_what_changed():
+    key = _key()
+    assert stale_reason(key, _key()) == ""
+    assert stale_reason(None, key) == "no timing yet"
+    assert stale_reason(key, _key(artifact="b" * 64)) == "the artifact changed"
+    assert stale_reason(key, _key(machine={"host": "other"})) == "another machine"
+    assert stale_reason(key, _key(backend={"backend": "onnxruntime", "threads": 1})) == "another backend or threads"
+    assert stale_reason(key, _key(capacity=512, policy="dynamic")) == "another context capacity, another tree policy"
+    assert stale_reason({**key, "version": 0}, key) == "a newer medusa_runtime"
+
+
+def test_artifact_identity_follows_the_checksums_not_the_folder():
+    a = {"model.onnx": {"sha256": "1" * 64, "bytes": 3}, "weights.bin": {"sha256": "2" * 64, "bytes": 9}}
+    assert artifact_identity(a) == artifact_identity(dict(reversed(list(a.items()))))
+    assert artifact_identity(a) != artifact_identity({**a, "weights.bin": {"sha256": "3" * 64, "bytes": 9}})
+    assert record_path("/x/a", Path("/c")).parent == Path("/c/trees")
+    assert record_path("/x/a", Path("/c")) == record_path("/x/./a", Path("/c"))
+    assert record_path("/x/a", Path("/c")) != record_path("/x/b", Path("/c"))
+
+
+def test_records_round_trip_and_bad_ones_are_remade(tmp_path):
+    rec = TreeRecord(_key(), 4, tuple(_rows((1, 1.0, 10.0, 0.0, 9.5), (4, 1.6, 11.0, 1.0, 14.0))), 2.5, 1.0e9)
+    path = tmp_path / "trees" / "r.json"
+    assert write_record(path, rec) is None
+    assert read_record(path) == rec
+    path.write_text("{not json")
+    assert read_record(path) is None
+    path.write_text(json.dumps({**rec.to_json(), "chosen": 3}))  # a size that is not in its table
+    assert read_record(path) is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert write_record(blocked / "trees" / "r.json", rec)  # a file where the folder should be: why, not a crash
+
+
+def test_cached_choice_measures_once_and_again_when_the_key_changes(tmp_path):
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return 4, _rows((1, 1.0, 10.0, 0.0), (4, 1.6, 11.0, 1.0))
+
+    first = cached_choice("/art", _key(), measure, folder=tmp_path)
+    again = cached_choice("/art", _key(), measure, folder=tmp_path)
+    assert (first.timed, again.timed, len(measured)) == (True, False, 1)
+    assert again.record == first.record and again.describe() == "fastest here, cached"
+    moved = cached_choice("/art", _key(machine={"host": "other"}), measure, folder=tmp_path)
+    assert moved.timed and moved.reason == "another machine" and len(measured) == 2
+    assert "timing tree sizes on this machine (another machine)" in moved.notice()
+    assert "a 4-node tree, 133.3 expected tokens/s vs 100.0 plain" in moved.notice()
+
+
+# --- MedusaSession, the CLI, build and Triton -----------------------------------------------------------------
+
+
+def test_session_times_once_then_reuses_and_retimes_on_a_change(counter_artifact, default_env, monkeypatch):
+    notices = []
+    first = MedusaSession(counter_artifact, threads=1, notice=notices.append)
+    rec = first.default_tree.record
+    assert first.default_tree.timed and first.tree_source == "fastest here, timed now"
+    assert len(notices) == 1 and notices[0].startswith("timing tree sizes on this machine: ")
+    assert record_path(counter_artifact, default_env).is_file()
+    # The tree run is the table's choice, and the table says it is not slower than plain decoding.
+    assert first.tree.size == rec.chosen == pick(list(rec.table)).size
+    assert rec.row(rec.chosen).tokens_per_second >= rec.row(1).tokens_per_second
+    assert rec.row(1).loop_ms is not None and rec.row(rec.chosen).loop_ms is not None
+
+    notices.clear()
+    second = MedusaSession(counter_artifact, threads=1, notice=notices.append)
+    assert not second.default_tree.timed and notices == [] and second.tree_source == "fastest here, cached"
+    assert second.tree.size == first.tree.size and second.default_tree.record == rec
+    assert second.generate("hi", max_new_tokens=6).token_ids == first.generate("hi", max_new_tokens=6).token_ids
+
+    other_threads = MedusaSession(counter_artifact, threads=2, notice=notices.append)
+    assert other_threads.default_tree.reason == "another backend or threads" and len(notices) == 1
+    monkeypatch.setattr(session_module, "machine_fingerprint", lambda: {"host": "elsewhere", "cores": 64})
+    moved = MedusaSession(counter_artifact, threads=2, notice=None)
+    assert moved.default_tree.timed and moved.default_tree.reason == "another machine"
+
+
+def test_a_rebuilt_artifact_is_timed_again(tmp_path, default_env):
+    path = _build_counter(tmp_path / "a")
+    assert MedusaSession(path, threads=1, notice=None).default_tree.timed
+    assert not MedusaSession(path, threads=1, notice=None).default_tree.timed
+    _build_counter(tmp_path / "a", seed_scale=5.0)  # other weights, same folder
+    again = MedusaSession(path, threads=1, notice=None).default_tree
+    assert again.timed and again.reason == "the artifact changed"
+
+
+def test_the_artifacts_tree_on_request_and_from_the_environment(counter_artifact, default_env, monkeypatch):
+    given = MedusaSession(counter_artifact, threads=1, tree="artifact", notice=None)
+    assert given.tree.size == 8 and given.default_tree is None and given.tree_source == "the artifact's"
+    monkeypatch.setenv(TREE_ENV, "artifact")
+    pinned = MedusaSession(counter_artifact, threads=1)
+    assert pinned.tree.size == 8 and pinned.default_tree is None
+    monkeypatch.setenv(TREE_ENV, "root")
+    assert MedusaSession(counter_artifact, threads=1).tree.size == 1
+    assert not (default_env / "trees").exists()  # nothing was timed
+    with pytest.raises(InvalidTreeError, match="needs an artifact"):
+        tree_from_spec("artifact", num_heads=3)
+
+
+def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_env):
+    class FixedTreeEngine(OrtEngine):
+        fixed_tree = True  # as medusa_runtime.trt_engine.TrtEngine
+
+    register_backend("fixed-tree-test", lambda art, threads=None, **_: FixedTreeEngine(art, threads=threads))
+    try:
+        notices = []
+        s = MedusaSession(counter_artifact, backend="fixed-tree-test", threads=1, notice=notices.append)
+    finally:
+        del BACKENDS["fixed-tree-test"]
+    assert s.tree.size == 8 and s.default_tree is None and s.tree_source == "fixed when the engine was built"
+    assert notices == ["the fixed-tree-test engine's tree is fixed when it is built: running the artifact's 8-node "
+                       "tree (no timing of other sizes)"]
+    assert not (default_env / "trees").exists()
+
+
+def test_trt_engines_declare_a_fixed_tree():
+    from medusa_runtime.trt_engine import TrtEngine  # importable without TensorRT (imported lazily)
+
+    assert TrtEngine.fixed_tree is True
+
+
+def test_readme_main_job_then_generate_runs_the_measured_fastest_tree(tmp_path, default_env):
+    """The README's flow on the embedded model: build (64 nodes) times the sizes here and caches them; generate
+    then runs the cached choice without timing again, and the measured table says it is not slower than plain
+    decoding (``--tree root``); the output equals plain greedy decoding's."""
+    out = tmp_path / "smollm2-135m-t64-fp32"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(["build", "--model", "smollm2-135m", "--tree", "64", "--no-validate", "--out", str(out)]) == 0
+    text = stdout.getvalue()
+    rec = read_record(record_path(out, default_env))
+    assert rec is not None
+    assert re.search(r"the artifact's tree: 64 nodes, [\d.]+ expected tokens/step", text)
+    pick_line = next(line for line in text.splitlines() if "this machine's pick" in line)
+    assert f"{rec.chosen} node" in pick_line and f"{rec.row(rec.chosen).tokens_per_second:.1f} expected" in pick_line
+    assert rec.row(rec.chosen).tokens_per_second >= rec.row(1).tokens_per_second
+    assert rec.row(rec.chosen).tokens_per_second >= rec.row(64).tokens_per_second
+
+    runs = {}
+    for tree in (None, "root"):
+        out_buf, err_buf = io.StringIO(), io.StringIO()
+        argv = ["generate", "--artifact", str(out), "--prompt", README_PROMPT, "--max-new-tokens", "12"]
+        with contextlib.redirect_stdout(out_buf), contextlib.redirect_stderr(err_buf):
+            assert main(argv + (["--tree", tree] if tree else [])) == 0
+        runs[tree] = (out_buf.getvalue(), err_buf.getvalue())
+    err = runs[None][1]
+    assert "timing tree sizes" not in err  # build's timing was reused
+    nodes = "1 node" if rec.chosen == 1 else f"{rec.chosen} nodes"
+    assert f"Medusa tree of {nodes} (fastest here, cached)" in err
+    assert "Medusa tree of 1 node (--tree root)" in runs["root"][1]
+    assert runs[None][0] == runs["root"][0]  # greedy: the same reply as plain decoding
+
+
+def test_triton_repository_passes_the_tree_parameter(counter_artifact, tmp_path):
+    from medusa_export.triton.repository import TritonConfig, write_repository
+
+    default = write_repository(counter_artifact, tmp_path / "r1", TritonConfig(engine_models=False))
+    assert 'key: "tree"' not in (default / "medusa" / "config.pbtxt").read_text()
+    assert (default / "medusa" / "1" / "medusa_runtime" / "treecache.py").is_file()
+    given = write_repository(counter_artifact, tmp_path / "r2", TritonConfig(engine_models=False, tree="4"))
+    assert 'parameters { key: "tree" value: { string_value: "4" } }' in (given / "medusa" / "config.pbtxt").read_text()
