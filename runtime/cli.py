@@ -75,14 +75,14 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
-    p.add_argument("--tree", help="the tree to run. Default: the fastest on this machine and engine: tree sizes timed "
-                                  "once (a few seconds, a one-line notice) and cached per artifact, machine and "
-                                  "backend ($MEDUSA_EXPORT_CACHE, else ~/.cache/medusa-export); TensorRT engines keep "
-                                  "the tree they were built with; $MEDUSA_EXPORT_TREE changes the default. Or: "
-                                  "'artifact' (the tree it was built with), a node budget (e.g. 8: the greedy tree "
-                                  "from the heads' calibrated accuracies), a preset (root = plain decoding, chain), "
-                                  "a JSON file of medusa_choices, 'auto' (time the sizes now, uncached, and print "
-                                  "the table), 'dynamic:T' (a T-node tree chosen every step) or 'auto:dynamic'")
+    p.add_argument("--tree", help="the tree to run (default: 'auto', cached: the tree fastest on this machine and "
+                                  "engine, timed once per artifact, machine and backend, a few seconds and a one-line "
+                                  "notice the first time; TensorRT engines keep the tree they were built with; "
+                                  "$MEDUSA_EXPORT_TREE changes the default). Or: 'artifact' (the tree it was built "
+                                  "with); N (the greedy N-node tree from the heads' calibrated accuracies); 'root' "
+                                  "(plain decoding) or 'chain'; a JSON file of medusa_choices; 'auto' (time now, "
+                                  "uncached, and print the table); 'dynamic:T' (a T-node tree chosen every step); "
+                                  "'auto:dynamic'")
 
 
 def _session(args):
@@ -121,8 +121,10 @@ def summary(c, mode: str) -> str:
 def _mode(session, args) -> str:
     tree = session.vanilla_tree if args.vanilla else session.tree
     source = "" if args.vanilla else f" ({session.tree_source})"
-    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {tree.size} node{'' if tree.size == 1 else 's'}"
-            f"{source}, {sampling_from_args(args).describe()}")
+    nodes = "1 node = plain decoding" if tree.size == 1 and not args.vanilla else \
+        f"{tree.size} node{'' if tree.size == 1 else 's'}"
+    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {nodes}{source}, "
+            f"{sampling_from_args(args).describe()}")
 
 
 def add_prompt_args(p: argparse.ArgumentParser) -> None:

@@ -4,11 +4,11 @@ When no ``--tree`` is given, ``generate``, ``chat``, :class:`~medusa_runtime.ses
 and the Triton model run the tree that is fastest on the engine and machine they run on: the
 choice of :func:`medusa_runtime.autotree.auto_tree` (tree step and heads timed at several sizes,
 expected tokens per second from the heads' calibration). The timing takes a few seconds, so it is
-made once and kept in a small JSON file per artifact in the user cache (:func:`cache_dir`), with
-the key it was measured under: the artifact's identity (the SHA-256 of its checksum table), the
-machine (CPU model, cores, host name), the backend (name, ONNX Runtime version, threads), the
-context capacity and the tree policy. A record whose key differs from the current one is stale:
-the sizes are timed again and the record replaced (the notice says what changed).
+made once and kept in a small JSON file per artifact in the user cache (:func:`cache_dir`), one
+record per key it was measured under: the artifact's identity (the SHA-256 of its checksum table),
+the machine (CPU model, cores, host name), the backend (name, ONNX Runtime version, threads), the
+context capacity and the tree policy. A run whose key has no record times the sizes and adds one
+(the notice says what differs from the newest record); records of an earlier artifact are dropped.
 
 Environment:
     MEDUSA_EXPORT_TREE: the ``--tree`` spec used when none is given (default ``auto``;
@@ -16,8 +16,8 @@ Environment:
     MEDUSA_EXPORT_CACHE: the cache folder (default ``$XDG_CACHE_HOME/medusa-export`` or
         ``~/.cache/medusa-export``); the records are in its ``trees/`` subfolder.
 
-Pure parts (keys, records, the choice) are apart from the I/O (:func:`read_record`,
-:func:`write_record`, :func:`machine_fingerprint`).
+Pure parts (keys, records, the choice) are apart from the I/O (:func:`read_records`,
+:func:`write_records`, :func:`machine_fingerprint`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ DEFAULT_SPEC = "auto"
 ARTIFACT_SPEC = "artifact"
 #: Version of the record format and of the choice it holds (a new version re-times).
 RECORD_VERSION = 1
+#: Records kept per artifact (one per configuration it was timed under: threads, backend, capacity, ...).
+MAX_RECORDS = 8
 
 
 def default_spec() -> str:
@@ -161,16 +163,24 @@ class TreeRecord:
         return next((r for r in self.table if r.size == size), None)
 
 
-def read_record(path: Path) -> TreeRecord | None:
-    """The record at ``path``; None when there is none or it cannot be read (it is then re-made)."""
+def read_records(path: Path) -> list[TreeRecord]:
+    """The records in the file at ``path``, newest first; [] when there is none or it cannot be read (a
+    malformed record is skipped: it is re-made when needed)."""
     try:
-        return TreeRecord.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for item in doc.get("records", []) if isinstance(doc, dict) else []:
+        try:
+            out.append(TreeRecord.from_json(item))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
 
 
-def write_record(path: Path, record: TreeRecord) -> str | None:
-    """Write ``record`` to ``path`` atomically (temporary file, then rename).
+def write_records(path: Path, records: Sequence[TreeRecord]) -> str | None:
+    """Write ``records`` (newest first) to ``path`` atomically (temporary file, then rename).
 
     Returns:
         None, or why it could not be written (an unwritable cache only costs a re-timing next time).
@@ -179,7 +189,7 @@ def write_record(path: Path, record: TreeRecord) -> str | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(record.to_json(), f, indent=1)
+            json.dump({"records": [r.to_json() for r in records]}, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
     except OSError as exc:
@@ -234,16 +244,20 @@ def cached_choice(artifact_dir: str | Path, key: dict, measure: Callable[[], tup
         clock: seconds counter for the timing's duration.
 
     Returns:
-        A :class:`DefaultTree` (``timed`` False when the record was reused).
+        A :class:`DefaultTree` (``timed`` False when a record of ``key`` was reused). The file keeps the
+        newest :data:`MAX_RECORDS` records of the artifact as it is now (other threads, backends,
+        capacities, policies, machines sharing the cache); records of an earlier artifact are dropped.
     """
     path = record_path(artifact_dir, folder)
-    old = read_record(path)
-    reason = stale_reason(old.key if old else None, key)
-    if old is not None and not reason:
-        return DefaultTree(old, path, timed=False)
+    records = read_records(path)
+    same = next((r for r in records if r.key == key), None)
+    if same is not None:
+        return DefaultTree(same, path, timed=False)
+    reason = stale_reason(records[0].key if records else None, key)
     t = clock()
     chosen, table = measure()
     # as it is stored (rounded), so that a reused record equals the one timed now
     record = TreeRecord.from_json(TreeRecord(key, int(chosen), tuple(table), clock() - t, time.time()).to_json())
-    error = write_record(path, record)
+    kept = [r for r in records if r.key.get("artifact") == key.get("artifact")][: MAX_RECORDS - 1]
+    error = write_records(path, [record, *kept])
     return DefaultTree(record, path, timed=True, reason=reason, cache_error=error or "")

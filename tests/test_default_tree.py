@@ -24,8 +24,8 @@ from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import tree_from_spec
-from medusa_runtime.treecache import (CACHE_ENV, TREE_ENV, TreeRecord, artifact_identity, cached_choice, read_record,
-                                      record_path, stale_reason, timing_key, write_record)
+from medusa_runtime.treecache import (CACHE_ENV, MAX_RECORDS, TREE_ENV, TreeRecord, artifact_identity, cached_choice,
+                                      read_records, record_path, stale_reason, timing_key, write_records)
 
 README_PROMPT = "Explain speculative decoding in two sentences."
 
@@ -125,15 +125,16 @@ def test_artifact_identity_follows_the_checksums_not_the_folder():
 def test_records_round_trip_and_bad_ones_are_remade(tmp_path):
     rec = TreeRecord(_key(), 4, tuple(_rows((1, 1.0, 10.0, 0.0, 9.5), (4, 1.6, 11.0, 1.0, 14.0))), 2.5, 1.0e9)
     path = tmp_path / "trees" / "r.json"
-    assert write_record(path, rec) is None
-    assert read_record(path) == rec
+    assert write_records(path, [rec]) is None
+    assert read_records(path) == [rec]
     path.write_text("{not json")
-    assert read_record(path) is None
-    path.write_text(json.dumps({**rec.to_json(), "chosen": 3}))  # a size that is not in its table
-    assert read_record(path) is None
+    assert read_records(path) == []
+    bad = {**rec.to_json(), "chosen": 3}  # a size that is not in its table: skipped, the good one kept
+    path.write_text(json.dumps({"records": [bad, rec.to_json()]}))
+    assert read_records(path) == [rec]
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert write_record(blocked / "trees" / "r.json", rec)  # a file where the folder should be: why, not a crash
+    assert write_records(blocked / "trees" / "r.json", [rec])  # a file where the folder should be: why, no crash
 
 
 def test_cached_choice_measures_once_and_again_when_the_key_changes(tmp_path):
@@ -151,6 +152,14 @@ def test_cached_choice_measures_once_and_again_when_the_key_changes(tmp_path):
     assert moved.timed and moved.reason == "another machine" and len(measured) == 2
     assert "timing tree sizes on this machine (another machine)" in moved.notice()
     assert "a 4-node tree, 133.3 expected tokens/s vs 100.0 plain" in moved.notice()
+    # Both configurations keep their record: switching back does not time again.
+    assert not cached_choice("/art", _key(), measure, folder=tmp_path).timed and len(measured) == 2
+    for threads in range(1, MAX_RECORDS + 1):  # the newest MAX_RECORDS are kept
+        cached_choice("/art", _key(backend={"backend": "onnxruntime", "threads": threads}), measure, folder=tmp_path)
+    assert len(read_records(record_path("/art", tmp_path))) == MAX_RECORDS
+    # A changed artifact drops the records of the earlier one.
+    cached_choice("/art", _key(artifact="b" * 64), measure, folder=tmp_path)
+    assert [r.key["artifact"] for r in read_records(record_path("/art", tmp_path))] == ["b" * 64]
 
 
 # --- MedusaSession, the CLI, build and Triton -----------------------------------------------------------------
@@ -176,6 +185,7 @@ def test_session_times_once_then_reuses_and_retimes_on_a_change(counter_artifact
 
     other_threads = MedusaSession(counter_artifact, threads=2, notice=notices.append)
     assert other_threads.default_tree.reason == "another backend or threads" and len(notices) == 1
+    assert not MedusaSession(counter_artifact, threads=1, notice=None).default_tree.timed  # both kept
     monkeypatch.setattr(session_module, "machine_fingerprint", lambda: {"host": "elsewhere", "cores": 64})
     moved = MedusaSession(counter_artifact, threads=2, notice=None)
     assert moved.default_tree.timed and moved.default_tree.reason == "another machine"
@@ -234,8 +244,7 @@ def test_readme_main_job_then_generate_runs_the_measured_fastest_tree(tmp_path, 
     with contextlib.redirect_stdout(stdout):
         assert main(["build", "--model", "smollm2-135m", "--tree", "64", "--no-validate", "--out", str(out)]) == 0
     text = stdout.getvalue()
-    rec = read_record(record_path(out, default_env))
-    assert rec is not None
+    [rec] = read_records(record_path(out, default_env))
     assert re.search(r"the artifact's tree: 64 nodes, [\d.]+ expected tokens/step", text)
     pick_line = next(line for line in text.splitlines() if "this machine's pick" in line)
     assert f"{rec.chosen} node" in pick_line and f"{rec.row(rec.chosen).tokens_per_second:.1f} expected" in pick_line
@@ -251,9 +260,9 @@ def test_readme_main_job_then_generate_runs_the_measured_fastest_tree(tmp_path, 
         runs[tree] = (out_buf.getvalue(), err_buf.getvalue())
     err = runs[None][1]
     assert "timing tree sizes" not in err  # build's timing was reused
-    nodes = "1 node" if rec.chosen == 1 else f"{rec.chosen} nodes"
+    nodes = "1 node = plain decoding" if rec.chosen == 1 else f"{rec.chosen} nodes"
     assert f"Medusa tree of {nodes} (fastest here, cached)" in err
-    assert "Medusa tree of 1 node (--tree root)" in runs["root"][1]
+    assert "Medusa tree of 1 node = plain decoding (--tree root)" in runs["root"][1]
     assert runs[None][0] == runs["root"][0]  # greedy: the same reply as plain decoding
 
 
@@ -263,5 +272,8 @@ def test_triton_repository_passes_the_tree_parameter(counter_artifact, tmp_path)
     default = write_repository(counter_artifact, tmp_path / "r1", TritonConfig(engine_models=False))
     assert 'key: "tree"' not in (default / "medusa" / "config.pbtxt").read_text()
     assert (default / "medusa" / "1" / "medusa_runtime" / "treecache.py").is_file()
+    assert "Tree: the runtime's default, the tree fastest on the serving machine: timed when the model" \
+        in (default / "README.md").read_text()
     given = write_repository(counter_artifact, tmp_path / "r2", TritonConfig(engine_models=False, tree="4"))
     assert 'parameters { key: "tree" value: { string_value: "4" } }' in (given / "medusa" / "config.pbtxt").read_text()
+    assert "Tree: `--tree 4` (model parameter `tree`)." in (given / "README.md").read_text()

@@ -274,12 +274,18 @@ def _readme(cfg: TritonConfig, engine_models: list[str]) -> str:
     engines = (f"`{'`, `'.join(engine_models)}` serve the artifact's graphs alone (stateless: the client passes "
                "the whole past K/V each call; docs/cpp_contract.md of medusa-export gives the loop). They need "
                "Triton's onnxruntime or tensorrt backend.\n" if engine_models else "")
+    tree = (f"Tree: `--tree {cfg.tree}` (model parameter `tree`)." if cfg.tree else
+            "Tree: the runtime's default, the tree fastest on the serving machine: timed when the model\n"
+            "instance loads (a few seconds, in the server log) and cached ($MEDUSA_EXPORT_CACHE, default\n"
+            "~/.cache/medusa-export); TensorRT plans keep their tree. The model parameter `tree` fixes one\n"
+            "(a --tree spec of medusa-export generate, e.g. `artifact`, `root`, `8`).")
     return f"""# Triton model repository (medusa-export {__version__})
 
 `{name}` (Python backend, decoupled) runs the Medusa decode loop with the copied `medusa_runtime`:
 concurrent requests share batched steps, up to {cfg.batch_size} per instance (model parameter
 `batch_size`; a request joins at the next step and leaves when it ends, with the tokens it
 would get alone). The backend's Python needs numpy, onnxruntime, tokenizers and jinja2.
+{tree}
 
     tritonserver --model-repository $PWD
     # only the generation model (e.g. a server with the Python backend alone):
