@@ -235,7 +235,7 @@ def _print_summary(path, seconds: float, lm=None) -> None:
     from .trt import readiness_line
 
     m = Manifest.from_json(json.loads((Path(path) / MANIFEST).read_text()))
-    print(f"\nartifact: {path}  ({m.total_bytes() / 1e6:.1f} MB, built in {seconds:.0f}s)")
+    print(f"\nartifact: {path}  ({m.total_bytes() / 1e6:.1f} MB, built in {seconds:.0f}s from opening the model)")
     print(f"  model: {m.model.name} ({m.model.num_layers} layers, {m.model.medusa_heads} Medusa heads), "
           f"precision {m.precision_name}, max context {m.model.max_context}")
     if lm is not None:
@@ -257,7 +257,9 @@ def _print_summary(path, seconds: float, lm=None) -> None:
         print(f"  {f:12s} {m.checksums[f].bytes / 1e6:9.1f} MB")
     b = m.build
     if b:
-        times = ", ".join(f"{t['stage'].split(':')[0]} {t['seconds']:.1f}s" for t in b["stages"])
+        # "total" is the stages' sum; "built in" above also counts opening the model
+        times = ", ".join(f"{'all stages' if t['stage'] == 'total' else t['stage'].split(':')[0]} {t['seconds']:.1f}s"
+                          for t in b["stages"])
         print(f"  time per stage: {times}")
         print(f"  peak resident memory {b['peak_rss_bytes'] / 1e9:.2f} GB; weights written at "
               f"{b['weights_gb_per_s']:.2f} GB/s")
