@@ -46,6 +46,8 @@ DEFAULT_PAST_LENGTH = 256
 #: prompt (6-11% less), and repeated timings of the same sizes differ by a few percent (docs/trees.md).
 #: Below this margin plain decoding is kept: it is never slower than itself.
 DEFAULT_MARGIN = 0.1
+#: Tokens generated per decode-loop timing (:func:`time_decode_loop`).
+LOOP_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ def refine_with_loop(table: Sequence[TreeTiming], loop_ms: Callable[[int], float
 
 
 def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEFAULT_PAST_LENGTH,
-                     new_tokens: int = 16, repeats: int = 2, seed: int = 0) -> float:
+                     new_tokens: int = LOOP_TOKENS, repeats: int = 2, seed: int = 0) -> float:
     """Milliseconds per step of the decode loop (:func:`medusa_runtime.loop.generate`, greedy) with ``tree``,
     after ``past_length`` cached tokens as :func:`time_tree_steps` times them (zeros: the cost of the dense
     kernels does not depend on the values, nor much on what is accepted): (engine + host time - the
@@ -230,7 +232,7 @@ def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEF
     Raises:
         InvalidTreeError: the past, the tokens and the tree do not fit the engine's context.
     """
-    from .loop import KVCache, generate
+    from .loop import generate
 
     capacity = past_length + 1 + new_tokens + tree.size
     if capacity > int(engine.max_context):
@@ -238,10 +240,9 @@ def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEF
                                f"{engine.max_context}")
     vocab = int(getattr(engine, "vocab_size", 0) or 1000)
     token = int(np.random.default_rng(seed).integers(0, vocab))
-    cache = KVCache.for_engine(engine, capacity)
-    best = float("inf")
+    cache, best = None, float("inf")
     for _ in range(max(1, repeats)):
-        cache.length, cache.tokens = past_length, [-1] * past_length
+        cache = _cache_after(engine, capacity, past_length, cache)
         res = generate(engine, [token], tree, max_new_tokens=new_tokens, cache=cache)
         if res.steps:
             best = min(best, 1e3 * (res.engine_seconds + res.host_seconds - res.prefill_seconds) / res.steps)
@@ -273,6 +274,16 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _cache_after(engine, capacity: int, past_length: int, cache=None):
+    """A KV cache of ``capacity`` slots (``cache`` itself when given) whose first ``past_length`` slots count as
+    valid (zeros, tokens unknown): what the timings run their steps after."""
+    from .loop import KVCache
+
+    cache = cache if cache is not None else KVCache.for_engine(engine, capacity)
+    cache.length, cache.tokens = past_length, [-1] * past_length
+    return cache
+
+
 def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_length: int = DEFAULT_PAST_LENGTH,
                     repeats: int = 5, warmup: int = 1,
                     progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
@@ -296,13 +307,9 @@ def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_len
     Returns:
         (size -> median step ms, size -> median heads ms (0 for size 1)).
     """
-    from .loop import KVCache, proposer
+    from .loop import proposer
 
-    capacity = past_length + max(trees)
-    cache = KVCache.for_engine(engine, capacity)
-    if past_length:
-        cache.length = past_length
-        cache.tokens = [-1] * past_length
+    cache = _cache_after(engine, past_length + max(trees), past_length)
     out = None
     steps = {}
     for n, tree in sorted(trees.items()):
@@ -383,7 +390,7 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
         if not sizes:
             raise InvalidTreeError(f"no tree size fits half of a {capacity}-token context")
         past_length = min(past_length, capacity - max(sizes))
-    loop_past = max(0, min(past_length, int(capacity or engine.max_context) - 17 - max(sizes)))
+    loop_past = max(0, min(past_length, int(capacity or engine.max_context) - LOOP_TOKENS - 1 - max(sizes)))
     trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk, policy=policy,
                             calibration=calibration)
     step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)

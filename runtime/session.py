@@ -141,11 +141,6 @@ def _stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def artifact_identity_of(art: Artifact) -> str:
-    """The artifact's identity for cached timings (:func:`medusa_runtime.treecache.artifact_identity`)."""
-    return artifact_identity(art.manifest.checksums)
-
-
 def _per_prompt(value, n: int, name: str, kind: type) -> list:
     """``value`` for each of n prompts: a single value repeated, or a list of n values.
 
@@ -265,28 +260,26 @@ class MedusaSession:
         """The default tree: the cached ``--tree auto`` choice for this artifact, machine and backend, timed and
         cached when there is none or it is stale (:mod:`medusa_runtime.treecache`)."""
         art, base, policy = self.artifact, self.artifact.tree, self._policy()
-        key = timing_key(artifact=artifact_identity_of(art), machine=machine_fingerprint(),
-                         backend=backend_fingerprint(self.backend, self.engine, threads),
+        key = timing_key(artifact=artifact_identity({f: c.sha256 for f, c in art.manifest.checksums.items()}),
+                         machine=machine_fingerprint(), backend=backend_fingerprint(self.backend, self.engine, threads),
                          capacity=self.max_context, policy=policy)
-        made: dict = {}
+        acc = art.head_accuracies if art.head_accuracies is not None else \
+            default_accuracies(self.engine.num_heads, base.topk)
 
         def measure():
-            made["tree"], table = auto_tree(self.engine, art.head_accuracies, capacity=self.max_context, topk=base.topk,
-                                            progress=self._progress, policy=policy, calibration=art.calibration,
-                                            simulated=art.simulated, sizes=key["sizes"], margin=key["margin"])
-            return made["tree"].size, table
+            tree, table = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk, progress=self._progress,
+                                    policy=policy, calibration=art.calibration, simulated=art.simulated,
+                                    sizes=key["sizes"], margin=key["margin"])
+            return tree.size, table
 
         choice = cached_choice(art.path, key, measure)
         self.default_tree, self.tree_timings = choice, list(choice.record.table)
         self.tree_source = choice.describe()
         if choice.timed and notice:
             notice(choice.notice())
-        if "tree" in made:
-            return made["tree"]
-        return candidate_trees(art.head_accuracies if art.head_accuracies is not None
-                               else default_accuracies(self.engine.num_heads, base.topk), [choice.record.chosen],
-                               num_heads=self.engine.num_heads, topk=base.topk, policy=policy,
-                               calibration=art.calibration)[choice.record.chosen]
+        # the chosen size's tree, as auto_tree made it (greedy trees are a function of the accuracies)
+        return candidate_trees(acc, [choice.record.chosen], num_heads=self.engine.num_heads, topk=base.topk,
+                               policy=policy, calibration=art.calibration)[choice.record.chosen]
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -68,12 +68,10 @@ def record_path(artifact_dir: str | Path, folder: Path | None = None) -> Path:
     return (folder or cache_dir()) / "trees" / f"{digest}.json"
 
 
-def artifact_identity(checksums: Mapping[str, object]) -> str:
-    """SHA-256 (hex) of an artifact's checksum table (``manifest.checksums``: file -> its SHA-256 and
-    size): changes when any file of the artifact changes, not when the folder moves."""
-    rows = sorted((str(k), getattr(v, "sha256", None) or (v.get("sha256") if isinstance(v, Mapping) else str(v)))
-                  for k, v in checksums.items())
-    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+def artifact_identity(sha256s: Mapping[str, str]) -> str:
+    """SHA-256 (hex) of an artifact's files' SHA-256s (file -> hex digest, as ``manifest.checksums``
+    records them): changes when any file of the artifact changes, not when the folder moves."""
+    return hashlib.sha256(json.dumps(sorted(sha256s.items())).encode()).hexdigest()
 
 
 def _cpu_model() -> str:
@@ -93,7 +91,7 @@ def machine_fingerprint() -> dict:
 
 
 def backend_fingerprint(backend: str, engine, threads: int | None) -> dict:
-    """What identifies the backend for timing: its name, engine class, library version, threads."""
+    """What identifies the backend for timing: its name, engine class, library version, threads, GPU index."""
     version = None
     if backend.startswith("onnxruntime"):
         try:
@@ -103,7 +101,7 @@ def backend_fingerprint(backend: str, engine, threads: int | None) -> dict:
         except ImportError:  # a registered backend by that name that does not use it
             pass
     return {"backend": backend, "engine": type(engine).__name__, "version": version, "threads": threads,
-            "device": getattr(engine, "device_name", None)}
+            "device_id": getattr(engine, "device_id", None)}
 
 
 def timing_key(*, artifact: str, machine: Mapping, backend: Mapping, capacity: int, policy: str,

@@ -198,7 +198,7 @@ def machine_tree_lines(choice, artifact_size: int) -> list[str]:
         if t is None:
             return f"        {what}: {size} nodes (not among the timed sizes)"
         return (f"        {what}: {size} node{'s' if size > 1 else ''}, {t.expected_tokens:.2f} expected tokens/step, "
-                f"{t.step_ms + t.heads_ms:.1f} ms/step, {t.tokens_per_second:.1f} expected tokens/s")
+                f"{t.ms_per_step:.1f} ms/step, {t.tokens_per_second:.1f} expected tokens/s")
 
     pick = "plain decoding" if r.chosen == 1 else f"the {r.chosen}-node tree"
     return [f"  on this machine (timed in {r.seconds:.1f} s, cached in {choice.path}):",
