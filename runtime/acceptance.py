@@ -390,27 +390,12 @@ def accept_sample(tree: Tree, tokens: np.ndarray, drawn: np.ndarray) -> Acceptan
 
     Returns:
         The :class:`Acceptance`: the walked path (root first), the draw at its last node as
-        ``next_token``, and the first ``retrieve_indices`` row that contains the path.
+        ``next_token``, and the first ``retrieve_indices`` row of that length that contains it.
     """
-    b = tree.buffers()
-    tokens = np.asarray(tokens)
-    drawn = np.asarray(drawn)
-
-    def walk(node: int) -> list[int]:
-        # Siblings carry distinct tokens (a head's top-k); should two match, both continue the same
-        # prefix with the same uniforms, so the longer walk (the first on a tie) only emits more.
-        best: list[int] = []
-        for child in np.flatnonzero((b.parent == node) & (tokens == drawn[node])):
-            sub = walk(int(child))
-            if len(sub) > len(best):
-                best = sub
-        return [node] + best
-
-    path = walk(0)
-    accepted = np.asarray(path, dtype=np.int64)
-    rows = b.retrieve_indices[:, : len(path)]
-    row = int(np.argmax((rows == accepted).all(axis=1)))
-    return Acceptance(accepted, int(drawn[path[-1]]), row)
+    # The walk is greedy acceptance's rule with each node's draw in place of its argmax: a child is taken when
+    # its token equals its parent's draw, and the longest such path wins (siblings carry distinct tokens, a
+    # head's top-k; were two equal, both would continue the same prefix with the same uniforms).
+    return accept_greedy(tree, tokens, drawn)
 
 
 def accept_typical(

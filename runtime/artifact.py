@@ -16,19 +16,8 @@ import numpy as np
 
 from .candidates import ProbabilityMap
 from .errors import ArtifactError, MedusaError
-from .manifest import (ARTIFACT_FORMAT, ARTIFACT_VERSION, HEAD_TYPES, KV_LAYOUTS, MANIFEST, MANIFEST_SCHEMA,  # noqa: F401
-                       Manifest, ModelInfo, as_manifest)
+from .manifest import MANIFEST, Manifest, ModelInfo, as_manifest  # noqa: F401  (MANIFEST: for the exporter)
 from .tree import Tree, tree_from_json
-
-def head_type(manifest: Manifest | dict) -> str:
-    """The artifact's head type: "medusa" (Medusa heads, one run of ``heads.onnx`` per step) or "hydra"
-    (path-conditioned heads, ``heads_level{j}.onnx`` run level by level).
-
-    Raises:
-        ArtifactError: an unknown type.
-    """
-    return as_manifest(manifest).head_type
-
 
 def level_graph(depth: int) -> str:
     """The manifest's ``graphs`` / ``files`` key of the level-``depth`` graph of path-conditioned heads."""
@@ -161,10 +150,6 @@ def kv_layout(manifest: Manifest | dict) -> str:
     return as_manifest(manifest).layout
 
 
-def _dims(spec: list, name: str) -> list | None:
-    return next((t.shape for t in spec if t.name == name), None)
-
-
 def check_model_vs_graphs(manifest: Manifest | dict, mpath: Path, tree: Tree) -> None:
     """The manifest's model geometry must agree with its own graph I/O lists.
 
@@ -180,27 +165,27 @@ def check_model_vs_graphs(manifest: Manifest | dict, mpath: Path, tree: Tree) ->
     layers, kv_heads, head_dim, heads = m.num_layers, m.num_kv_heads, m.head_dim, m.medusa_heads
     kind = manifest.head_type
     try:
-        step = manifest.graphs["model"].inputs
-        heads_out = ([manifest.graphs[level_graph(j)].outputs for j in range(1, heads + 1)] if kind == "hydra"
-                     else [manifest.graphs["heads"].outputs])
+        step = manifest.graphs["model"]
+        heads_graphs = ([manifest.graphs[level_graph(j)] for j in range(1, heads + 1)] if kind == "hydra"
+                        else [manifest.graphs["heads"]])
     except KeyError as exc:
         raise ArtifactError(f"{mpath}: incomplete model or graphs section (missing {exc})") from None
-    past = [t.name for t in step if t.name.startswith("past_key_values.")]
+    past = [t.name for t in step.inputs if t.name.startswith("past_key_values.")]
     if len(past) != 2 * layers:
         raise ArtifactError(f"{mpath}: model.num_layers is {layers} but the step graph has {len(past)} "
                             f"past_key_values inputs (expected {2 * layers})")
-    kv = _dims(step, "past_key_values.0.key") or []
+    kv = step.shape("past_key_values.0.key") or []
     heads_and_dim = [kv[1], kv[3]] if manifest.layout == "head-major" and len(kv) == 4 else kv[2:]
     if heads_and_dim != [kv_heads, head_dim]:
         raise ArtifactError(f"{mpath}: the KV inputs are {kv} but the model section says "
                             f"{kv_heads} KV heads of dimension {head_dim}")
     if kind == "hydra":
-        for j, outs in enumerate(heads_out, start=1):
-            ids = _dims(outs, "level_topk_ids") or []
+        for j, g in enumerate(heads_graphs, start=1):
+            ids = g.shape("level_topk_ids", outputs=True) or []
             if ids[1:] != [tree.topk]:
                 raise ArtifactError(f"{mpath}: heads level {j} outputs {ids} but the tree uses top-{tree.topk}")
         return
-    topk_ids = _dims(heads_out[0], "medusa_topk_ids") or []
+    topk_ids = heads_graphs[0].shape("medusa_topk_ids", outputs=True) or []
     if topk_ids[1:] != [heads, tree.topk]:
         raise ArtifactError(f"{mpath}: the heads graph outputs {topk_ids} but the manifest has {heads} Medusa heads "
                             f"and the tree uses top-{tree.topk}")

@@ -36,6 +36,7 @@ from typing import Callable, Generator, NamedTuple, Sequence
 import numpy as np
 
 from .errors import InvalidTreeError
+from .manifest import HEAD_TYPES  # noqa: F401  (medusa heads read h_t alone; hydra heads also read the path)
 from .tree import DEFAULT_TOPK, Tree, gather_candidates, make_tree
 
 #: Beam width W of per-step trees for path-conditioned heads (EAGLE-2 uses 10 on a GPU).
@@ -44,10 +45,6 @@ DEFAULT_WIDTH = 8
 #: ``run_level(depth, path_ids int64 [R, depth]) -> (ids int64 [R, k], logprobs float32 [R, k])``: the
 #: path-conditioned head of that depth on R paths (root first), best first.
 RunLevel = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
-
-
-#: Head types the runtime runs: "medusa" heads read h_t alone; "hydra" heads also read the path (level by level).
-HEAD_TYPES = ("medusa", "hydra")
 
 
 class Proposal(NamedTuple):

@@ -21,9 +21,10 @@ import numpy as np
 
 from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
                          sampling_route)
-from .candidates import HEAD_TYPES, DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
+from .candidates import DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
 from .errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
 from .kvcache import compact_in_place, fits, write_accepted
+from .manifest import HEAD_TYPES
 from .stops import apply_stops
 from .tree import Tree, make_tree
 

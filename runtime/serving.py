@@ -403,8 +403,9 @@ class BatchServer:
     def _admit(self, job: _Job) -> None:
         req = job.req
         try:
+            # on_tokens is None when the request neither streams nor has stop strings: no per-step text decoding
             self.scheduler.submit(SequenceRequest(req.prompt_ids, req.max_new_tokens, req.sampling,
-                                                  job.reply.feed, tag=job))
+                                                  job.reply.on_tokens, tag=job))
         except MedusaError as exc:
             self._done(job, None, exc)
 
