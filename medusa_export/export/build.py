@@ -134,11 +134,13 @@ def artifact_files(src: ModelSources) -> dict[str, str]:
 
 
 def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int,
-                written: WrittenGraphs, vocab_ids: np.ndarray | None, policy: str = "") -> Manifest:
+                written: WrittenGraphs, vocab_ids: np.ndarray | None, policy: str = "",
+                graphs_checksums: dict | None = None) -> Manifest:
     """tree.json, the tokenizer, the chat template and the manifest (last: it checksums the others).
 
     ``policy`` "dynamic:T" records per-step trees (``tree.json`` / ``manifest.tree`` ``policy``; ``tree`` is then
-    the T-node static tree fixed-tree engines use); "" a static tree."""
+    the T-node static tree fixed-tree engines use); "" a static tree. ``graphs_checksums``: the graphs' and
+    weights' checksums when they were already taken (a second call, after ``--tree auto``): not hashed again."""
     (folder / MANIFEST).unlink(missing_ok=True)
     tree_json = tree.to_json_with_buffers()
     if lm.head_accuracies is not None:  # lets runtimes build other trees (--tree N / auto) from the artifact
@@ -152,7 +154,7 @@ def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, c
     (folder / "chat_template.jinja").write_text(lm.chat_template or "")
     write_schema(folder)
     m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, cfg.spec.dtype,
-                       written.quantized, vocab_ids)
+                       written.quantized, vocab_ids, unchanged=graphs_checksums)
     if policy:
         m = replace(m, tree=replace(m.tree, policy=policy))
     write_manifest(folder, m)
@@ -246,9 +248,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         if auto_tree:
             with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
                 tree, table, policy = _choose_tree_here(tmp, progress=progress, policy=tree_policy)
-                manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids, policy)
+                graphs = {rel: c for rel, c in manifest.checksums.items() if rel.endswith((".onnx", WEIGHTS_FILE))}
+                manifest = write_files(tmp, lm, src, tree, cfg, max_context, written, vocab_ids, policy, graphs)
                 manifest = replace(manifest, tree=replace(manifest.tree, selection=selection_json(table, tree.size)))
-                write_manifest(tmp, manifest)
         with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
             manifest = replace(manifest, trt_readiness=check_artifact(tmp, manifest).to_json())
             write_manifest(tmp, manifest)

@@ -156,7 +156,7 @@ def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) ->
 
 def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
                    files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
-                   vocab_ids: np.ndarray | None = None) -> Manifest:
+                   vocab_ids: np.ndarray | None = None, unchanged: dict | None = None) -> Manifest:
     """The manifest of the artifact being written in ``folder``.
 
     Args:
@@ -174,6 +174,8 @@ def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCo
         dtype: the graphs' float dtype name (``float32`` / ``float16``).
         quantized: MatMulNBits counts by graph file (empty for fp32 / fp16).
         vocab_ids: int64 [N], the heads' token subset (None: the full vocabulary).
+        unchanged: file -> its :class:`Checksum` for files known not to have changed since they were last
+            checksummed (not hashed again: ``weights.bin`` may be many GB).
 
     Returns:
         The manifest, without ``trt_readiness``, ``validation`` or ``tree.selection``, which later build
@@ -189,7 +191,8 @@ def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildCo
     checksums = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = f.relative_to(folder).as_posix()
-        checksums[rel] = Checksum(sha256=sha256_file(f), bytes=f.stat().st_size)
+        known = (unchanged or {}).get(rel)
+        checksums[rel] = known or Checksum(sha256=sha256_file(f), bytes=f.stat().st_size)
     import onnx
     import onnxruntime
 

@@ -256,17 +256,9 @@ class WeightsPlan:
     def _accept_array(self, o: OutTensor, array: np.ndarray, origin: str) -> None:
         pass
 
-    @property
-    def tensors(self) -> list[OutTensor]:
-        return list(self._by_name.values())
-
     def nbytes(self) -> int:
         """Upper bound of the weights file's size (each tensor padded to :data:`ALIGN`)."""
         return sum(o.nbytes + ALIGN for o in self._by_name.values())
-
-    def largest(self) -> int:
-        """Bytes of the largest single output tensor."""
-        return max((o.nbytes for o in self._by_name.values()), default=0)
 
 
 class WeightsWriter(WeightsPlan):

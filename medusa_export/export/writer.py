@@ -44,13 +44,11 @@ class WrittenGraphs:
         weights: the manifest's ``weights`` fields (``tensors``, ``bytes``, ``deduplicated``, ``records``).
         quantized: MatMulNBits / float MatMul counts per quantized graph file.
         seconds: wall time of the whole write.
-        planned_bytes: the plan's byte count (before writing; an upper bound).
     """
 
     weights: dict
     quantized: dict
     seconds: float
-    planned_bytes: int
 
 
 def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None,
@@ -147,4 +145,4 @@ def write_graphs(folder: Path, src: ModelSources, cfg: BuildConfig, topk: int, *
             inits = b.weight_names
             n_float = sum(n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits for n in b.nodes)
             quantized[file] = {"quantized": n_q, "float_matmuls": n_float}
-    return WrittenGraphs(info, quantized, time.perf_counter() - t0, planned)
+    return WrittenGraphs(info, quantized, time.perf_counter() - t0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from ..model.backbone import Backbone
 from ..model.config import BackboneConfig
 from . import fp8, hf_folder
 from .architectures import backbone_config
+from .checkpoint import quiet_transformers
 from .gguf_meta import read_gguf_header
 from .heads_formats import config_head_counts, split_heads
 
@@ -219,25 +219,14 @@ def folder_eos_ids(folder: Path, config: dict, tokenizer) -> list[int]:
     return _id_list(eos if eos is not None else config.get("eos_token_id"), tokenizer)
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    return lambda: hf_logging.set_verbosity(verbosity)
-
-
 def _tokenizer(path: Path, trust_remote_code: bool, **kwargs):
     from transformers import AutoTokenizer
 
-    restore = _quiet_transformers()
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code, **kwargs)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError or AttributeError here
         raise WeightsNotFoundError(f"cannot load a tokenizer from {path}: {exc!r}") from exc
-    finally:
-        restore()
 
 
 def check_gguf_rope(header) -> None:
@@ -285,16 +274,14 @@ def _load_gguf(path: Path, gguf_file: str, dtype: torch.dtype, trust_remote_code
 
     header = read_gguf_header(path / gguf_file)
     check_gguf_rope(header)
-    restore = _quiet_transformers()
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, torch_dtype=dtype,
-                                                        trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
+        with quiet_transformers():
+            hf_model = AutoModelForCausalLM.from_pretrained(str(path), gguf_file=gguf_file, torch_dtype=dtype,
+                                                            trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     except OSError as exc:
         raise WeightsNotFoundError(f"cannot load a model from {path / gguf_file}: {exc}") from exc
     except ValueError as exc:  # transformers: "GGUF model with architecture X is not supported yet"
         raise UnsupportedModelError(f"{path / gguf_file}: {exc}") from exc
-    finally:
-        restore()
     notes = gguf_notes(header, hf_model.config.model_type)
     backbone = backbone_from_hf_model(hf_model)
     tokenizer = _tokenizer(path, trust_remote_code, gguf_file=gguf_file)

@@ -34,6 +34,7 @@ is missing or that the index names but is absent, a truncated shard, a header th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import shutil
@@ -123,10 +124,6 @@ class TensorSource:
 
     def _read_whole(self, key: str) -> torch.Tensor:
         raise NotImplementedError
-
-    def total_bytes(self) -> int:
-        """Bytes of every listed tensor on disk."""
-        return sum(i.nbytes for i in self._infos.values())
 
     def close(self) -> None:
         """Release open files (the source can still be read: files reopen on demand)."""
@@ -516,25 +513,36 @@ def hf_config_dict(path: Path, kind: str, files: list[Path], trust_remote_code: 
         WeightsNotFoundError: no ``config.json`` beside safetensors / .bin weights.
     """
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
     folder = files[0].parent
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
     try:
-        if kind == "gguf":
-            cfg = AutoConfig.from_pretrained(str(folder), gguf_file=files[0].name, trust_remote_code=trust_remote_code)
-        else:
-            if not (folder / "config.json").is_file():
-                raise WeightsNotFoundError(f"no config.json in {folder} (needed beside the weights)")
-            cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+        with quiet_transformers():
+            if kind == "gguf":
+                cfg = AutoConfig.from_pretrained(str(folder), gguf_file=files[0].name,
+                                                 trust_remote_code=trust_remote_code)
+            else:
+                if not (folder / "config.json").is_file():
+                    raise WeightsNotFoundError(f"no config.json in {folder} (needed beside the weights)")
+                cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if kind == "gguf" and not isinstance(exc, OSError):  # the metadata and tensor table are parsed together
             raise CheckpointError(f"{files[0]}: not a readable GGUF file (truncated?): {exc}") from None
         raise WeightsNotFoundError(f"cannot read the model config of {path}: {exc}") from None
+    return cfg.to_dict()
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' log level at "error" inside the block (its warnings about configs and tokenizers are
+    noise for our users), restored after."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
     finally:
         hf_logging.set_verbosity(verbosity)
-    return cfg.to_dict()
 
 
 def open_source(kind: str, files: list[Path], weight_map: dict | None, cfg: BackboneConfig) -> TensorSource:

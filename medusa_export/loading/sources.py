@@ -208,21 +208,17 @@ def tokenizer_and_eos(folder: Path, gguf_file: str | None, hf: dict, trust_remot
     transformers 4.57 a GGUF tokenizer reports the wrong EOS.
     """
     from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
-    from transformers.utils import logging as hf_logging
 
     from .backbone import eos_ids
+    from .checkpoint import quiet_transformers
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with quiet_transformers():
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
         if not gguf_file and (folder / "generation_config.json").is_file():
             gen = GenerationConfig.from_pretrained(str(folder))
         else:
             gen = GenerationConfig.from_model_config(PretrainedConfig.from_dict(hf))
-    finally:
-        hf_logging.set_verbosity(verbosity)
     return tok, eos_ids(SimpleNamespace(generation_config=gen), tok)
 
 
