@@ -37,12 +37,14 @@ class TorchEngine:
             then takes ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``, drawn from the
             whole vocabulary with :func:`medusa_runtime.acceptance.draw_tokens` (rows with a negative
             uniform, or every row at top_k -1, give -1): the reference of the graph contract.
+        device: where the model is (a torch device name): numpy inputs are moved there and outputs back.
     """
 
     def __init__(self, model: MedusaModel, k: int = STEP_TOPK, *, max_context: int | None = None,
-                 sampler: bool = False):
+                 sampler: bool = False, device: str = "cpu"):
         c = model.config
         self.model = model
+        self.device = device
         self.k = k
         self.num_layers = c.num_hidden_layers
         self.num_kv_heads = c.num_key_value_heads
@@ -55,25 +57,35 @@ class TorchEngine:
         self.step_topk = min(k, c.vocab_size)
         self.has_sampler = sampler
 
+    def _in(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    @staticmethod
+    def _out(t: torch.Tensor) -> np.ndarray:
+        return t.detach().cpu().numpy()
+
+    def _result(self, topk_ids, topk_lp, entropy, token_lp, hidden, new_kv, sampled=None) -> StepResult:
+        o = self._out
+        return StepResult(o(topk_ids[0]), o(topk_lp[0]), o(entropy[0]), o(token_lp[0]), o(hidden[0]),
+                          [(o(k), o(v)) for k, v in new_kv], *(() if sampled is None else (sampled,)))
+
     @torch.no_grad()
     def step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs | None = None) -> StepResult:
         if sampling is not None:
             return self._sampling_step(input_ids, position_ids, mask, temperature, past, sampling)
         out = self.model.step(
-            torch.from_numpy(input_ids), torch.from_numpy(position_ids), torch.from_numpy(mask),
-            [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past],
-            torch.tensor([temperature], dtype=torch.float32), self.k,
+            self._in(input_ids), self._in(position_ids), self._in(mask),
+            [(self._in(k), self._in(v)) for k, v in past],
+            torch.tensor([temperature], dtype=torch.float32, device=self.device), self.k,
         )
-        return StepResult(out.topk_ids[0].numpy(), out.topk_logprobs[0].numpy(), out.entropy[0].numpy(),
-                          out.token_logprobs[0].numpy(), out.hidden[0].numpy(),
-                          [(k.numpy(), v.numpy()) for k, v in out.new_kv])
+        return self._result(out.topk_ids, out.topk_logprobs, out.entropy, out.token_logprobs, out.hidden, out.new_kv)
 
     def _sampling_step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs) -> StepResult:
         if not self.has_sampler:
             raise ValueError("this TorchEngine has no in-graph sampler (TorchEngine(..., sampler=True))")
-        ids, t = torch.from_numpy(input_ids), torch.tensor([temperature], dtype=torch.float32)
-        logits, hidden, new_kv = self.model(ids, torch.from_numpy(position_ids), torch.from_numpy(mask),
-                                            [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in past])
+        ids, t = self._in(input_ids), torch.tensor([temperature], dtype=torch.float32, device=self.device)
+        logits, hidden, new_kv = self.model(ids, self._in(position_ids), self._in(mask),
+                                            [(self._in(k), self._in(v)) for k, v in past])
         topk_ids, topk_lp, entropy, token_lp = acceptance_outputs(logits, ids, t, self.k)
         u = np.asarray(sampling.uniforms)
         rows = np.flatnonzero(u >= 0) if sampling.top_k >= 0 else np.zeros(0, np.int64)  # the contract's skips
@@ -81,24 +93,23 @@ class TorchEngine:
         if rows.size:
             logp, order = torch.sort(torch.log_softmax(logits[0, rows].float() / t, dim=-1), dim=-1, descending=True,
                                      stable=True)
-            sampled[rows] = draw_tokens(order.numpy(), logp.numpy(), u[rows], sampling.top_k, sampling.top_p)
-        return StepResult(topk_ids[0].numpy(), topk_lp[0].numpy(), entropy[0].numpy(), token_lp[0].numpy(),
-                          hidden[0].numpy(), [(k.numpy(), v.numpy()) for k, v in new_kv], sampled)
+            sampled[rows] = draw_tokens(self._out(order), self._out(logp), u[rows], sampling.top_k, sampling.top_p)
+        return self._result(topk_ids, topk_lp, entropy, token_lp, hidden, new_kv, sampled)
 
     @torch.no_grad()
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
-        return self.model.heads_topk(torch.from_numpy(hidden), topk).transpose(0, 1).numpy()
+        return self._out(self.model.heads_topk(self._in(hidden), topk).transpose(0, 1))
 
     @torch.no_grad()
     def heads_logprobs(self, hidden: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, lp = self.model.heads_topk_logprobs(torch.from_numpy(hidden), topk)
-        return ids.transpose(0, 1).numpy(), lp.transpose(0, 1).numpy()
+        ids, lp = self.model.heads_topk_logprobs(self._in(hidden), topk)
+        return self._out(ids.transpose(0, 1)), self._out(lp.transpose(0, 1))
 
     @torch.no_grad()
     def heads_level(self, depth: int, hidden: np.ndarray, path_ids: np.ndarray, topk: int
                     ) -> tuple[np.ndarray, np.ndarray]:
-        ids, lp = self.model.level_topk(depth, torch.from_numpy(hidden), torch.from_numpy(path_ids), topk)
-        return ids.numpy(), lp.numpy()
+        ids, lp = self.model.level_topk(depth, self._in(hidden), self._in(path_ids), topk)
+        return self._out(ids), self._out(lp)
 
 
 def medusa_generate(

@@ -51,15 +51,9 @@ def prompt_ids(lm, prompts: list[str] | None) -> tuple[list[str], list[list[int]
     return texts, ids
 
 
-def _reference(lm, src: ModelSources, layers: int | None = None, device: str = "cpu"):
-    if lm.model is not None and layers is None and device == "cpu":
-        return lm.model
-    return reference_model(src, layers, device)
-
-
 def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool) -> dict:
     """The whole artifact against the whole reference (:func:`~.validate.validate`, reference phase first)."""
-    ref = _reference(lm, src)
+    ref = lm.model if lm.model is not None else reference_model(src)  # loaded, or streamed from the sources
     runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
                           progress=progress)
     del ref
@@ -138,41 +132,14 @@ def check_self(artifact: Artifact, lm, texts, ids, new_tokens: int, progress: bo
             "reduced": big}
 
 
-class DeviceEngine(TorchEngine):
-    """:class:`TorchEngine` over a reference on another device (inputs moved there, outputs back)."""
-
-    def __init__(self, model, k: int, device: str, max_context: int | None = None):
-        super().__init__(model, k, max_context=max_context)
-        self.device = device
-        self.kv_dtype = np.dtype(np.float32)
-
-    @torch.no_grad()
-    def step(self, input_ids, position_ids, mask, temperature, past):
-        dev = self.device
-        out = self.model.step(torch.from_numpy(input_ids).to(dev), torch.from_numpy(position_ids).to(dev),
-                              torch.from_numpy(mask).to(dev),
-                              [(torch.from_numpy(k).to(dev), torch.from_numpy(v).to(dev)) for k, v in past],
-                              torch.tensor([temperature], dtype=torch.float32, device=dev), self.k)
-        from medusa_runtime.loop import StepResult
-
-        cpu = lambda t: t.detach().cpu().numpy()  # noqa: E731
-        return StepResult(cpu(out.topk_ids[0]), cpu(out.topk_logprobs[0]), cpu(out.entropy[0]),
-                          cpu(out.token_logprobs[0]), cpu(out.hidden[0]), [(cpu(k), cpu(v)) for k, v in out.new_kv])
-
-    @torch.no_grad()
-    def heads(self, hidden, topk):
-        h = torch.from_numpy(hidden).to(self.device)
-        return self.model.heads_topk(h, topk).transpose(0, 1).cpu().numpy()
-
-
 def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool,
               device: str = "cuda") -> dict:
     """(d) The whole fp32 reference on the GPU (weights streamed there tensor by tensor) against the artifact on
     ONNX Runtime: the full check's rules, with the reference's memory on the device."""
     ref = reference_model(src, None, device)
     runs = reference_runs(None, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                          progress=progress, engine=DeviceEngine(ref, artifact.manifest.step_topk, device,
-                                                          artifact.model.max_context))
+                          progress=progress, engine=TorchEngine(ref, artifact.manifest.step_topk,
+                                                                max_context=artifact.model.max_context, device=device))
     del ref
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -189,10 +156,9 @@ def _failure(name: str, record: dict) -> list[str]:
         bad = [p for p in record["prompts"] if not p["identical"]]
         return [f"self: {p['prompt'][:40]!r}: Medusa diverges from plain greedy of the same graph at new token "
                 f"{p['first_divergence']}" for p in bad]
-    from .validate import PromptReport, ValidationReport
+    from .validate import ValidationReport
 
-    report = ValidationReport(record["precision"], record["new_tokens"],
-                              [PromptReport(**p) for p in record["prompts"]])
+    report = ValidationReport.from_json(record)
     return [f"{name}: {f}" for f in report.failures()]
 
 

@@ -98,6 +98,12 @@ class ValidationReport:
     new_tokens: int
     prompts: list[PromptReport] = field(default_factory=list)
 
+    @staticmethod
+    def from_json(record: dict) -> "ValidationReport":
+        """A check's record in the manifest (``precision``, ``new_tokens``, ``prompts``) as a report."""
+        return ValidationReport(record["precision"], record["new_tokens"],
+                                [PromptReport(**p) for p in record["prompts"]])
+
     def failure(self, p: PromptReport) -> str | None:
         """Why prompt ``p`` fails (one line), or None when it passes."""
         tol = tolerance(self.precision)
@@ -272,13 +278,6 @@ def step_differences(ref: tuple, art: tuple) -> tuple[float, float, float]:
     return lp, ent, hid
 
 
-def compare_steps(ref: TorchEngine, eng: OrtEngine, prompt_ids: list[int], artifact: Artifact) -> tuple[float, float, float]:
-    """Prefill + one tree step on both engines with the same inputs; max |diff| of
-    (top-1 log-prob, entropy, hidden)."""
-    ref_out, tokens = step_outputs(ref, prompt_ids, artifact)
-    return step_differences(ref_out, step_outputs(eng, prompt_ids, artifact, tokens)[0])
-
-
 def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_tokens: int = 64,
                    eos_token_ids: list[int] = (), progress: bool = True, engine=None) -> list[ReferenceRun]:
     """The reference half of :func:`validate`: step outputs, greedy tokens and their top-2 margins per prompt.
@@ -298,6 +297,7 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
     runs = []
     for ids in tqdm(prompts, desc="validating: the PyTorch reference", disable=not progress, unit="prompt"):
         steps, candidates = step_outputs(ref, ids, artifact)
+        steps = tuple(st._replace(new_kv=[]) for st in steps)  # kept until the comparison: its K/V are not compared
         r = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
         seq = list(ids) + r.tokens
         out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
