@@ -327,28 +327,35 @@ def test_cli_samples_the_whole_vocabulary_with_the_emitted_sampler(counter_artif
     """top-k 0 / top-k 50 (refused above without ``step_sampler``) run through the built graph's own sampler."""
     from medusa_runtime.cli import main as runtime_main
 
+    session = MedusaSession(counter_artifact, threads=1)
+    greedy = session.generate("hi", max_new_tokens=12).token_ids
+    # T = 3 flattens the counter model's peaked logits enough that a reply that ignored the settings (greedy)
+    # would differ from the sampled one.
     for extra in (["--top-k", "0", "--top-p", "0.9"], ["--top-k", "50", "--acceptance", "typical"]):
         argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "12",
-                "--temperature", "0.7", "--seed", "4", "--threads", "1", *extra]
+                "--temperature", "3", "--seed", "4", "--threads", "1", *extra]
         assert runtime_main(argv) == 0
         out, _ = capsys.readouterr()
-        want = MedusaSession(counter_artifact, threads=1).generate(
-            "hi", max_new_tokens=12, temperature=0.7, seed=4, top_k=int(extra[1]),
-            **({"top_p": 0.9} if "--top-p" in extra else {"acceptance": "typical"}))
-        assert out == want.text + "\n" and want.token_ids
+        want = session.generate("hi", max_new_tokens=12, temperature=3.0, seed=4, top_k=int(extra[1]),
+                                **({"top_p": 0.9} if "--top-p" in extra else {"acceptance": "typical"}))
+        assert out == want.text + "\n" and want.token_ids and want.token_ids != greedy
 
 
 def test_cli_samples_with_the_settings(counter_artifact, capsys):
     from medusa_runtime.cli import main as runtime_main
 
     argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "12",
-            "--temperature", "0.9", "--top-k", "5", "--top-p", "0.95", "--seed", "4", "--threads", "1"]
+            "--temperature", "3", "--top-k", "5", "--top-p", "0.95", "--seed", "4", "--threads", "1"]
     assert runtime_main(argv) == 0
     out, err = capsys.readouterr()
-    assert "sample T=0.9 top-k 5 top-p 0.95 seed 4" in err
-    want = MedusaSession(counter_artifact, threads=1).generate("hi", max_new_tokens=12, temperature=0.9, top_k=5,
-                                                               top_p=0.95, seed=4)
+    assert "sample T=3 top-k 5 top-p 0.95 seed 4" in err
+    session = MedusaSession(counter_artifact, threads=1)
+    want = session.generate("hi", max_new_tokens=12, temperature=3.0, top_k=5, top_p=0.95, seed=4)
     assert out == want.text + "\n"
+    # the settings took effect: not the greedy reply, and another seed draws another one
+    assert want.token_ids != session.generate("hi", max_new_tokens=12).token_ids
+    assert want.token_ids != session.generate("hi", max_new_tokens=12, temperature=3.0, top_k=5, top_p=0.95,
+                                              seed=5).token_ids
 
 
 def test_backends(counter_artifact):
