@@ -40,13 +40,21 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
     Lines are split at ``\\n`` only (not ``str.splitlines``: a JSON string may hold U+2028).
 
     Raises:
-        PromptFileError: the file is missing, or a line is not valid JSON or not a JSON object
-            (the message names the file and the line).
+        PromptFileError: the file is missing, a directory or not UTF-8, or a line is not valid JSON or
+            not a JSON object (the message names the file and the line).
     """
     path = Path(path)
+    if path.is_dir():
+        raise PromptFileError(f"prompt file {path} is a directory; give a JSONL file (e.g. {path}/question.jsonl)")
     if not path.is_file():
         raise PromptFileError(f"prompt file {path} does not exist")
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise PromptFileError(f"{path}:{line}: not UTF-8 (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                              "prompt files are JSONL in UTF-8") from None
+    for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -64,10 +72,11 @@ def read_first_turns(path: str | Path, limit: int | None = None) -> list[str]:
 
     Args:
         path: a prompt file (see the module docstring), e.g. MT-Bench's ``question.jsonl``.
-        limit: stop after this many prompts (None or 0: all).
+        limit: stop after this many prompts (None: all); callers check it is >= 1.
 
     Raises:
-        PromptFileError: as :func:`jsonl_records`, or a line with none of those keys.
+        PromptFileError: as :func:`jsonl_records`, a line with none of those keys, or a file with no prompt
+            (a command never runs on nothing, nor swaps an empty file for its defaults).
     """
     out = []
     for n, rec in jsonl_records(path):
@@ -81,6 +90,8 @@ def read_first_turns(path: str | Path, limit: int | None = None) -> list[str]:
             raise PromptFileError(f"{path}:{n}: expected a 'prompt', 'turns' or 'messages' key")
         if limit and len(out) >= limit:
             break
+    if not out:
+        raise PromptFileError(f"prompt file {path} holds no prompts; {PROMPT_FILE_FORMAT}")
     return out
 
 

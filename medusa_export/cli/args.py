@@ -18,8 +18,10 @@ flag                meaning                                    hidden aliases
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
-from medusa_runtime.errors import MedusaError
+from medusa_runtime.errors import InvalidSettingError, MedusaError
 
 #: What ``--prompt-file`` reads, for help texts.
 PROMPT_FILE_FORMAT = "JSONL, one record a line with 'prompt', 'turns' or 'messages'"
@@ -82,3 +84,43 @@ def require(value, flag: str):
     if not value:
         raise MedusaError(f"the following argument is required: {flag}")
     return value
+
+
+def check_int(value: int | None, flag: str, *, low: int, high: int | None = None, meaning: str = "") -> int | None:
+    """``value`` when it lies in ``[low, high]`` (None: the option was not given, passed through).
+
+    Args:
+        value: the parsed option.
+        flag: the option string, for the message (e.g. ``"--limit"``).
+        low: the smallest valid value.
+        high: the largest valid value (None: no upper bound).
+        meaning: what the bound is, appended to the message (e.g. "the model's max_position_embeddings").
+
+    Raises:
+        InvalidSettingError: ``value`` is outside the range; the message gives the valid range (exit code 2).
+    """
+    if value is None or (value >= low and (high is None or value <= high)):
+        return value
+    valid = f">= {low}" if high is None else f"in {low}..{high}"
+    raise InvalidSettingError(f"{flag} must be {valid}{f' ({meaning})' if meaning else ''}, got {value}")
+
+
+def check_output_file(path: str | None, flag: str) -> Path | None:
+    """``path`` as a :class:`Path` when a file can be written there (None passed through); checked before a
+    command does its work, so a report path that cannot be written fails at once, not after the run.
+
+    Raises:
+        InvalidSettingError: ``path`` is a directory, its folder does not exist, or the folder is not writable.
+    """
+    if path is None:
+        return None
+    out = Path(path)
+    folder = out.parent
+    if out.is_dir():
+        raise InvalidSettingError(f"{flag} {path} is a directory; give a file path (e.g. {out / 'report.xml'})")
+    if not folder.is_dir():
+        raise InvalidSettingError(f"{flag} {path}: the folder {folder} does not exist; create it or give a path "
+                                  "in an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise InvalidSettingError(f"{flag} {path} cannot be written (permission denied in {folder})")
+    return out

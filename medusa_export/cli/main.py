@@ -16,7 +16,7 @@ from medusa_runtime.cli import (add_chat_args, add_prompt_args, add_runtime_args
                                 sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
-from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg
+from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file
 
 PROG = "medusa-export"
 
@@ -125,6 +125,7 @@ def cmd_build(args) -> int:
     from ..validation.validate import read_prompts
     from .trt import after_build
 
+    prompts = read_prompts(args.prompt_file) if args.prompt_file else None  # bad files fail before the model opens
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
@@ -145,7 +146,6 @@ def cmd_build(args) -> int:
     graph = "-fused" if cfg.graph == "fused" else ""
     size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
     out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"
-    prompts = read_prompts(args.prompt_file) if args.prompt_file else None
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
     _print_summary(path, time.perf_counter() - t0, lm)
     print_machine_tree(path)
@@ -294,6 +294,10 @@ def cmd_verify(args) -> int:
     from ..validation.plan import plan_validation
     from ..validation.validate import ValidationReport, default_prompts, read_prompts
 
+    check_int(args.limit, "--limit", low=1)  # bad options fail before anything is loaded or run
+    check_int(args.max_new_tokens, "--max-new-tokens", low=1)
+    check_output_file(args.junit, "--junit")
+    texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     art = load_artifact(args.artifact)  # the big files' hashes below, once
     m = art.manifest
     name = m.model.name
@@ -305,7 +309,6 @@ def cmd_verify(args) -> int:
         raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
                           "--model-path (an HF model dir or .gguf file)")
     print_notes(lm)
-    texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     cfg = BuildConfig(precision=m.precision_name, graph="fused" if m.flavour == "ort-fused" else "portable",
                       new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
                       max_context=m.model.max_context, batch_size=step_batch(m) or 1)
@@ -467,14 +470,15 @@ def _add_verify_parser(sub) -> None:
                        epilog=EXIT_CODES_HELP)
     add_artifact_arg(p)
     add_prompt_file_arg(p, "prompts to compare on (default: the project's own)", aliases=("--prompts",))
-    p.add_argument("--limit", type=int, help="use only the first N prompts")
+    p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts, N >= 1 (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
                    help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name; needed for "
                                         "an artifact built from a local folder)")
     p.add_argument("--heads", help="heads to load (default: the manifest's model name's heads)")
-    p.add_argument("--junit", help="also write a JUnit XML report to this file")
+    p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to this file (its folder must "
+                                                   "exist and be writable: checked before the run)")
     _add_check_args(p)
     p.set_defaults(func=cmd_verify)
 

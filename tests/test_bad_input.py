@@ -1,0 +1,96 @@
+"""The issue-27 bad-input catalogue: one case per reproducer, as a new user would meet it.
+
+Each case runs the command line (:func:`medusa_export.cli.main.main`, or a subprocess where a signal is
+involved) on a tiny random model and asserts the stated right behaviour: exit code 2 (:data:`EXIT_USAGE`)
+with a message that names the problem and the valid choices, before any work is done; the output folder
+untouched; nothing left behind. The section comments give the issue's item numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+
+import pytest
+
+from conftest import save_tiny_hf_dir
+from medusa_export.cli.main import main
+from medusa_runtime.errors import EXIT_USAGE
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama as an HF folder (2 layers, vocabulary 1001, the tiny BPE tokenizer)."""
+    path = tmp_path_factory.mktemp("bad-input") / "tiny-llama"
+    save_tiny_hf_dir(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_model_dir, tmp_path_factory):
+    """An artifact of :func:`tiny_model_dir` (4-node tree, context 256), built without validation."""
+    out = tmp_path_factory.mktemp("bad-input-art") / "tiny-t4"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256",
+                     "--no-validate", "--out", str(out)]) == 0
+    return out
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` (hidden ones included) with its size and modification time."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def error_of(argv, capsys) -> str:
+    """Run ``argv``; assert exit code 2 and nothing on stdout (no work reported); the one-line error."""
+    assert main(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert "PASSED" not in out and "Traceback" not in err
+    return err
+
+
+# --- 2. verify --junit into a folder that does not exist -------------------------------------------
+
+
+def test_verify_junit_in_a_missing_folder_fails_before_the_run(artifact, tiny_model_dir, tmp_path, capsys):
+    junit = tmp_path / "nonexistent" / "x.xml"
+    err = error_of(["verify", "--artifact", str(artifact), "--model-path", str(tiny_model_dir),
+                    "--junit", str(junit)], capsys)
+    assert f"--junit {junit}: the folder {junit.parent} does not exist" in err
+    assert "loading" not in err and "checks" not in err  # refused before the verification ran
+    assert not junit.parent.exists()
+
+
+def test_verify_junit_at_a_directory_fails(artifact, tiny_model_dir, tmp_path, capsys):
+    err = error_of(["verify", "--artifact", str(artifact), "--model-path", str(tiny_model_dir),
+                    "--junit", str(tmp_path)], capsys)
+    assert f"--junit {tmp_path} is a directory; give a file path" in err
+
+
+# --- 3. verify never passes on nothing ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_verify_limit_below_one_fails(artifact, tiny_model_dir, limit, capsys):
+    err = error_of(["verify", "--artifact", str(artifact), "--model-path", str(tiny_model_dir),
+                    "--limit", limit], capsys)
+    assert f"--limit must be >= 1, got {limit}" in err
+
+
+@pytest.mark.parametrize("command", ["verify", "build"])
+def test_an_empty_prompt_file_fails(command, artifact, tiny_model_dir, tmp_path, capsys):
+    """verify does not pass on 0 prompts; build does not swap the empty file for its default prompts."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    if command == "verify":
+        argv = ["verify", "--artifact", str(artifact), "--model-path", str(tiny_model_dir)]
+    else:
+        argv = ["build", "--model", str(tiny_model_dir), "--tree", "4", "--out", str(tmp_path / "art")]
+    before = snapshot(artifact)
+    err = error_of(argv + ["--prompt-file", str(empty)], capsys)
+    assert f"prompt file {empty} holds no prompts; JSONL" in err and "'prompt'" in err
+    assert snapshot(artifact) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]  # nothing built, nothing left
