@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from typing import TextIO
 
 from .acceptance import ACCEPTANCES, SamplingConfig
@@ -278,18 +281,66 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread by :func:`signals_as_interrupt`'s handler.
+
+    A :class:`KeyboardInterrupt`, so every clean-up written for Ctrl-C (a build's temporary folder removed,
+    its lock released) runs for a ``kill``, a ``timeout`` or a CI cancel too.
+
+    Attributes:
+        signum: the signal's number; the command lines exit with ``128 + signum`` (143 for SIGTERM, the
+            shells' convention).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: The signals :func:`signals_as_interrupt` turns into :class:`Terminated`.
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+@contextmanager
+def signals_as_interrupt():
+    """While inside: SIGTERM and SIGHUP raise :class:`Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt; the previous handlers are restored on leaving. Outside the main thread (where Python
+    cannot install handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    sigs = [signal.Signals[name] for name in TERMINATING_SIGNALS if name in signal.Signals.__members__]  # no SIGHUP on Windows
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def run_command(args, prog: str) -> int:
     """Run ``args.func(args)``; a :class:`MedusaError` becomes a one-line message and its ``exit_code``.
 
+    SIGTERM and SIGHUP are handled as Ctrl-C is (:func:`signals_as_interrupt`), so the command cleans up.
+
     Returns:
         The command's exit code; :attr:`MedusaError.exit_code` (2 for bad input, 3 for a
-        backend not available here, see :mod:`medusa_runtime.errors`) or 130 on Ctrl-C.
+        backend not available here, see :mod:`medusa_runtime.errors`), 130 on Ctrl-C, ``128 + signum``
+        on SIGTERM (143) or SIGHUP (129).
     """
     try:
-        return args.func(args)
+        with signals_as_interrupt():
+            return args.func(args)
     except MedusaError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated as exc:
+        print(f"{prog}: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

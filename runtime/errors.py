@@ -13,13 +13,13 @@ EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 #: A backend or tool this command needs is not available here (TensorRT, a CUDA provider).
 EXIT_UNAVAILABLE = 3
-#: Interrupted (Ctrl-C).
+#: Interrupted (Ctrl-C); SIGTERM and SIGHUP exit with 128 + the signal's number (143, 129).
 EXIT_INTERRUPTED = 130
 #: The exit codes for ``--help`` epilogs and docs.
 EXIT_CODES_HELP = (f"exit codes: {EXIT_OK} success; {EXIT_MISMATCH} the artifact disagrees with the PyTorch "
                    f"reference (medusa-export verify and build's validation); {EXIT_USAGE} bad input (the message names it); "
                    f"{EXIT_UNAVAILABLE} a needed backend is not available here (TensorRT, CUDA); "
-                   f"{EXIT_INTERRUPTED} interrupted")
+                   f"{EXIT_INTERRUPTED} interrupted (143 terminated by SIGTERM, 129 SIGHUP)")
 
 
 class MedusaError(Exception):

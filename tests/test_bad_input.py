@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -94,3 +97,52 @@ def test_an_empty_prompt_file_fails(command, artifact, tiny_model_dir, tmp_path,
     assert f"prompt file {empty} holds no prompts; JSONL" in err and "'prompt'" in err
     assert snapshot(artifact) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]  # nothing built, nothing left
+
+
+# --- 1. SIGTERM during build leaves nothing; a later build removes what a killed one left -----------------
+
+
+def test_sigterm_mid_build_removes_the_temporary_folder(tiny_model_dir, tmp_path):
+    """``timeout -s TERM`` / ``kill`` / a CI cancel while the build validates: exit 143, nothing left beside
+    ``--out`` (SIGINT was already clean; SIGTERM left ``.NAME.partial-PID``)."""
+    out = tmp_path / "term"
+    proc = subprocess.Popen([sys.executable, "-m", "medusa_export.cli", "build", "--model", str(tiny_model_dir),
+                             "--tree", "4", "--max-context", "256", "--max-new-tokens", "8", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / f".term.partial-{proc.pid}"
+    deadline = time.monotonic() + 120
+    while not (partial / "manifest.json").exists():  # the export is written: the build is mid-way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "medusa-export: terminated (SIGTERM)" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no partial folder, no lock file, no artifact
+
+
+def test_sighup_is_handled_as_ctrl_c():
+    from medusa_runtime.cli import Terminated, signals_as_interrupt
+
+    previous = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(Terminated) as exc, signals_as_interrupt():
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(5)  # the handler raises at the next bytecode
+    assert exc.value.signum == signal.SIGHUP and isinstance(exc.value, KeyboardInterrupt)
+    assert signal.getsignal(signal.SIGHUP) is previous
+
+
+def test_a_build_removes_the_folders_a_killed_build_left(tiny_model_dir, tmp_path, capsys):
+    """A build killed with SIGKILL cannot clean up: the next build into the same --out removes its
+    ``.NAME.partial-PID`` (and ``.NAME.old-PID``) once that PID is not running; a running one's are kept."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its PID is not running now
+    left = [tmp_path / f".art.partial-{dead.pid}", tmp_path / f".art.old-{dead.pid}"]
+    alive = tmp_path / f".art.partial-{os.getppid()}"  # a running process's
+    for folder in left + [alive]:
+        (folder / "tokenizer").mkdir(parents=True)
+        (folder / "weights.bin").write_bytes(b"\0" * 1000)
+    assert main(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256", "--no-validate",
+                 "--out", str(tmp_path / "art")]) == 0
+    assert f"removed .art.partial-{dead.pid}, left by a build that did not finish" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "art"])

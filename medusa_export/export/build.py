@@ -4,8 +4,9 @@ Stages (each reads only what the previous wrote): pre-flight (each stage's memor
 headers, the validation checks that fit chosen), write the two graphs with their weights streamed from
 the checkpoint into ``weights.bin`` (:mod:`.writer`), write tree / tokenizer / manifest, check the ONNX
 for TensorRT, validate, then move the finished folder into place. Everything is written to a temporary
-sibling folder first, so a failed or interrupted build leaves nothing half-written and an old artifact
-intact. The model is never materialised for the export; the checks that need the PyTorch reference
+sibling folder first, so a failed or interrupted build (Ctrl-C, SIGTERM, SIGHUP) leaves nothing half-written
+and an old artifact intact; what a SIGKILL'd build leaves is removed by the next build into the same folder,
+and a lock file beside the folder keeps two builds from writing it at once. The model is never materialised for the export; the checks that need the PyTorch reference
 build it from the same sources (truncated when the whole one does not fit).
 """
 
@@ -27,7 +28,7 @@ from medusa_runtime.manifest import MANIFEST_SCHEMA, Manifest
 from medusa_runtime.tree import Tree
 
 from ..errors import ArtifactError, InvalidTreeError, MedusaError
-from ..files import replace_dir
+from ..files import OutputBusyError, OutputLock, partial_dir, remove_stale, replace_dir
 from ..loading.draft_vocab import subset_ids
 from ..loading.registry import LoadedMedusa
 from ..loading.sources import ModelSources, sources_of
@@ -194,7 +195,8 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     Raises:
         InvalidTreeError: the tree is deeper than the heads.
         HeadsVocabError: ``cfg.heads_vocab`` is outside [tree.topk, V] or the model has no draft vocabulary.
-        ArtifactError: the output folder cannot be written.
+        ArtifactError: the output folder cannot be written, or another build is writing it (a lock file
+            ``.NAME.lock`` beside it; two builds into one folder never interleave).
         InsufficientMemoryError: the pre-flight estimate of the export, or of a check asked for by name,
             exceeds the memory available (both numbers and the options in the message).
         InsufficientDiskError: the weights do not fit on the output's file system.
@@ -228,10 +230,16 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
     for line in plan.describe() if cfg.validate else ["validation: skipped (--no-validate)"]:
         say(f"  {line}")
     stages = Stages(3 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = partial_dir(out)
     try:
+        lock = OutputLock(out)
+    except OutputBusyError as exc:
+        raise ArtifactError(f"{exc}; wait for it to finish or choose another output folder") from None
+    try:
+        for stale in remove_stale(out):  # left by a build that was killed (SIGKILL)
+            say(f"removed {stale.name}, left by a build that did not finish")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         flavour = "fused step (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)" if cfg.graph == "fused" \
             else "portable step (standard ONNX ops)"
         heads = "Medusa heads" if src.heads_config.head_type == "medusa" else "path-conditioned heads (a graph per level)"
@@ -269,7 +277,9 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}})
         write_manifest(tmp, manifest)
         replace_dir(tmp, out)
-    except BaseException:
+    except BaseException:  # Ctrl-C, and SIGTERM / SIGHUP (medusa_runtime.cli.run_command makes them one)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.release()
     return out

@@ -43,7 +43,7 @@ from medusa_runtime.manifest import Graph
 
 from .. import __version__
 from ..errors import ArtifactError, MedusaError
-from ..files import replace_dir
+from ..files import partial_dir, replace_dir
 
 MARKER = "medusa_repository.json"
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
@@ -325,7 +325,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
     plans = built_plans(art, cfg.engine_precision)
     backend = cfg.backend or ("tensorrt" if plans else "onnxruntime")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    tmp = partial_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         version = tmp / cfg.model_name / "1"
