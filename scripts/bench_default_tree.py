@@ -68,7 +68,7 @@ def main() -> int:
     env["MEDUSA_EXPORT_CACHE"] = args.cache or tempfile.mkdtemp(prefix="bench-default-tree-")
     ok = True
     if args.build:
-        out, _, wall = run(["medusa-export", "build", "--model", "smollm2-135m", "--tree", "64"], env)
+        out, _, wall = run(["medusa-export", "build", "--model", "smollm2-135m", "--tree", "64", "--force"], env)
         print(f"main job: {wall:.0f} s")
         for line in out.splitlines():
             if line.startswith(("  tree:", "  on this machine", "        ")):

@@ -403,7 +403,7 @@ def run_one(ckpt: Checkpoint, precision: str, args, build_args: list[str], logs:
     """One build, measured; returns the run's JSON record."""
     tag = f"{ckpt.model.name}-{precision}"
     art = Path(args.scratch) / "artifacts" / tag
-    cmd = [*shlex.split(args.command), "build", "--model", str(ckpt.model)]
+    cmd = [*shlex.split(args.command), "build", "--force", "--model", str(ckpt.model)]  # reruns replace
     if ckpt.heads:
         cmd += ["--heads", str(ckpt.heads)]
     cmd += ["--tree", str(args.tree), "--precision", precision]

@@ -40,7 +40,7 @@ if [ -n "${ART:-}" ]; then
 elif [ -n "${MODEL:-}" ]; then
   ART="$OUT/art-$MODEL"
   t0=$(date +%s)
-  medusa-export build --model "$MODEL" --tree "${TREE:-16}" --out "$ART" --max-new-tokens 16
+  medusa-export build --model "$MODEL" --tree "${TREE:-16}" --out "$ART" --max-new-tokens 16 --force
   row "artifact" "built" "$MODEL in $(( $(date +%s) - t0 ))s"
 else
   ART="$OUT/art-tiny"

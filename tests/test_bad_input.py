@@ -146,3 +146,47 @@ def test_a_build_removes_the_folders_a_killed_build_left(tiny_model_dir, tmp_pat
                  "--out", str(tmp_path / "art")]) == 0
     assert f"removed .art.partial-{dead.pid}, left by a build that did not finish" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "art"])
+
+
+# --- 9. rebuilding into an existing artifact; two builds into one --out ---------------------------------
+
+
+def test_rebuilding_into_an_artifact_needs_force(tiny_model_dir, tmp_path, capsys):
+    """``engines/`` plans and files added by hand were deleted without notice; now named, and kept without --force."""
+    out = tmp_path / "art"
+    argv = ["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256", "--no-validate",
+            "--out", str(out)]
+    assert main(argv) == 0
+    (out / "engines" / "fp16").mkdir(parents=True)
+    (out / "engines" / "fp16" / "step.plan").write_bytes(b"plan")
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    before = snapshot(out)
+    err = error_of(argv, capsys)
+    assert f"--out {out} already holds an artifact (model tiny-llama, 13 files," in err
+    assert "which would be deleted: engines/ (1 file), notes.txt. Give --force to replace all of it" in err
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    assert main(argv + ["--force"]) == 0
+    assert not (out / "engines").exists() and not (out / "notes.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no lock file, no partial folder
+
+
+def test_a_folder_that_is_not_an_artifact_is_never_replaced(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "thesis.tex").write_text("years of work")
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "4", "--force", "--out",
+                    str(tmp_path / "art")], capsys)
+    assert "is a non-empty folder that is not an artifact (no manifest.json); refusing to replace it" in err
+    assert (tmp_path / "art" / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_second_build_into_the_same_out_is_refused(tiny_model_dir, tmp_path, capsys):
+    """Two builds into one --out both printed success; the second now waits for nothing and says who writes."""
+    from medusa_export.files import OutputLock
+
+    out = tmp_path / "art"
+    with OutputLock(out):  # another build (flock is per open file, so this process's own build is "another")
+        err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256",
+                        "--no-validate", "--out", str(out)], capsys)
+    assert f"another process (PID {os.getpid()}) is writing {out} (it holds {tmp_path / '.art.lock'}); wait" in err
+    assert list(tmp_path.iterdir()) == []

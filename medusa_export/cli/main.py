@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from medusa_runtime.cli import (add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args, run_command,
                                 sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
-from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file
+from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file, check_replaceable
 
 PROG = "medusa-export"
 
@@ -146,6 +147,7 @@ def cmd_build(args) -> int:
     graph = "-fused" if cfg.graph == "fused" else ""
     size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
     out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"
+    check_replaceable(Path(out), force=args.force)
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
     _print_summary(path, time.perf_counter() - t0, lm)
     print_machine_tree(path)
@@ -228,7 +230,6 @@ def architecture_line(lm) -> str:
 
 def _print_summary(path, seconds: float, lm=None) -> None:
     import json
-    from pathlib import Path
 
     from medusa_runtime.manifest import MANIFEST, Manifest
 
@@ -419,7 +420,11 @@ def _add_build_parser(sub) -> None:
                                   "'dynamic:T' (the runtime chooses a T-node tree every step from the heads' "
                                   "log-probabilities; the artifact's static tree is the T-node greedy tree) or "
                                   "'auto:dynamic' (auto over per-step trees) (default: the model's registered tree)")
-    p.add_argument("--out", help="artifact directory (default: artifacts/MODEL-tTREE-PRECISION, + -fused for --graph fused)")
+    p.add_argument("--out", help="artifact directory, new or empty (default: artifacts/MODEL-tTREE-PRECISION, + -fused "
+                                 "for --graph fused); an existing artifact there is replaced only with --force")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing artifact in --out, with everything in it (engines/ plans, other files); "
+                        "without it such an --out is refused, naming what would be deleted")
     p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
                    help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "
                         "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
