@@ -1,0 +1,1 @@
+"""EMULATED cuda-python for tests (never shipped): see :mod:`cuda.bindings.runtime` in this folder."""

@@ -1,0 +1,725 @@
+"""EMULATED TensorRT Python API for tests (never shipped): the subset medusa-export uses, NOT TensorRT.
+
+A test double that lets CI execute the project's engine build (``medusa_export.trt.builder``)
+and its ``tensorrt`` runtime backend (``medusa_runtime`` TrtEngine) end to end:
+
+* ``Builder`` / ``OnnxParser`` / ``IBuilderConfig`` / ``IOptimizationProfile`` check what TensorRT checks
+  at build time (profiles for every dynamic input, min <= opt <= max, fixed dims kept), and
+  ``build_serialized_network`` returns an *emulated plan*: a header line and JSON (TensorRT version,
+  the device's name and compute capability, flags, profiles, I/O tensors, the ONNX file's path and
+  SHA-256). The ONNX is referenced, not copied: weights stay in the artifact's ``weights.bin``.
+* ``Runtime.deserialize_cuda_engine`` refuses (returns None, logs why) a plan of another TensorRT
+  version or GPU model, as TensorRT does, and one whose ONNX changed since the build.
+* ``IExecutionContext.execute_async_v3`` runs the ONNX with ONNX Runtime on the CPU, reading inputs from
+  and writing outputs to the emulated device memory of :mod:`cuda.bindings.runtime` (also emulated).
+  Precision flags change nothing numerically: an "fp16" emulated engine computes what ONNX Runtime does.
+
+Strict where TensorRT is; each rule cites the header (``include/NvInferRuntime.h``, ``include/NvInfer.h``
+of github.com/NVIDIA/TensorRT) or guide it comes from. ``EMULATED_TENSORRT_VERSION`` (default 10.15.1)
+chooses the version; at 11 or above the APIs TensorRT 11 removed are absent (BuilderFlag FP16 / INT8 /
+BF16 / FP8 / precision constraints, calibrators, weak typing: every network is strongly typed,
+``ILayer.precision`` / ``set_output_type`` and ``ICudaEngine.device_memory_size`` gone), as the 11.x
+headers have them. Errors go to the logger and to :func:`emulator_last_error`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+from cuda.bindings import runtime as _cudart
+
+EMULATED = True
+__version__ = os.environ.get("EMULATED_TENSORRT_VERSION", "10.15.1")
+_MAJOR = int(__version__.split(".")[0])
+_TRT11 = _MAJOR >= 11
+PLAN_MAGIC = b"EMULATED-TENSORRT-PLAN 1\n"
+_last_error = [""]
+
+
+def emulator_last_error() -> str:
+    """Why the last emulated call failed (emulator only)."""
+    return _last_error[0]
+
+
+class Logger:
+    """ILogger with a minimum severity; messages at or above it go to stderr."""
+
+    INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
+    def __init__(self, min_severity: int = 2):
+        self.min_severity = min_severity
+
+    def log(self, severity: int, msg: str) -> None:
+        if severity <= self.min_severity:
+            print(f"[emulated TensorRT] {msg}", file=sys.stderr)
+
+
+ILogger = Logger
+
+
+def _error(logger, msg: str) -> None:
+    _last_error[0] = msg
+    (logger or Logger()).log(Logger.ERROR, msg)
+
+
+class DataType(enum.IntEnum):
+    FLOAT = 0
+    HALF = 1
+    INT8 = 2
+    INT32 = 3
+    BOOL = 4
+    UINT8 = 5
+    BF16 = 7
+    INT64 = 8
+
+
+float32, float16, int8, int32, int64, bool_ = (DataType.FLOAT, DataType.HALF, DataType.INT8, DataType.INT32,
+                                               DataType.INT64, DataType.BOOL)
+_NP = {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType.INT8: np.int8, DataType.INT32: np.int32,
+       DataType.BOOL: np.bool_, DataType.UINT8: np.uint8, DataType.INT64: np.int64}
+_FROM_ONNX = {onnx.TensorProto.FLOAT: DataType.FLOAT, onnx.TensorProto.FLOAT16: DataType.HALF,
+              onnx.TensorProto.INT8: DataType.INT8, onnx.TensorProto.INT32: DataType.INT32,
+              onnx.TensorProto.BOOL: DataType.BOOL, onnx.TensorProto.UINT8: DataType.UINT8,
+              onnx.TensorProto.BFLOAT16: DataType.BF16, onnx.TensorProto.INT64: DataType.INT64}
+
+
+def nptype(dtype: DataType):
+    """The numpy type of a TensorRT DataType (TypeError for BF16, which numpy lacks, as in TensorRT)."""
+    if DataType(dtype) not in _NP:
+        raise TypeError(f"{DataType(dtype).name} has no numpy equivalent")
+    return _NP[DataType(dtype)]
+
+
+class TensorIOMode(enum.IntEnum):
+    NONE = 0
+    INPUT = 1
+    OUTPUT = 2
+
+
+class ExecutionContextAllocationStrategy(enum.IntEnum):
+    STATIC = 0
+    ON_PROFILE_CHANGE = 1
+    USER_MANAGED = 2
+
+
+class MemoryPoolType(enum.IntEnum):
+    WORKSPACE = 0
+
+
+class ProfilingVerbosity(enum.IntEnum):
+    LAYER_NAMES_ONLY = 0
+    NONE = 1
+    DETAILED = 2
+
+
+if _TRT11:
+    # NvInfer.h 11.x: kSTRONGLY_TYPED = 0, "Deprecated in TensorRT 11.0. Strongly typed mode is always enabled.
+    # This flag is retained for API compatibility but is ignored." (kEXPLICIT_BATCH is gone.)
+    class NetworkDefinitionCreationFlag(enum.IntEnum):
+        STRONGLY_TYPED = 0
+        PREFER_JIT_PYTHON_PLUGINS = 1
+        PREFER_AOT_PYTHON_PLUGINS = 2
+
+    # NvInfer.h 11.x enum BuilderFlag: kFP16 (0), kINT8 (1), kOBEY/PREFER_PRECISION_CONSTRAINTS, kBF16, kFP8 ...
+    # are removed ("strongly typed mode is always enabled": precision comes from the network's types).
+    class BuilderFlag(enum.IntEnum):
+        DEBUG = 2
+        GPU_FALLBACK = 3
+        REFIT = 4
+        DISABLE_TIMING_CACHE = 5
+        TF32 = 6
+        SPARSE_WEIGHTS = 7
+        VERSION_COMPATIBLE = 12
+        EXCLUDE_LEAN_RUNTIME = 13
+        ERROR_ON_TIMING_CACHE_MISS = 15
+else:
+    class NetworkDefinitionCreationFlag(enum.IntEnum):  # NvInfer.h 10.x
+        EXPLICIT_BATCH = 0  # deprecated and ignored in 10.x
+        STRONGLY_TYPED = 1
+
+    class BuilderFlag(enum.IntEnum):  # NvInfer.h 10.x (the members this project may set)
+        FP16 = 0
+        INT8 = 1
+        DEBUG = 2
+        GPU_FALLBACK = 3
+        REFIT = 4
+        DISABLE_TIMING_CACHE = 5
+        TF32 = 6
+        SPARSE_WEIGHTS = 7
+        OBEY_PRECISION_CONSTRAINTS = 10
+        PREFER_PRECISION_CONSTRAINTS = 11
+        BF16 = 17
+        ERROR_ON_TIMING_CACHE_MISS = 15
+
+
+class LayerType(enum.IntEnum):
+    CONVOLUTION, ACTIVATION, POOLING, ELEMENTWISE, SOFTMAX, CONCATENATION, UNARY, SHUFFLE, REDUCE, TOPK, GATHER, \
+        MATRIX_MULTIPLY, CONSTANT, SLICE, SELECT, CAST, SHAPE, IDENTITY = range(18)
+
+
+class UnaryOperation(enum.IntEnum):
+    EXP, LOG, SQRT, RECIP, ABS, NEG, SIN, COS = range(8)
+
+
+class ElementWiseOperation(enum.IntEnum):
+    SUM, PROD, MAX, MIN, SUB, DIV, POW = range(7)
+
+
+_LAYER_OF_OP = {"MatMul": LayerType.MATRIX_MULTIPLY, "Gemm": LayerType.MATRIX_MULTIPLY, "Softmax": LayerType.SOFTMAX,
+                "LogSoftmax": LayerType.SOFTMAX, "TopK": LayerType.TOPK, "Gather": LayerType.GATHER,
+                "Concat": LayerType.CONCATENATION, "Constant": LayerType.CONSTANT, "Slice": LayerType.SLICE,
+                "Where": LayerType.SELECT, "Cast": LayerType.CAST, "Shape": LayerType.SHAPE,
+                "Identity": LayerType.IDENTITY, "Reshape": LayerType.SHUFFLE, "Transpose": LayerType.SHUFFLE}
+_UNARY = {"Exp": UnaryOperation.EXP, "Log": UnaryOperation.LOG, "Sqrt": UnaryOperation.SQRT,
+          "Reciprocal": UnaryOperation.RECIP, "Abs": UnaryOperation.ABS, "Neg": UnaryOperation.NEG,
+          "Sin": UnaryOperation.SIN, "Cos": UnaryOperation.COS}
+_ELEMENTWISE = {"Add": ElementWiseOperation.SUM, "Mul": ElementWiseOperation.PROD, "Max": ElementWiseOperation.MAX,
+                "Min": ElementWiseOperation.MIN, "Sub": ElementWiseOperation.SUB, "Div": ElementWiseOperation.DIV,
+                "Pow": ElementWiseOperation.POW}
+
+
+class Dims(tuple):
+    """A shape; -1 marks a dynamic dimension."""
+
+
+class ITensor:
+    def __init__(self, name: str, dtype: DataType, shape: tuple):
+        self.name, self.dtype, self.shape = name, dtype, Dims(shape)
+
+
+class ILayer:
+    """One parsed ONNX node (name and type as TensorRT's ONNX parser gives them)."""
+
+    def __init__(self, network: "INetworkDefinition", node: onnx.NodeProto):
+        self._network, self.name = network, node.name
+        self.type = _LAYER_OF_OP.get(node.op_type) or (
+            LayerType.UNARY if node.op_type in _UNARY else LayerType.ELEMENTWISE if node.op_type in _ELEMENTWISE
+            else LayerType.REDUCE if node.op_type.startswith("Reduce") else LayerType.SHUFFLE)
+        self.op = _UNARY.get(node.op_type, _ELEMENTWISE.get(node.op_type))
+        self.num_outputs = len(node.output)
+        self._outputs = [ITensor(o, DataType.FLOAT, ()) for o in node.output]
+        self._precision = None
+
+    def get_output(self, i: int) -> ITensor:
+        return self._outputs[i]
+
+    if not _TRT11:  # NvInfer.h 11.x ILayer has no setPrecision / setOutputType (weak typing removed)
+        def _weak_typing_only(self, what: str) -> None:
+            # NvInfer.h, NetworkDefinitionCreationFlag::kSTRONGLY_TYPED: "Setting layer precision and layer
+            # output types is not allowed" in a strongly typed network.
+            if self._network.strongly_typed:
+                raise RuntimeError(f"emulated TensorRT: {what} on layer {self.name!r} of a strongly typed network "
+                                   "(NvInfer.h kSTRONGLY_TYPED: setting layer precision and output types is not allowed)")
+
+        @property
+        def precision(self):
+            return self._precision or DataType.FLOAT
+
+        @precision.setter
+        def precision(self, dtype):
+            self._weak_typing_only("setPrecision")
+            self._precision = DataType(dtype)
+            self._network.pinned.add(self.name)
+
+        def set_output_type(self, i: int, dtype) -> None:
+            self._weak_typing_only("setOutputType")
+            self._outputs[i].dtype = DataType(dtype)
+
+
+IUnaryLayer = IElementWiseLayer = ILayer
+
+
+class INetworkDefinition:
+    def __init__(self, flags: int):
+        # TensorRT 11 is always strongly typed (NvInfer.h 11.x, kSTRONGLY_TYPED "is always enabled").
+        self.strongly_typed = _TRT11 or bool(flags & (1 << int(NetworkDefinitionCreationFlag.STRONGLY_TYPED)))
+        self.onnx_path: Path | None = None
+        self.inputs: list[ITensor] = []
+        self.outputs: list[ITensor] = []
+        self.layers: list[ILayer] = []
+        self.pinned: set[str] = set()
+
+    num_inputs = property(lambda self: len(self.inputs))
+    num_outputs = property(lambda self: len(self.outputs))
+    num_layers = property(lambda self: len(self.layers))
+
+    def get_input(self, i: int) -> ITensor:
+        return self.inputs[i]
+
+    def get_output(self, i: int) -> ITensor:
+        return self.outputs[i]
+
+    def get_layer(self, i: int) -> ILayer:
+        return self.layers[i]
+
+    def get_flag(self, flag) -> bool:
+        return flag == NetworkDefinitionCreationFlag.STRONGLY_TYPED and self.strongly_typed
+
+
+def _value_infos(values) -> list[ITensor]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        out.append(ITensor(v.name, _FROM_ONNX[t.elem_type],
+                           tuple(d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim)))
+    return out
+
+
+class OnnxParser:
+    """Reads the ONNX graph's inputs, outputs and nodes (no op support check: the project's readiness check does it)."""
+
+    def __init__(self, network: INetworkDefinition, logger):
+        self.network, self.logger, self._errors = network, logger, []
+
+    def parse_from_file(self, path: str) -> bool:
+        path = Path(path)
+        if not path.is_file():
+            self._errors.append(f"ONNX file {path} not found")
+            return False
+        model = onnx.load(str(path), load_external_data=False)
+        n = self.network
+        n.onnx_path = path.resolve()
+        n.inputs, n.outputs = _value_infos(model.graph.input), _value_infos(model.graph.output)
+        n.layers = [ILayer(n, node) for node in model.graph.node]
+        return True
+
+    num_errors = property(lambda self: len(self._errors))
+
+    def get_error(self, i: int) -> str:
+        return self._errors[i]
+
+
+class IOptimizationProfile:
+    def __init__(self):
+        self.shapes: dict[str, tuple] = {}
+
+    def set_shape(self, name: str, min, opt, max) -> None:  # noqa: A002 - TensorRT's argument names
+        # NvInferRuntime.h IOptimizationProfile::setDimensions: "(2) 0 <= minDims.d[i] <= optDims.d[i] <= maxDims.d[i]"
+        # and "(1) minDims.nbDims == optDims.nbDims == maxDims.nbDims".
+        lo, mid, hi = (tuple(int(d) for d in s) for s in (min, opt, max))
+        if not len(lo) == len(mid) == len(hi) or not all(0 <= a <= b <= c for a, b, c in zip(lo, mid, hi)):
+            raise ValueError(f"emulated TensorRT: profile shapes of {name} need equal ranks and 0 <= min <= opt <= "
+                             f"max (NvInferRuntime.h IOptimizationProfile::setDimensions): {lo}, {mid}, {hi}")
+        self.shapes[name] = (lo, mid, hi)
+
+    def get_shape(self, name: str):
+        return [Dims(s) for s in self.shapes[name]]
+
+
+class ITimingCache:
+    def __init__(self, data: bytes = b""):
+        self.data = bytes(data) or b"emulated timing cache\n"
+
+    def serialize(self) -> bytes:
+        return self.data
+
+
+class IBuilderConfig:
+    def __init__(self):
+        self.flags: set = set()
+        self.profiles: list[IOptimizationProfile] = []
+        self.pool_limits: dict = {}
+        self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY
+        self._timing_cache = None
+        if not _TRT11:  # NvInfer.h 11.x IBuilderConfig has no setInt8Calibrator / setCalibrationProfile
+            self.int8_calibrator = None
+            self.calibration_profile = None
+
+    def set_flag(self, flag) -> None:
+        self.flags.add(BuilderFlag(flag))
+
+    def clear_flag(self, flag) -> None:
+        self.flags.discard(BuilderFlag(flag))
+
+    def get_flag(self, flag) -> bool:
+        return BuilderFlag(flag) in self.flags
+
+    def set_memory_pool_limit(self, pool, size: int) -> None:
+        self.pool_limits[MemoryPoolType(pool)] = int(size)
+
+    def add_optimization_profile(self, profile: IOptimizationProfile) -> int:
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+    num_optimization_profiles = property(lambda self: len(self.profiles))
+
+    def create_timing_cache(self, data: bytes = b"") -> ITimingCache:
+        return ITimingCache(data)
+
+    def set_timing_cache(self, cache: ITimingCache, ignore_mismatch: bool) -> bool:
+        self._timing_cache = cache
+        return True
+
+    def get_timing_cache(self) -> ITimingCache | None:
+        return self._timing_cache
+
+    if not _TRT11:
+        def set_calibration_profile(self, profile: IOptimizationProfile) -> bool:
+            self.calibration_profile = profile
+            return True
+
+
+if not _TRT11:  # the TensorRT 11 migration guide: the implicit-quantization calibrators are removed
+    class IInt8Calibrator:
+        """Base of the calibrators: get_batch_size(), get_batch(names) -> device pointers or None,
+        read_calibration_cache(), write_calibration_cache(cache)."""
+
+    class IInt8EntropyCalibrator2(IInt8Calibrator):
+        def __init__(self):
+            pass
+
+
+class IHostMemory(bytes):
+    """A serialized plan (bytes; TensorRT's object supports the buffer protocol)."""
+
+    nbytes = property(len)
+
+
+def _device_info(logger) -> tuple[int, dict] | None:
+    err, dev = _cudart.cudaGetDevice()
+    if int(err):
+        _error(logger, f"no current CUDA device: {_cudart.emulator_last_error()}")
+        return None
+    _, props = _cudart.cudaGetDeviceProperties(dev)
+    return dev, {"name": props.name.decode(), "compute_capability": [props.major, props.minor]}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Builder:
+    def __init__(self, logger):
+        self.logger = logger
+
+    def create_network(self, flags: int = 0) -> INetworkDefinition:
+        return INetworkDefinition(int(flags))
+
+    def create_builder_config(self) -> IBuilderConfig:
+        return IBuilderConfig()
+
+    def create_optimization_profile(self) -> IOptimizationProfile:
+        return IOptimizationProfile()
+
+    def _check(self, network: INetworkDefinition, config: IBuilderConfig) -> str | None:
+        if network.onnx_path is None:
+            return "the network is empty (nothing parsed)"
+        dynamic = [t for t in network.inputs if -1 in t.shape]
+        if dynamic and not config.profiles:
+            # IOptimizationProfile::setDimensions: "This function must be called three times ... for any network
+            # input tensor that has dynamic dimensions"; a build without a profile fails.
+            return "the network has dynamic inputs and no optimization profile"
+        for i, prof in enumerate(config.profiles):
+            for t in network.inputs:
+                if t.name not in prof.shapes:
+                    if -1 in t.shape:
+                        return f"profile {i} has no shape for the dynamic input {t.name}"
+                    continue
+                for s in prof.shapes[t.name]:
+                    # setDimensions "(3) if networkDims.d[i] != -1, then minDims.d[i] == optDims.d[i] ==
+                    # maxDims.d[i] == networkDims.d[i]" (and (1): equal ranks).
+                    if len(s) != len(t.shape) or any(n != -1 and n != d for n, d in zip(t.shape, s)):
+                        return f"profile {i} gives {t.name} the shape {s}, the network has {t.shape}"
+        weak = {BuilderFlag[f] for f in ("FP16", "INT8", "BF16") if f in BuilderFlag.__members__}
+        if network.strongly_typed and config.flags & weak:
+            # NvInfer.h kSTRONGLY_TYPED: "Every tensor in the network has a data type defined in the network
+            # following only type inference rules"; TensorRT 10 rejects precision flags on such a network.
+            return f"builder flags {sorted(f.name for f in config.flags & weak)} on a strongly typed network"
+        if not _TRT11 and BuilderFlag.INT8 in config.flags and config.int8_calibrator is None:
+            return "BuilderFlag.INT8 without a calibrator (and the network has no Q/DQ scales)"
+        return None
+
+    def _calibrate(self, network: INetworkDefinition, config: IBuilderConfig) -> str | None:
+        """Feed the calibrator's batches through the checks a real calibration makes: every input, on the device,
+        at the calibration profile's opt shape (the developer guide, "INT8 Calibration with dynamic shapes")."""
+        cal = config.int8_calibrator
+        prof = config.calibration_profile or config.profiles[0]
+        cache = cal.read_calibration_cache()
+        if cache:
+            return None
+        names = [t.name for t in network.inputs]
+        dev = _cudart.cudaGetDevice()[1]
+        batches = 0
+        while (ptrs := cal.get_batch(names)) is not None:
+            if len(ptrs) != len(names):
+                return f"the calibrator gave {len(ptrs)} pointers for {len(names)} inputs"
+            for t, p in zip(network.inputs, ptrs):
+                shape = prof.shapes.get(t.name, (t.shape,) * 3)[1]
+                n = int(np.prod(shape)) * np.dtype(nptype(t.dtype)).itemsize
+                try:
+                    _cudart.emulator_device_view(int(p), n, dev)
+                except _cudart.EmulatedCudaError as e:
+                    return f"calibration input {t.name}: {e}"
+            batches += 1
+        if not batches:
+            return "the calibrator gave no batch"
+        cal.write_calibration_cache(b"emulated calibration cache: %d batches\n" % batches)
+        return None
+
+    def build_serialized_network(self, network: INetworkDefinition, config: IBuilderConfig) -> IHostMemory | None:
+        """The emulated plan, or None (the reason logged) where TensorRT's build would fail."""
+        device = _device_info(self.logger)
+        if device is None:
+            return None
+        problem = self._check(network, config)
+        if problem is None and not _TRT11 and config.int8_calibrator is not None and BuilderFlag.INT8 in config.flags:
+            problem = self._calibrate(network, config)
+        if problem:
+            _error(self.logger, f"build failed: {problem}")
+            return None
+        header = {
+            "tensorrt": __version__, "device": device[1], "onnx": str(network.onnx_path),
+            "onnx_sha256": _sha256(network.onnx_path), "strongly_typed": network.strongly_typed,
+            "flags": sorted(f.name for f in config.flags), "pinned_fp32_layers": len(network.pinned),
+            "io": [{"name": t.name, "mode": "INPUT", "dtype": t.dtype.name, "shape": list(t.shape)}
+                   for t in network.inputs] + [{"name": t.name, "mode": "OUTPUT", "dtype": t.dtype.name,
+                                                "shape": list(t.shape)} for t in network.outputs],
+            "profiles": [{n: [list(s) for s in v] for n, v in p.shapes.items()} for p in config.profiles],
+        }
+        return IHostMemory(PLAN_MAGIC + json.dumps(header).encode())
+
+
+class Runtime:
+    def __init__(self, logger):
+        self.logger = logger
+
+    def deserialize_cuda_engine(self, plan) -> "ICudaEngine | None":
+        """The engine, or None (NvInferRuntime.h IRuntime::deserializeCudaEngine: "\\return The engine, or nullptr
+        if it could not be deserialized")."""
+        data = bytes(plan)
+        if not data.startswith(PLAN_MAGIC):
+            _error(self.logger, "deserialize: not a plan of this (emulated) TensorRT")
+            return None
+        try:
+            header = json.loads(data[len(PLAN_MAGIC):])
+        except ValueError:
+            _error(self.logger, "deserialize: the plan is truncated or corrupt")
+            return None
+        # Developer guide, "Serialized engines are not portable across platforms or TensorRT versions" and are
+        # "specific to the exact GPU model that they were built on" (unless built version-/hardware-compatible).
+        if header["tensorrt"] != __version__:
+            _error(self.logger, f"deserialize: the plan was built by TensorRT {header['tensorrt']}, this is {__version__}")
+            return None
+        device = _device_info(self.logger)
+        if device is None:
+            return None
+        if header["device"]["compute_capability"] != device[1]["compute_capability"]:
+            _error(self.logger, f"deserialize: the plan was built for compute capability "
+                                f"{header['device']['compute_capability']}, device {device[0]} has "
+                                f"{device[1]['compute_capability']}")
+            return None
+        onnx_path = Path(header["onnx"])
+        if not onnx_path.is_file() or _sha256(onnx_path) != header["onnx_sha256"]:
+            _error(self.logger, f"deserialize: the emulated plan's ONNX {onnx_path} is missing or changed since the build")
+            return None
+        return ICudaEngine(header, device[0], self.logger)
+
+
+_SESSIONS: dict[tuple[str, str], object] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _session(path: str, sha: str):
+    """One ONNX Runtime CPU session per ONNX file (shared by the engines of a test run)."""
+    import onnxruntime as ort
+
+    with _SESSIONS_LOCK:
+        if (path, sha) not in _SESSIONS:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = 1
+            _SESSIONS[(path, sha)] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        return _SESSIONS[(path, sha)]
+
+
+class ICudaEngine:
+    _SCRATCH = 1 << 20  # emulated scratch bytes per profile
+
+    def __init__(self, header: dict, device: int, logger):
+        self.header, self.device, self.logger = header, device, logger
+        self.io = {t["name"]: t for t in header["io"]}
+        self.names = [t["name"] for t in header["io"]]
+
+    num_io_tensors = property(lambda self: len(self.names))
+    num_optimization_profiles = property(lambda self: len(self.header["profiles"]))
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.names[i]
+
+    def get_tensor_mode(self, name: str) -> TensorIOMode:
+        return TensorIOMode[self.io[name]["mode"]] if name in self.io else TensorIOMode.NONE
+
+    def get_tensor_dtype(self, name: str) -> DataType:
+        return DataType[self.io[name]["dtype"]]
+
+    def get_tensor_shape(self, name: str) -> Dims:
+        return Dims(self.io[name]["shape"])
+
+    def get_tensor_profile_shape(self, name: str, profile_index: int) -> list[Dims]:
+        return [Dims(s) for s in self.header["profiles"][profile_index][name]]
+
+    def get_device_memory_size_for_profile_v2(self, profile_index: int) -> int:
+        return self._SCRATCH * (profile_index + 1)
+
+    @property
+    def device_memory_size_v2(self) -> int:
+        return self._SCRATCH * self.num_optimization_profiles
+
+    if not _TRT11:  # getDeviceMemorySize: "Deprecated in TensorRT 10.1"; absent from the 11.x NvInferRuntime.h
+        device_memory_size = device_memory_size_v2
+
+    def create_execution_context(self, strategy=ExecutionContextAllocationStrategy.STATIC) -> "IExecutionContext":
+        return IExecutionContext(self, ExecutionContextAllocationStrategy(strategy))
+
+
+class IExecutionContext:
+    def __init__(self, engine: ICudaEngine, strategy: ExecutionContextAllocationStrategy):
+        self.engine, self.strategy = engine, strategy
+        # setOptimizationProfileAsync: "The newly created execution context will be assigned optimization profile 0."
+        self.profile = 0
+        self.shapes: dict[str, tuple] = {}
+        self.addresses: dict[str, int] = {}
+        self.scratch: tuple[int, int] | None = None
+
+    def _fail(self, msg: str) -> bool:
+        _error(self.engine.logger, msg)
+        return False
+
+    def set_optimization_profile_async(self, index: int, stream) -> bool:
+        # "\return true if the call succeeded, else false (e.g. input out of range)"
+        if not 0 <= index < self.engine.num_optimization_profiles:
+            return self._fail(f"profile {index} out of range [0, {self.engine.num_optimization_profiles})")
+        self.profile = index
+        self.shapes.clear()  # "must be called before calling setInputShape() for all dynamic input tensors"
+        return True
+
+    def set_device_memory(self, ptr: int, size: int) -> None:
+        self.scratch = (int(ptr), int(size))
+
+    @property
+    def device_memory(self):
+        return self.scratch[0] if self.scratch else 0
+
+    @device_memory.setter
+    def device_memory(self, ptr: int) -> None:
+        self.scratch = (int(ptr), self.engine.get_device_memory_size_for_profile_v2(self.profile))
+
+    def set_input_shape(self, name: str, shape) -> bool:
+        """NvInferRuntime.h setInputShape: "\\return True on success, false if the provided name does not map to an
+        input tensor"; "Each dimension must agree with the network dimension unless the latter was -1"; and
+        IOptimizationProfile: "A runtime error will be raised if the input tensor dimensions fall outside the
+        valid range for this profile"."""
+        e = self.engine
+        shape = tuple(int(d) for d in shape)
+        if e.get_tensor_mode(name) != TensorIOMode.INPUT:
+            return self._fail(f"set_input_shape: {name!r} is not an input tensor")
+        net = e.get_tensor_shape(name)
+        if len(net) != len(shape) or any(n != -1 and n != d for n, d in zip(net, shape)):
+            return self._fail(f"set_input_shape: {name} {shape} disagrees with the network's {tuple(net)}")
+        lo, _, hi = e.get_tensor_profile_shape(name, self.profile)
+        if not all(a <= d <= b for a, d, b in zip(lo, shape, hi)):
+            return self._fail(f"set_input_shape: {name} {shape} is outside profile {self.profile}'s range "
+                              f"[{tuple(lo)}, {tuple(hi)}]")
+        self.shapes[name] = shape
+        return True
+
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        if self.engine.get_tensor_mode(name) == TensorIOMode.NONE:
+            return self._fail(f"set_tensor_address: no I/O tensor {name!r}")
+        # setTensorAddress: "The pointer must have at least 256-byte alignment."
+        if int(ptr) % 256:
+            return self._fail(f"set_tensor_address: {name} at 0x{int(ptr):x} is not 256-byte aligned")
+        self.addresses[name] = int(ptr)
+        return True
+
+    def get_tensor_address(self, name: str) -> int:
+        return self.addresses.get(name, 0)
+
+    def _symbols(self) -> dict:
+        sizes = {}
+        for name, shape in self.shapes.items():
+            for sym, d in zip(self._onnx_dims(name), shape):
+                if isinstance(sym, str):
+                    sizes[sym] = d
+        return sizes
+
+    def _onnx_dims(self, name: str) -> list:
+        dims = self.engine.header.setdefault("_dims", {})
+        if not dims:
+            model = onnx.load(self.engine.header["onnx"], load_external_data=False)
+            for v in (*model.graph.input, *model.graph.output):
+                dims[v.name] = [d.dim_param if not d.HasField("dim_value") else d.dim_value
+                                for d in v.type.tensor_type.shape.dim]
+        return dims[name]
+
+    def get_tensor_shape(self, name: str) -> Dims:
+        """An input's set shape; an output's shape from the inputs' (-1 where it cannot be known yet)."""
+        if self.engine.get_tensor_mode(name) == TensorIOMode.INPUT:
+            return Dims(self.shapes.get(name, self.engine.get_tensor_shape(name)))
+        sizes = self._symbols()
+        return Dims(d if isinstance(d, int) else sizes.get(d, -1) for d in self._onnx_dims(name))
+
+    def infer_shapes(self) -> list[str]:
+        """NvInferRuntime.h inferShapes: the names of the "insufficiently specified input tensors" (dynamic
+        dimensions whose runtime dimensions have not been set via setInputShape)."""
+        e = self.engine
+        return [n for n in e.names if e.get_tensor_mode(n) == TensorIOMode.INPUT
+                and -1 in e.get_tensor_shape(n) and n not in self.shapes]
+
+    def _nbytes(self, name: str, shape) -> int:
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(nptype(self.engine.get_tensor_dtype(name))).itemsize
+
+    def execute_async_v3(self, stream_handle: int) -> bool:
+        """Run the ONNX with ONNX Runtime on the bound emulated device memory; False (the reason logged) where
+        TensorRT's enqueueV3 would fail."""
+        e = self.engine
+        try:
+            dev = _cudart.emulator_check_stream(stream_handle)
+        except _cudart.EmulatedCudaError as err:
+            return self._fail(f"execute_async_v3: {err}")
+        if dev != e.device:
+            # The engine's memory lives on the device it was deserialized on (IRuntime uses the current device).
+            return self._fail(f"execute_async_v3 on device {dev}; the engine was deserialized on device {e.device}")
+        missing = self.infer_shapes()
+        if missing:
+            return self._fail(f"execute_async_v3: input shapes not set: {missing}")
+        # setTensorAddress: "Before calling enqueueV3(), each input must have a non-null address and each output
+        # must have a non-null address or an IOutputAllocator to set it later."
+        unbound = [n for n in e.names if not self.addresses.get(n)]
+        if unbound:
+            return self._fail(f"execute_async_v3: I/O tensors without an address: {unbound}")
+        if self.strategy == ExecutionContextAllocationStrategy.USER_MANAGED:
+            # ExecutionContextAllocationStrategy::kUSER_MANAGED: "The user supplies custom allocation to the
+            # execution context" (setDeviceMemoryV2, at least getDeviceMemorySizeForProfileV2 bytes).
+            need = e.get_device_memory_size_for_profile_v2(self.profile)
+            if self.scratch is None or self.scratch[1] < need:
+                return self._fail(f"execute_async_v3: a USER_MANAGED context needs {need} bytes of scratch "
+                                  f"(set_device_memory), has {self.scratch}")
+        try:
+            if self.scratch is not None:
+                _cudart.emulator_device_view(self.scratch[0], e.get_device_memory_size_for_profile_v2(self.profile),
+                                             dev)
+            feeds = {}
+            for n in e.names:
+                if e.get_tensor_mode(n) == TensorIOMode.INPUT:
+                    shape = self.shapes.get(n, tuple(e.get_tensor_shape(n)))
+                    raw = _cudart.emulator_device_view(self.addresses[n], self._nbytes(n, shape), dev)
+                    feeds[n] = raw.view(nptype(e.get_tensor_dtype(n))).reshape(shape).copy()
+            outs = [n for n in e.names if e.get_tensor_mode(n) == TensorIOMode.OUTPUT]
+            values = _session(e.header["onnx"], e.header["onnx_sha256"]).run(outs, feeds)
+            for n, v in zip(outs, values):
+                v = np.ascontiguousarray(v, dtype=nptype(e.get_tensor_dtype(n)))
+                want = tuple(self.get_tensor_shape(n))
+                if v.shape != want:
+                    return self._fail(f"execute_async_v3: output {n} came out {v.shape}, the context said {want}")
+                _cudart.emulator_device_view(self.addresses[n], v.nbytes, dev)[:] = v.reshape(-1).view(np.uint8)
+        except _cudart.EmulatedCudaError as err:
+            return self._fail(f"execute_async_v3: {err}")
+        return True
