@@ -328,7 +328,8 @@ def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
 
 
 def test_build_engine_flag_runs_the_engine_step(art):
-    args = Namespace(engine="trt", engine_precision="int8", calibration=None, calibration_batches=2, workspace_mib=None)
+    args = Namespace(engine="trt", engine_precision="int8", calibration=None, calibration_batches=2, workspace_mib=None,
+                     engine_device_id=0)
     assert after_build(args, art) == (0 if HAVE_TRT else EXIT_NO_TENSORRT)
     assert (art / "engines/trtexec.int8.txt").is_file()
     assert after_build(Namespace(engine="none"), art) == 0

@@ -1,24 +1,50 @@
-"""Building the engines with TensorRT, through Polygraphy's loaders (needs ``tensorrt``).
+"""Building the engines with TensorRT's Python API (needs ``tensorrt`` and cuda-python).
 
-    NetworkFromOnnxPath -> [PostprocessNetwork: pin norms/softmax to fp32]
-        -> CreateConfig(profiles, fp16/int8, calibrator, timing cache) -> EngineFromNetwork -> SaveEngine
+    Builder -> network (OnnxParser.parse_from_file) -> [pin norms/softmax to fp32]
+        -> builder config (profiles, precision flags, calibrator, timing cache)
+        -> build_serialized_network -> plan written atomically
 
-Not executed in this project's CI (TensorRT cannot be installed there); written against
-TensorRT 10's Python API and Polygraphy 0.49+, and kept to the loaders' documented
-arguments. The ONNX is parsed by path, so its external data (``weights.bin``) resolves.
+Direct calls rather than Polygraphy's loaders: the same few steps, and a surface small enough
+that CI runs it against the emulated TensorRT under ``tests/emulated`` (a test double, not
+TensorRT). Written against TensorRT 10's Python API; under TensorRT 11, which builds strongly
+typed networks only (no FP16 / INT8 builder flags, no calibrators: the 11.x ``NvInfer.h``), an
+fp16 or int8 engine of an fp32 artifact is a typed error naming the fix. The ONNX is parsed by
+path, so its external data (``weights.bin``) resolves.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from functools import partial
 from pathlib import Path
 
+import numpy as np
+
+from medusa_runtime.errors import ArtifactError
 from medusa_runtime.manifest import Manifest, as_manifest
 from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 
 from .commands import fp32_node_names, strongly_typed
 from .config import CALIBRATION_CACHE, TIMING_CACHE, EngineConfig
+
+#: The first TensorRT major version without weak typing (BuilderFlag FP16 / INT8, per-layer precisions,
+#: calibrators): TensorRT 11's NvInfer.h, where every network is strongly typed.
+STRONGLY_TYPED_ONLY_FROM = 11
+
+
+class EngineBuildError(ArtifactError):
+    """TensorRT refused to parse or build a graph, or this TensorRT cannot build the asked precision."""
+
+
+def _cudart():
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart
+        except ImportError:
+            return None
+    return cudart
 
 
 def tensorrt_version() -> str | None:
@@ -30,20 +56,18 @@ def tensorrt_version() -> str | None:
     return trt.__version__
 
 
-def gpu_name() -> str:
-    """Name of CUDA device 0 (via cuda-python), or "unknown"."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart
-        except ImportError:
-            return "unknown"
-    err, props = cudart.cudaGetDeviceProperties(0)
+def gpu_key(device: int = 0) -> dict:
+    """Name and compute capability of CUDA device ``device`` (via cuda-python): the part of a plan's key that
+    ties it to a GPU model (a plan runs only on the GPU model it was built for). "unknown" where none answers."""
+    cudart = _cudart()
+    if cudart is None:
+        return {"gpu": "unknown", "compute_capability": "unknown"}
+    err, props = cudart.cudaGetDeviceProperties(device)
     if int(err) != 0:
-        return "unknown"
+        return {"gpu": "unknown", "compute_capability": "unknown"}
     name = props.name
-    return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\x00")
+    name = (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\x00")
+    return {"gpu": name, "compute_capability": f"{props.major}.{props.minor}"}
 
 
 def _pin_fp32(network, names: set[str]) -> None:
@@ -76,16 +100,83 @@ def _pin_fp32(network, names: set[str]) -> None:
                     ly.set_output_type(i, trt.float32)
 
 
-def _polygraphy_profiles(manifest: Manifest | dict, graph: str):
-    from polygraphy.backend.trt import Profile
-
+def _add_profiles(trt, builder, config, manifest: Manifest, graph: str) -> list:
+    """One optimization profile per :func:`~medusa_runtime.trt_plan.graph_profiles` entry, in that order."""
     out = []
     for prof in graph_profiles(manifest, graph):
-        p = Profile()
+        p = builder.create_optimization_profile()
         for name, (lo, opt, hi) in profile_shapes(manifest.graphs[graph].inputs, prof).items():
-            p.add(name, min=lo, opt=opt, max=hi)
+            p.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(p)
         out.append(p)
     return out
+
+
+def _calibrator(trt, cudart, feeds: list[dict[str, np.ndarray]], cache: Path):
+    """An entropy calibrator (TensorRT 10 only) that copies each feed to device buffers it owns; ``free()``
+    releases them after the build."""
+
+    def check(result, what):
+        err, *rest = result
+        if int(err) != 0:
+            raise EngineBuildError(f"{what} failed during int8 calibration: CUDA error {int(err)}")
+        return rest[0] if rest else None
+
+    class Calibrator(trt.IInt8EntropyCalibrator2):
+        def __init__(self):
+            trt.IInt8EntropyCalibrator2.__init__(self)
+            self.feeds, self.ptrs = list(feeds), {}
+
+        def get_batch_size(self) -> int:
+            return 1
+
+        def get_batch(self, names):
+            if not self.feeds:
+                return None
+            feed = self.feeds.pop(0)
+            out = []
+            for n in names:
+                arr = np.ascontiguousarray(feed[n])
+                if n not in self.ptrs:  # feeds share the prefill opt shape: one buffer per input
+                    self.ptrs[n] = check(cudart.cudaMalloc(max(arr.nbytes, 1)), "cudaMalloc")
+                check(cudart.cudaMemcpy(self.ptrs[n], arr.ctypes.data, arr.nbytes,
+                                        cudart.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
+                out.append(int(self.ptrs[n]))
+            return out
+
+        def read_calibration_cache(self):
+            return cache.read_bytes() if cache.is_file() else None
+
+        def write_calibration_cache(self, data) -> None:
+            cache.write_bytes(bytes(data))
+
+        def free(self) -> None:
+            for p in self.ptrs.values():
+                cudart.cudaFree(p)
+            self.ptrs.clear()
+
+    return Calibrator()
+
+
+def _check_precision(trt, manifest: Manifest, precision: str, typed: bool) -> None:
+    """TensorRT >= :data:`STRONGLY_TYPED_ONLY_FROM` builds what the ONNX's types say: no fp16 / int8 of fp32 graphs."""
+    major = int(trt.__version__.split(".")[0])
+    if major >= STRONGLY_TYPED_ONLY_FROM and not typed and precision != "fp32":
+        raise EngineBuildError(
+            f"TensorRT {trt.__version__} builds strongly typed networks only (no FP16/INT8 builder flags or "
+            f"calibrators since TensorRT 11), and this artifact's graphs are {manifest.precision.kv_dtype}: build "
+            f"--precision fp32 engines, or export an fp16 artifact (medusa-export build --precision fp16) for fp16 "
+            f"engines")
+
+
+def _write_atomically(path: Path, data) -> None:
+    """Write ``data`` beside ``path`` and rename it into place: a failed write leaves no half plan."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def build_graph(folder: Path, manifest: Manifest | dict, graph: str, cfg: EngineConfig, calibration_feeds=None) -> dict:
@@ -95,50 +186,66 @@ def build_graph(folder: Path, manifest: Manifest | dict, graph: str, cfg: Engine
         folder: the artifact.
         manifest: its manifest.
         graph: "model" or "heads".
-        cfg: precision, workspace, timing cache.
+        cfg: precision, workspace, timing cache, device.
         calibration_feeds: int8 only (model graph): a list of input dicts at the prefill
             profile's opt shapes (see ``calibration.calibration_feeds``).
+
+    Raises:
+        EngineBuildError: the parser or the builder failed (TensorRT's errors in the message), or this
+            TensorRT cannot build ``cfg.precision`` from this artifact.
     """
     manifest = as_manifest(manifest)
     import tensorrt as trt
-    from polygraphy.backend.trt import (Calibrator, CreateConfig, EngineFromNetwork, NetworkFromOnnxPath,
-                                        PostprocessConfig, PostprocessNetwork, SaveEngine)
 
     onnx_path = folder / manifest.graphs[graph].file
     typed = strongly_typed(manifest, cfg.precision)
-    network = NetworkFromOnnxPath(str(onnx_path), strongly_typed=typed)
+    _check_precision(trt, manifest, cfg.precision, typed)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if typed else 0)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EngineBuildError(f"TensorRT's ONNX parser refused {onnx_path}: {errors}")
     pinned: list[str] = []
     if cfg.precision in ("fp16", "int8") and not typed:
         import onnx
 
         pinned = fp32_node_names(onnx.load(str(onnx_path), load_external_data=False))
-        network = PostprocessNetwork(network, func=partial(_pin_fp32, names=set(pinned)), name="pin norms/softmax to fp32")
-    profiles = _polygraphy_profiles(manifest, graph)
-    int8 = cfg.precision == "int8" and graph == "model"
+        _pin_fp32(network, set(pinned))
+    config = builder.create_builder_config()
+    if cfg.precision in ("fp16", "int8") and not typed:
+        config.set_flag(trt.BuilderFlag.FP16)
+    if pinned:
+        config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
+    if cfg.workspace_mib:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, cfg.workspace_mib << 20)
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    profiles = _add_profiles(trt, builder, config, manifest, graph)
+    timing_path = folder / TIMING_CACHE
+    if cfg.timing_cache:
+        data = timing_path.read_bytes() if timing_path.is_file() else b""
+        config.set_timing_cache(config.create_timing_cache(data), False)
     calibrator = None
-    if int8:
-        calibrator = Calibrator(data_loader=calibration_feeds, cache=str(folder / CALIBRATION_CACHE))
-    timing = str(folder / TIMING_CACHE) if cfg.timing_cache else None
-    config = CreateConfig(
-        fp16=cfg.precision in ("fp16", "int8") and not typed,
-        int8=int8,
-        profiles=profiles,
-        calibrator=calibrator,
-        precision_constraints="obey" if pinned else None,
-        load_timing_cache=timing,
-        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: cfg.workspace_mib << 20} if cfg.workspace_mib else None,
-        profiling_verbosity=trt.ProfilingVerbosity.DETAILED,
-    )
-    if int8:  # calibrate on the prefill profile (Polygraphy would take the last one, decode)
-        def _calib_profile(builder, network, config, prof=profiles[0]):
-            config.set_calibration_profile(prof.fill_defaults(network).to_trt(builder, network))
-
-        config = PostprocessConfig(config, func=_calib_profile)
-    plan = plan_files(manifest, cfg.precision)[graph]
+    if cfg.precision == "int8" and graph == "model":
+        config.set_flag(trt.BuilderFlag.INT8)
+        calibrator = _calibrator(trt, _cudart(), calibration_feeds or [], folder / CALIBRATION_CACHE)
+        config.int8_calibrator = calibrator
+        config.set_calibration_profile(profiles[0])  # the prefill profile (its opt shape is the feeds')
+    plan_rel = plan_files(manifest, cfg.precision)[graph]
     (folder / ENGINE_DIR).mkdir(exist_ok=True)
     t0 = time.perf_counter()
-    SaveEngine(EngineFromNetwork(network, config=config, save_timing_cache=timing), path=str(folder / plan))()
-    return {"plan": plan, "build_seconds": round(time.perf_counter() - t0, 1), "strongly_typed": typed,
+    try:
+        plan = builder.build_serialized_network(network, config)
+    finally:
+        if calibrator is not None:
+            calibrator.free()
+    if plan is None:
+        raise EngineBuildError(f"TensorRT could not build {onnx_path} ({cfg.precision}); its log above says why")
+    _write_atomically(folder / plan_rel, plan)
+    if cfg.timing_cache and config.get_timing_cache() is not None:
+        _write_atomically(timing_path, config.get_timing_cache().serialize())
+    return {"plan": plan_rel, "build_seconds": round(time.perf_counter() - t0, 1), "strongly_typed": typed,
             "fp32_layers": len(pinned), "profiles": [p.name for p in graph_profiles(manifest, graph)]}
 
 
@@ -146,6 +253,7 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
     """Build both graphs; return (the manifest's engine record, files written).
 
     Raises:
+        EngineBuildError: cuda-python is missing, the device does not exist, or a graph does not build.
         UnsupportedModelError: path-conditioned (hydra) heads, whose level graphs TensorRT plans do not cover yet.
     """
     manifest = as_manifest(manifest)
@@ -154,6 +262,12 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
 
         raise UnsupportedModelError(f"TensorRT engines run Medusa heads (heads.onnx) only; this artifact's heads are "
                                     f"{manifest.head_type!r} (heads_level{{j}}.onnx): run it with ONNX Runtime")
+    cudart = _cudart()
+    if cudart is None:
+        raise EngineBuildError("building TensorRT engines needs cuda-python (pip install cuda-python)")
+    if int(cudart.cudaSetDevice(cfg.device_id)[0]) != 0:  # the builder works on this thread's current device
+        raise EngineBuildError(f"CUDA device {cfg.device_id} is not available (cudaSetDevice failed); this machine "
+                               f"has {cudart.cudaGetDeviceCount()[1]} device(s)")
     graphs = {g: build_graph(folder, manifest, g, cfg, calibration_feeds if g == "model" else None)
               for g in ("model", "heads")}
     files = [graphs["model"]["plan"], graphs["heads"]["plan"]]
@@ -164,8 +278,9 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
     record = {
         "status": "built",
         "backend": "tensorrt",
+        # The plan's key (checked when the runtime loads it: medusa_runtime.trt_plan.check_plan_key).
         "tensorrt": tensorrt_version(),
-        "gpu": gpu_name(),
+        **gpu_key(cfg.device_id),
         "precision": cfg.precision,
         "model_plan": graphs["model"]["plan"],
         "heads_plan": graphs["heads"]["plan"],

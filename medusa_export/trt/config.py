@@ -31,6 +31,7 @@ class EngineConfig:
         calibration_batches: calibration windows fed to TensorRT (int8 only).
         workspace_mib: builder workspace limit in MiB (None: TensorRT's default, all free memory).
         timing_cache: load and update ``engines/timing.cache``.
+        device_id: the CUDA device the engines are built on (and tuned for).
     """
 
     precision: str = "fp16"
@@ -38,11 +39,14 @@ class EngineConfig:
     calibration_batches: int = 16
     workspace_mib: int | None = None
     timing_cache: bool = True
+    device_id: int = 0
 
     def __post_init__(self) -> None:
         if self.precision not in ENGINE_PRECISIONS:
             raise MedusaError(f"unknown engine precision {self.precision!r}; choose one of {', '.join(ENGINE_PRECISIONS)}")
         if self.workspace_mib is not None and self.workspace_mib <= 0:
             raise MedusaError(f"--workspace must be a positive number of MiB, got {self.workspace_mib}")
+        if self.device_id < 0:
+            raise MedusaError(f"--device-id must be >= 0, got {self.device_id}")
         if self.calibration_batches < 1:
             raise MedusaError(f"--calibration-batches must be >= 1, got {self.calibration_batches}")
