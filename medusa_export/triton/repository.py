@@ -75,6 +75,13 @@ GENERATION_OUTPUTS = (
     ("tokens_per_step", "TYPE_FP32", [1]),
 )
 _GPU_BACKENDS = ("tensorrt", "onnxruntime-cuda")
+#: What the generation model's Python needs per medusa_runtime backend (the README lists it).
+BACKEND_PACKAGES = {
+    "onnxruntime": "numpy, onnxruntime, tokenizers and jinja2",
+    "onnxruntime-cuda": "numpy, onnxruntime-gpu (CUDA provider), tokenizers and jinja2",
+    "tensorrt": ("numpy, tokenizers, jinja2, TensorRT 10.x's Python package `tensorrt` (from NVIDIA, matching the "
+                 "version the plans were built with) and `cuda-python` (device memory and streams)"),
+}
 ARTIFACT_MODES = ("copy", "link", "reference")
 
 
@@ -267,7 +274,7 @@ def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict]
     return written
 
 
-def _readme(cfg: TritonConfig, engine_models: list[str]) -> str:
+def _readme(cfg: TritonConfig, engine_models: list[str], backend: str) -> str:
     name = cfg.model_name
     fields = ", ".join(n for n, _, _ in GENERATION_INPUTS)
     outs = ", ".join(n for n, _, _ in GENERATION_OUTPUTS)
@@ -284,7 +291,7 @@ def _readme(cfg: TritonConfig, engine_models: list[str]) -> str:
 `{name}` (Python backend, decoupled) runs the Medusa decode loop with the copied `medusa_runtime`:
 concurrent requests share batched steps, up to {cfg.batch_size} per instance (model parameter
 `batch_size`; a request joins at the next step and leaves when it ends, with the tokens it
-would get alone). The backend's Python needs numpy, onnxruntime, tokenizers and jinja2.
+would get alone). Backend `{backend}`: its Python needs {BACKEND_PACKAGES[backend]}.
 {tree}
 
     tritonserver --model-repository $PWD
@@ -349,7 +356,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
         (tmp / cfg.model_name / "config.pbtxt").write_text(
             generation_config(cfg.model_name, params, cfg.instances, gpu=backend in _GPU_BACKENDS))
         engines = _engine_models(source, tmp, cfg.model_name, plans, how) if cfg.engine_models else []
-        (tmp / "README.md").write_text(_readme(cfg, engines))
+        (tmp / "README.md").write_text(_readme(cfg, engines, backend))
         record = {"generator": f"medusa-export {__version__}", "artifact": str(art.path.resolve()),
                   "artifact_mode": cfg.artifact_mode, "model": art.model.name,
                   "generation_model": cfg.model_name, "backend": backend, "engine_models": engines,
