@@ -94,6 +94,7 @@ for p in $PRECISIONS; do
 done
 
 echo "== parity and timing"
+set +e  # the summary prints whatever this step does
 "$PYTHON" - "$ART" "$NEW_TOKENS" "$ROWS" $BUILT <<'PY'
 import sys, time
 import numpy as np
@@ -134,21 +135,25 @@ for p in precisions:
         return TrtEngine(art, precision=p)
     engines.append((f"tensorrt {p}", make))
 for name, make in engines:
-    try:
+    eng = None
+    try:  # the whole run of one engine: a failure anywhere is that engine's row, and the others still run
         eng = make()
+        res, tps = run(eng, art.tree)
+        same = sum(a.tokens == b.tokens for a, b in zip(ref, res))
+        first = next((i for a, b in zip(ref, res) for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+        reduced = "fp16" in name or "int8" in name  # token-exact only up to near-ties (DESIGN: precision and parity)
+        verdict = "PASS" if same == len(prompts) else ("DIFF" if reduced else "FAIL")
+        out(name, verdict, f"{same}/{len(prompts)} prompts token-identical"
+            + (f" (first divergence at token {first})" if first is not None else "") + f"; {tps:.1f} tok/s")
     except Exception as exc:  # noqa: BLE001 - report and go on with the others
-        out(name, "skipped", f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
-        continue
-    res, tps = run(eng, art.tree)
-    same = sum(a.tokens == b.tokens for a, b in zip(ref, res))
-    first = next((i for a, b in zip(ref, res) for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
-    reduced = "fp16" in name or "int8" in name  # token-exact only up to near-ties (DESIGN: precision and parity)
-    verdict = "PASS" if same == len(prompts) else ("DIFF" if reduced else "FAIL")
-    out(name, verdict, f"{same}/{len(prompts)} prompts token-identical"
-        + (f" (first divergence at token {first})" if first is not None else "") + f"; {tps:.1f} tok/s")
-    if hasattr(eng, "close"):
-        eng.close()
+        out(name, "skipped" if eng is None else "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+    finally:
+        if eng is not None and hasattr(eng, "close"):
+            eng.close()
 PY
+rc=$?
+set -e
+if [ "$rc" -ne 0 ]; then row "parity and timing" "FAIL" "the step exited $rc (its traceback is above)"; fi
 
 echo
 echo "== summary"
