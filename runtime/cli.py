@@ -74,7 +74,8 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                    help="run an artifact (medusa-export build output) with the torch-free runtime")
     p.add_argument("--backend", choices=sorted(BACKENDS), default=DEFAULT_BACKEND,
                    help=f"engine backend for --artifact (default: {DEFAULT_BACKEND})")
-    p.add_argument("--threads", type=int, help="CPU threads for --artifact (default: ONNX Runtime's choice)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help=f"CPU threads for --artifact, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
@@ -88,8 +89,36 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                                   "'auto:dynamic'")
 
 
+#: ``--threads`` takes 1..MAX_THREADS: ONNX Runtime starts every intra-op thread when a session is made (100000
+#: hung there, -1 was passed on); above the machine's CPU count it runs, with a note (threads then share cores).
+MAX_THREADS = 256
+
+
+def check_threads(threads: int | None, err: TextIO | None = None) -> int | None:
+    """``--threads``: None (ONNX Runtime's choice) or 1..:data:`MAX_THREADS`; a note on ``err`` (default: the
+    current sys.stderr) when it exceeds ``os.cpu_count()``.
+
+    Raises:
+        InvalidSettingError: outside 1..MAX_THREADS (the message gives the range and this machine's CPUs).
+    """
+    import os
+
+    cpus = os.cpu_count() or 1
+    if threads is None:
+        return None
+    if not 1 <= threads <= MAX_THREADS:
+        raise InvalidSettingError(f"--threads must be in 1..{MAX_THREADS} (this machine has {cpus} CPUs), got "
+                                  f"{threads}; leave it out for ONNX Runtime's choice")
+    if threads > cpus:
+        print(f"[note: --threads {threads} is more than this machine's {cpus} CPUs: the threads share cores]",
+              file=err or sys.stderr)
+    return threads
+
+
 def _session(args):
     from .session import MedusaSession
+
+    check_threads(args.threads)
 
     from .autotree import format_table, is_auto
 
@@ -305,12 +334,15 @@ TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
 def signals_as_interrupt():
     """While inside: SIGTERM and SIGHUP raise :class:`Terminated` in the main thread, as Ctrl-C raises
     KeyboardInterrupt; the previous handlers are restored on leaving. Outside the main thread (where Python
-    cannot install handlers) nothing changes."""
+    cannot install handlers) nothing changes. As for Ctrl-C, Python runs the handler between bytecodes: a
+    process stuck inside one native call handles the signal when the call returns (SIGKILL stops it anyway);
+    a second SIGTERM / SIGHUP kills at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)  # a second one kills at once, clean-up or not
         raise Terminated(signum)
 
     sigs = [signal.Signals[name] for name in TERMINATING_SIGNALS if name in signal.Signals.__members__]  # no SIGHUP on Windows

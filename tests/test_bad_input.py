@@ -190,3 +190,23 @@ def test_a_second_build_into_the_same_out_is_refused(tiny_model_dir, tmp_path, c
                         "--no-validate", "--out", str(out)], capsys)
     assert f"another process (PID {os.getpid()}) is writing {out} (it holds {tmp_path / '.art.lock'}); wait" in err
     assert list(tmp_path.iterdir()) == []
+
+
+# --- 7. --threads out of range --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threads", ["-1", "0", "100000"])
+@pytest.mark.parametrize("command", ["generate", "triton"])
+def test_threads_out_of_range_fails_before_a_session_is_made(command, threads, artifact, tmp_path, capsys):
+    """--threads 100000 hung inside ONNX Runtime's session creation; -1 was accepted."""
+    tail = ["--prompt", "hi"] if command == "generate" else ["--out", str(tmp_path / "repo")]
+    err = error_of([command, "--artifact", str(artifact), "--threads", threads, *tail], capsys)
+    assert f"--threads must be in 1..256 (this machine has {os.cpu_count()} CPUs), got {threads}" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_threads_above_the_cpu_count_runs_with_a_note(artifact, capsys):
+    threads = str(os.cpu_count() + 1)
+    assert main(["generate", "--artifact", str(artifact), "--prompt", "hi", "--max-new-tokens", "2",
+                 "--threads", threads]) == 0
+    assert f"[note: --threads {threads} is more than this machine's {os.cpu_count()} CPUs" in capsys.readouterr().err

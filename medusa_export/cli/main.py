@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_runtime.cli import (add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args, run_command,
-                                sampling_from_args)
+from medusa_runtime.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
+                                check_threads, run_command, sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file, check_replaceable
@@ -349,6 +349,8 @@ def cmd_triton(args) -> int:
     """Write a Triton Inference Server model repository for an artifact."""
     from ..triton.repository import TritonConfig, write_repository
 
+    check_threads(args.threads)
+
     cfg = TritonConfig(model_name=args.name, artifact_mode=args.artifact_mode, instances=args.instances,
                        batch_size=args.batch_size, threads=args.threads,
                        backend=args.backend, engine_precision=args.engine_precision,
@@ -528,7 +530,8 @@ def _add_triton_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=TritonConfig.batch_size,
                    help=f"concurrent requests that share each step in one instance (in-flight batching) "
                         f"(default: {TritonConfig.batch_size})")
-    p.add_argument("--threads", type=int, help="CPU threads per instance (default: ONNX Runtime's choice)")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help=f"CPU threads per instance, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
     p.add_argument("--backend", choices=sorted(BACKENDS),
                    help="medusa_runtime backend (default: tensorrt with built plans, else onnxruntime)")
     p.add_argument("--engine-precision", help="which built TensorRT plans to serve (default: the first built)")
