@@ -196,7 +196,7 @@ STEP_SAMPLER_IO = {1: (("sample_uniforms", "sample_top_k", "sample_top_p"), ("sa
 
 
 class StepLimits(NamedTuple):
-    """What an engine tells the decode loop about its step graph (see :class:`medusa_runtime.loop.Engine`)."""
+    """What an engine tells the decode loop about its step graph (see :class:`medusa_runtime.engines.base.Engine`)."""
 
     max_context: int  # KV capacity the graphs were built for (model.max_context)
     vocab_size: int

@@ -277,7 +277,7 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def _cache_after(engine, capacity: int, past_length: int, cache=None):
     """A KV cache of ``capacity`` slots (``cache`` itself when given) whose first ``past_length`` slots count as
     valid (zeros, tokens unknown): what the timings run their steps after."""
-    from .loop import KVCache
+    from .engines.kvcache import KVCache
 
     cache = cache if cache is not None else KVCache.for_engine(engine, capacity)
     cache.length, cache.tokens = past_length, [-1] * past_length
@@ -296,7 +296,7 @@ def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_len
     heads level by level, plus the host's choice of a per-step tree.
 
     Args:
-        engine: a :class:`medusa_runtime.loop.Engine` with numpy KV (``make_cache`` engines
+        engine: a :class:`medusa_runtime.engines.base.Engine` with numpy KV (``make_cache`` engines
             are timed through their own cache).
         trees: size -> tree.
         past_length: cached tokens before the step (>= 0).

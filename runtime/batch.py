@@ -16,16 +16,16 @@ only decides who runs when:
   chose at the level before (:class:`~medusa_runtime.candidates.HeadsCall`).
 
 KV rows are per sequence (``BatchEngine.row_cache``): compaction after acceptance
-(:meth:`~medusa_runtime.loop.KVCache.keep`) writes only the slots of the sequence's own row.
+(:meth:`~medusa_runtime.engines.kvcache.KVCache.keep`) writes only the slots of the sequence's own row.
 
 Batched engine interface (:class:`BatchEngine`): the geometry and limits of
-:class:`~medusa_runtime.loop.Engine`, plus
+:class:`~medusa_runtime.engines.base.Engine`, plus
 
 * ``row_cache(capacity) -> cache`` / ``release(cache)``: one sequence's KV row, owned by the
-  runtime, with the interface of :class:`~medusa_runtime.loop.KVCache` (``length``,
+  runtime, with the interface of :class:`~medusa_runtime.engines.kvcache.KVCache` (``length``,
   ``capacity``, ``tokens``, ``past()``, ``keep()``);
 * ``step_rows(caches, inputs) -> list[StepResult]``: one step over B rows; row b runs
-  ``inputs[b]`` (:class:`~medusa_runtime.loop.RowInputs`: tokens, position ids, mask over the
+  ``inputs[b]`` (:class:`~medusa_runtime.engines.base.RowInputs`: tokens, position ids, mask over the
   new tokens, temperature, in-graph sampler inputs) after the valid past of ``caches[b]``
   (per-row past lengths); returns per-row results (batch dimension dropped) whose K/V the
   rows' ``keep`` compacts;
@@ -33,11 +33,11 @@ Batched engine interface (:class:`BatchEngine`): the geometry and limits of
   each row's heads before the next row's step (engines whose outputs live in reused
   device buffers stay correct);
 * ``heads(hidden [R, d], topk)``: the heads over R rows; by head type and tree policy also
-  ``heads_logprobs`` and ``heads_level`` (:class:`~medusa_runtime.loop.Engine`), where
+  ``heads_logprobs`` and ``heads_level`` (:class:`~medusa_runtime.engines.base.Engine`), where
   ``heads_level`` takes one hidden row per path (``[R, d]``) when paths of several sequences share a call.
 
 :class:`LoopedBatchEngine` implements it with one batch-1 call of any
-:class:`~medusa_runtime.loop.Engine` per row: the reference, and the engine for artifacts
+:class:`~medusa_runtime.engines.base.Engine` per row: the reference, and the engine for artifacts
 whose step graphs have no batch dimension.
 """
 
@@ -51,10 +51,12 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .acceptance import SamplingConfig
-from .errors import ContextOverflowError, InvalidSettingError
 from .candidates import DynamicTree, HeadsCall
-from .loop import (Decoding, Engine, GenerationResult, KVCache, RowInputs, StepResult, check_request, context_capacity,
-                   engine_sampling_route, engine_step, run_heads)
+from .engines.base import Engine, RowInputs, StepResult
+from .engines.kvcache import KVCache
+from .errors import ContextOverflowError, InvalidSettingError
+from .loop import (Decoding, GenerationResult, check_request, context_capacity, engine_sampling_route, engine_step,
+                   run_heads)
 from .tree import Tree
 
 #: Sequences per step when none is given (the CLI's --batch-size; Triton's batch_size parameter).
@@ -117,7 +119,7 @@ class LoopedBatchEngine:
     define (geometry, ``max_context``, ``step_topk``, ``has_sampler``, ...) are the engine's.
 
     Args:
-        engine: a batch-1 :class:`~medusa_runtime.loop.Engine`.
+        engine: a batch-1 :class:`~medusa_runtime.engines.base.Engine`.
     """
 
     row_by_row = True
@@ -129,7 +131,7 @@ class LoopedBatchEngine:
         return getattr(self.engine, name)
 
     def row_cache(self, capacity: int):
-        """The engine's own cache type (:meth:`~medusa_runtime.loop.KVCache.for_engine`) of ``capacity`` slots."""
+        """The engine's own cache type (:meth:`~medusa_runtime.engines.kvcache.KVCache.for_engine`) of ``capacity`` slots."""
         return KVCache.for_engine(self.engine, capacity)
 
     def release(self, cache) -> None:

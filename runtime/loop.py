@@ -3,219 +3,31 @@
 prefill -> candidates from the heads -> one step over the tree (tree mask, position =
 past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated.
 
-The loop is written once and driven by an :class:`Engine`: ONNX Runtime or TensorRT in
+The loop is written once and driven by an :class:`~.engines.base.Engine`: ONNX Runtime or TensorRT in
 deployment, PyTorch for the reference (``medusa_export.model.decode.TorchEngine``). It owns the
 KV buffers (numpy, sequence-major ``[1, capacity, H_kv, D]`` per layer and K/V), hands the
 engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V. Engines
 whose step writes into the cache itself bring their own cache (``make_cache``), e.g. the
-head-major :class:`HeadMajorKVCache` of ``ort-fused`` artifacts.
+head-major :class:`~.engines.kvcache.HeadMajorKVCache` of ``ort-fused`` artifacts.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
                          sampling_route)
 from .candidates import DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
+from .engines.base import Engine, RowInputs, SamplerInputs, StepResult
+from .engines.kvcache import KVCache, fits
 from .errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
-from .kvcache import compact_in_place, fits, write_accepted
 from .manifest import HEAD_TYPES
 from .stops import apply_stops
 from .tree import Tree, make_tree
-
-
-class StepResult(NamedTuple):
-    """One engine step's outputs, batch dimension dropped (see medusa_export.model.medusa)."""
-
-    topk_ids: np.ndarray  # int64 [S, k]
-    topk_logprobs: np.ndarray  # float32 [S, k]
-    entropy: np.ndarray  # float32 [S]
-    token_logprobs: np.ndarray  # float32 [S, S]
-    hidden: np.ndarray  # [S, d]
-    new_kv: list  # per layer (key, value), each [1, S, H_kv, D]
-    sampled_ids: np.ndarray | None = None  # int64 [S], the in-graph sampler's draw (only when asked for)
-
-
-class SamplerInputs(NamedTuple):
-    """What a step with the in-graph sampler is fed (docs/sampling.md), batch dimension dropped."""
-
-    uniforms: np.ndarray  # float32 [S] in [0, 1): row i's draw (< 0: row i not sampled)
-    top_k: int  # 0 = the whole vocabulary (-1: the sampler off, sampled_ids all -1)
-    top_p: float  # (0, 1]; 1 = off
-
-
-def sampler_feed(s: int, sampling: SamplerInputs | None) -> dict[str, np.ndarray]:
-    """The in-graph sampler's step inputs for S rows (docs/sampling.md); None: the sampler off (top_k -1)."""
-    if sampling is None:
-        sampling = SamplerInputs(np.full(s, -1.0, np.float32), -1, 1.0)
-    return {"sample_uniforms": np.ascontiguousarray(sampling.uniforms, np.float32).reshape(1, s),
-            "sample_top_k": np.array([sampling.top_k], np.int64),
-            "sample_top_p": np.array([sampling.top_p], np.float32)}
-
-
-class Engine(Protocol):
-    """What the loop needs from a backend.
-
-    Optional attributes the loop reads when present: ``max_context`` (the KV capacity the
-    graphs were built for: the default capacity and its upper bound), ``step_topk`` and
-    ``vocab_size`` (which sampling settings are exact from the top-k outputs) and
-    ``has_sampler`` (the step graph has the in-graph sampler: ``step`` then accepts
-    ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``).
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_heads: int  # Medusa heads K
-    kv_dtype: np.dtype
-
-    def step(self, input_ids: np.ndarray, position_ids: np.ndarray, mask: np.ndarray, temperature: float,
-             past: list[tuple[np.ndarray, np.ndarray]]) -> StepResult:
-        """Run S tokens (input_ids/position_ids int64 [1, S], mask bool [S, S]) after the past views.
-
-        Engines with ``has_sampler`` also take ``sampling: SamplerInputs | None = None``.
-        """
-
-    def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
-        """hidden [R, d] -> int64 [R, K, >=topk] the heads' best tokens.
-
-        ``hidden`` is a row slice of a step's ``StepResult.hidden`` (whatever type the
-        engine returned there, e.g. a device buffer).
-        """
-
-    # Optional, by head type and tree policy (see :func:`run_heads`, :func:`check_heads`):
-    # * ``head_type``: "medusa" (default when absent) or "hydra" (path-conditioned heads);
-    # * ``heads_logprobs(hidden [R, d], topk) -> (ids int64 [R, K, topk], logprobs float32 [R, K, topk])``:
-    #   Medusa heads with their log-probabilities (per-step trees); ``has_heads_logprobs`` False says
-    #   the method exists but the artifact's graph lacks the output;
-    # * ``heads_level(depth, hidden [N, d], path_ids int64 [R, depth], topk) -> (ids [R, topk], logprobs [R, topk])``:
-    #   the path-conditioned head of that depth on R paths (root first), N = 1 (one h_t for every
-    #   path) or N = R (each path's own h_t: paths of several sequences in one call); the heads of
-    #   "hydra" engines.
-
-    # Optional: ``make_cache(capacity) -> cache`` for engines that keep the KV cache in
-    # their own memory (a GPU). The cache must offer what :class:`KVCache` offers
-    # (a :class:`CacheState` with past() and keep()); ``step`` then receives its
-    # ``past()`` and may write the new K/V into the cache itself (``new_kv`` ignored).
-
-
-class CacheState:
-    """What every KV cache tracks besides its buffers (base of :class:`KVCache` and the device caches).
-
-    Attributes:
-        capacity: slots (tokens).
-        length: valid slots (the past length P).
-        tokens: the token id whose K/V is in each valid slot (len == length; -1 if unknown),
-            so that a later prompt sharing a prefix can reuse the cache (multi-turn chat).
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.length = 0
-        self.tokens: list[int] = []
-
-    def _advance(self, accepted: np.ndarray, token_ids: Sequence[int] | None) -> None:
-        """Count ``len(accepted)`` newly kept slots and record their tokens."""
-        self.length += len(accepted)
-        self.tokens.extend([int(t) for t in token_ids] if token_ids is not None else [-1] * len(accepted))
-
-    def truncate(self, length: int) -> None:
-        """Keep only the first ``length`` slots (no copy; later steps overwrite the rest).
-
-        Raises:
-            ValueError: ``length`` is negative or beyond the valid length.
-        """
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length
-        del self.tokens[length:]
-
-
-class KVCache(CacheState):
-    """Per-layer K and V numpy buffers [1, capacity, H_kv, D], reused across steps."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
-        super().__init__(capacity)
-        shape = (1, capacity, num_kv_heads, head_dim)
-        self.keys = [np.zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [np.zeros(shape, dtype) for _ in range(num_layers)]
-
-    @classmethod
-    def for_engine(cls, engine: Engine, capacity: int):
-        """The engine's own cache type when it has one (``make_cache``), else a numpy :class:`KVCache`."""
-        make = getattr(engine, "make_cache", None)
-        if make is not None:
-            return make(capacity)
-        return cls(engine.num_layers, engine.num_kv_heads, engine.head_dim, capacity, engine.kv_dtype)
-
-    def past(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Contiguous views of the valid prefix, per layer ([1, length, H_kv, D] each); no copy."""
-        n = self.length
-        return [(k[:, :n], v[:, :n]) for k, v in zip(self.keys, self.values)]
-
-    def keep(self, new_kv, accepted: np.ndarray, token_ids: Sequence[int] | None = None) -> None:
-        """Copy the accepted nodes' K/V (root first) into the next slots (KV compaction).
-
-        Args:
-            new_kv: per layer (key, value) [1, S, H_kv, D], the step's K/V.
-            accepted: int [n] node indices, root first.
-            token_ids: the n accepted tokens (recorded in :attr:`tokens`); -1 when unknown.
-        """
-        for ck, cv, (k, v) in zip(self.keys, self.values, new_kv):
-            write_accepted(ck, np.asarray(k), self.length, accepted)
-            write_accepted(cv, np.asarray(v), self.length, accepted)
-        self._advance(accepted, token_ids)
-
-
-class InPlacePast(NamedTuple):
-    """What :meth:`HeadMajorKVCache.past` hands to the engine: the cache and its valid length."""
-
-    cache: "HeadMajorKVCache"
-    length: int
-
-
-class HeadMajorKVCache(CacheState):
-    """Head-major K and V numpy buffers that the engine's step writes into (``ort-fused`` artifacts).
-
-    ``keys`` / ``values`` are [L, 1, H_kv, capacity, D]; layer l's buffer ``keys[l]`` is the
-    contiguous [1, H_kv, capacity, D] array GroupQueryAttention reads and writes in place: a
-    step of S tokens after P valid slots writes node j's K/V into slot P + j. :meth:`keep`
-    then only moves the accepted nodes that are not in place (strided copy on the slot axis).
-    """
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
-        super().__init__(capacity)
-        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
-        self.keys = np.zeros(shape, dtype)
-        self.values = np.zeros(shape, dtype)
-
-    def past(self) -> InPlacePast:
-        """The cache and its current valid length (the engine binds the whole buffers)."""
-        return InPlacePast(self, self.length)
-
-    def new_kv(self, start: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Views of slots [start, start + count) per layer, as [1, count, H_kv, D] (no copy; valid
-        until the next step or :meth:`keep` changes those slots)."""
-        sl = slice(start, start + count)
-        return [(k[:, :, sl].transpose(0, 2, 1, 3), v[:, :, sl].transpose(0, 2, 1, 3))
-                for k, v in zip(self.keys, self.values)]
-
-    def keep(self, new_kv, accepted: np.ndarray, token_ids: Sequence[int] | None = None) -> None:
-        """Compact after a step that wrote node j to slot length + j (``new_kv`` is not read).
-
-        Args:
-            new_kv: the step's ``StepResult.new_kv`` (views of this cache; ignored).
-            accepted: int [n] node indices, root first, increasing.
-            token_ids: the n accepted tokens (recorded in :attr:`tokens`); -1 when unknown.
-        """
-        for buf in (self.keys, self.values):
-            compact_in_place(buf, self.length, accepted, slot_axis=3)
-        self._advance(accepted, token_ids)
 
 
 def engine_head_type(engine: Engine) -> str:
@@ -369,16 +181,6 @@ def engine_sampling_route(engine: Engine, sampling: SamplingConfig, step_topk: i
     k = getattr(engine, "step_topk", None) or step_topk
     return sampling_route(sampling, step_topk=int(k), vocab_size=getattr(engine, "vocab_size", None),
                           graph_sampler=bool(getattr(engine, "has_sampler", False)))
-
-
-class RowInputs(NamedTuple):
-    """One sequence's part of an engine call, batch dimension dropped (:meth:`Decoding.inputs`)."""
-
-    tokens: np.ndarray  # int64 [S]: the prompt (prefill) or the tree's candidates
-    positions: np.ndarray  # int64 [S]: position ids (past length + depth)
-    mask: np.ndarray  # bool [S, S]: which new tokens each new token sees (the whole valid past is seen)
-    temperature: float  # the step's softmax temperature (1.0 when greedy)
-    sampling: SamplerInputs | None  # the in-graph sampler's inputs, or None (sampler off)
 
 
 def engine_step(engine: Engine, inputs: RowInputs, past) -> StepResult:

@@ -32,8 +32,9 @@ from .autotree import TreeTiming, auto_policy, auto_tree, candidate_trees, is_au
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
 from .candidates import DynamicTree
 from .engines import DEFAULT_BACKEND, create_engine
+from .engines.kvcache import KVCache
 from .errors import ChatTemplateError, MedusaError
-from .loop import GenerationResult, KVCache, engine_sampling_route, generate
+from .loop import GenerationResult, engine_sampling_route, generate
 from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
 from .tree import Tree, default_accuracies, make_tree, tree_from_spec
 from .treecache import (ARTIFACT_SPEC, DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,

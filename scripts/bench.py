@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.loop import KVCache, causal_mask, proposer
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.loop import causal_mask, proposer
 from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import Tree, default_accuracies, greedy_tree

@@ -63,7 +63,7 @@ def _median_ms(fns: dict, repeats: int) -> dict:
 def bench_alone(vocab: int, rows: list[int], repeats: int, threads: int) -> list[dict]:
     import onnxruntime as ort
 
-    from medusa_runtime.ort_engine import session_options
+    from medusa_runtime.engines.ort import session_options
 
     sess = ort.InferenceSession(sampler_model(vocab).SerializeToString(), session_options(threads, False),
                                 providers=["CPUExecutionProvider"])
@@ -85,8 +85,10 @@ def bench_alone(vocab: int, rows: list[int], repeats: int, threads: int) -> list
 
 def bench_artifact(path: str, past: int, repeats: int, threads: int) -> list[dict]:
     from medusa_runtime.artifact import load_artifact
-    from medusa_runtime.loop import KVCache, SamplerInputs, causal_mask
-    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.engines.base import SamplerInputs
+    from medusa_runtime.engines.kvcache import KVCache
+    from medusa_runtime.engines.ort import OrtEngine
+    from medusa_runtime.loop import causal_mask
 
     art = load_artifact(path)
     eng = OrtEngine(art, threads=threads)

@@ -34,8 +34,9 @@ import numpy as np
 
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.candidates import DynamicTree
-from medusa_runtime.loop import KVCache, causal_mask, proposer
-from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.engines.ort import OrtEngine
+from medusa_runtime.loop import causal_mask, proposer
 from medusa_runtime.tree import default_accuracies, greedy_tree, make_tree
 
 

@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.acceptance import SamplingConfig, truncated_probs
-from medusa_runtime.loop import KVCache, causal_mask, generate
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.loop import causal_mask, generate
 from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.session import MedusaSession
 

@@ -100,7 +100,7 @@ import sys, time
 import numpy as np
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.loop import generate
-from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.engines.ort import OrtEngine
 
 art, new_tokens, rows, precisions = load_artifact(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 ctx = art.model.max_context
@@ -125,13 +125,13 @@ ref, tps = run(OrtEngine(art), art.tree)
 out("onnxruntime cpu", "ref", f"{tps:.1f} tok/s, {np.mean([r.mean_accepted for r in ref]):.2f} tokens/step")
 engines = []
 try:
-    from medusa_runtime.ort_cuda import OrtCudaEngine
+    from medusa_runtime.engines.ort_cuda import OrtCudaEngine
     engines.append(("onnxruntime cuda", lambda: OrtCudaEngine(art)))
 except ImportError:
     pass
 for p in precisions:
     def make(p=p):
-        from medusa_runtime.trt_engine import TrtEngine
+        from medusa_runtime.engines.trt import TrtEngine
         return TrtEngine(art, precision=p)
     engines.append((f"tensorrt {p}", make))
 for name, make in engines:

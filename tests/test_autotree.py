@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from medusa_runtime.autotree import TreeTiming, candidate_trees, choose_tree, time_tree_steps
+from medusa_runtime.engines.base import StepResult
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.loop import StepResult
 from medusa_runtime.tree import tree_from_spec
 
 from conftest import make_tiny_medusa, tiny_loaded

@@ -178,7 +178,7 @@ def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, 
     --batch-size 4 (one call per step); each row is also the batch-1 artifact's generate (tokens, tokens per step)."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.tree import tree_from_spec
 
     hf, model = tiny_hf()
@@ -248,8 +248,8 @@ def test_batched_graph_runs_every_row_in_one_call(counter, counter_batch1):
 def test_packed_past_is_kept_between_calls(counter, monkeypatch):
     """The batched engine's packed past (PackedPast): between calls over the same rows only the newly kept
     slots are copied, and every call's packed valid slots equal the rows' caches packed afresh."""
-    from medusa_runtime.loop import HeadMajorKVCache
-    from medusa_runtime.ort_batched import PackedPast, pack_past
+    from medusa_runtime.engines.kvcache import HeadMajorKVCache
+    from medusa_runtime.engines.ort_batched import PackedPast, pack_past
 
     eng = counter.engine
     if not eng.max_batch:
@@ -577,7 +577,7 @@ def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_arti
     from conftest import SMOLLM_TREE, mt_bench_prompts
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.ort_batched import OrtBatchEngine
+    from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.tree import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)

@@ -15,7 +15,7 @@ from conftest import make_family_medusa, make_tiny_medusa, tiny_loaded
 from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig, UnsupportedGraphError
 from medusa_runtime.artifact import load_artifact, step_batch
-from medusa_runtime.loop import sampler_feed
+from medusa_runtime.engines.base import sampler_feed
 from medusa_runtime.tree import tree_from_spec
 
 BATCH = 4
@@ -163,8 +163,8 @@ def test_other_precisions_batch_row_for_row(tmp_path, precision):
     """fp16 and the weight-only (MatMulNBits) graphs batch too: four prompts of different lengths sharing each
     step give each prompt's tokens from the batch-1 artifact of the same precision."""
     from medusa_runtime.batch import Scheduler, SequenceRequest
+    from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.ort_batched import OrtBatchEngine
     from medusa_runtime.session import MedusaSession
 
     model = make_tiny_medusa()[1]
@@ -192,8 +192,8 @@ def test_batched_fused_graph_rows_equal_batch1_and_transformers(tmp_path, family
     transformers' greedy tokens. The Llama build runs build's own validation on the batched graph."""
     from conftest import plain_greedy
     from medusa_runtime.batch import Scheduler, SequenceRequest
+    from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.ort_batched import OrtBatchEngine
     from medusa_runtime.session import MedusaSession
 
     hf, model = make_tiny_medusa() if family == "llama" else make_family_medusa(family)

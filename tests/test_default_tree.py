@@ -18,8 +18,8 @@ from conftest import make_counter_medusa, tiny_loaded
 from medusa_export.cli.main import main
 from medusa_runtime.autotree import DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick, refine_with_loop
 from medusa_runtime.engines import BACKENDS, register_backend
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import tree_from_spec
 from medusa_runtime.treecache import (CACHE_ENV, MAX_RECORDS, TREE_ENV, TreeRecord, artifact_identity, cached_choice,
@@ -211,7 +211,7 @@ def test_the_artifacts_tree_on_request_and_from_the_environment(counter_artifact
 
 def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_env):
     class FixedTreeEngine(OrtEngine):
-        fixed_tree = True  # as medusa_runtime.trt_engine.TrtEngine
+        fixed_tree = True  # as medusa_runtime.engines.trt.TrtEngine
 
     register_backend("fixed-tree-test", lambda art, threads=None, **_: FixedTreeEngine(art, threads=threads))
     try:
@@ -226,7 +226,7 @@ def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_en
 
 
 def test_trt_engines_declare_a_fixed_tree():
-    from medusa_runtime.trt_engine import TrtEngine  # importable without TensorRT (imported lazily)
+    from medusa_runtime.engines.trt import TrtEngine  # importable without TensorRT (imported lazily)
 
     assert TrtEngine.fixed_tree is True
 

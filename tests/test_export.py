@@ -15,8 +15,9 @@ from medusa_export.export.config import BuildConfig
 from medusa_export.model.decode import TorchEngine
 from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact
-from medusa_runtime.loop import KVCache, causal_mask
-from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.engines.ort import OrtEngine
+from medusa_runtime.loop import causal_mask
 from medusa_runtime.tree import make_tree, tree_from_spec
 
 

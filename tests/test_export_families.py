@@ -21,8 +21,9 @@ from medusa_export.export.config import BuildConfig
 from medusa_export.loading.sources import open_model
 from medusa_export.trt.commands import fp32_node_names
 from medusa_runtime.artifact import load_artifact
-from medusa_runtime.loop import KVCache, causal_mask, generate
-from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.engines.ort import OrtEngine
+from medusa_runtime.loop import causal_mask, generate
 from medusa_runtime.tree import make_tree
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -20,10 +20,10 @@ from medusa_export.export.config import BuildConfig, UnsupportedGraphError
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.kvcache import HeadMajorKVCache, KVCache, compact_in_place, write_accepted
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import ContextOverflowError
-from medusa_runtime.kvcache import compact_in_place, write_accepted
-from medusa_runtime.loop import HeadMajorKVCache, KVCache, causal_mask, generate
-from medusa_runtime.ort_engine import OrtEngine
+from medusa_runtime.loop import causal_mask, generate
 from medusa_runtime.tree import make_tree, tree_from_spec
 
 # Depth 3 with siblings at every depth: nodes far apart on a path (compaction moves rows).

@@ -20,8 +20,8 @@ from medusa_export.loading.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, Hea
                                                subset_ids)
 from medusa_export.training.draft_vocab import coverage, draft_vocab_json, frequency_order, write_draft_vocab
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree, tree_from_spec
 
 TOPK = 10

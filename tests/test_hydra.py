@@ -209,8 +209,8 @@ SUBSET = np.random.default_rng(0).permutation(300)[:64]  # a draft vocabulary's 
 @pytest.mark.parametrize("tree_spec", ["8", "dynamic:8"])
 def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_type, tree_spec):
     from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.engines.ort import OrtEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.ort_engine import OrtEngine
     from medusa_runtime.tree import tree_from_spec
 
     _, model = tiny
@@ -234,8 +234,8 @@ def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, a
     from medusa_export.training.features import compute_features
     from medusa_export.training.reply_store import StoredReply
     from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.engines.ort import OrtEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.ort_engine import OrtEngine
 
     hf, model = tiny
     art = load_artifact(attached[head_type + "-subset"])
@@ -286,7 +286,7 @@ def test_level_graph_takes_one_hidden_row_or_one_per_path(attached, head_type):
     """The ORT heads equal PyTorch's on the same rows: ids exactly, log-probabilities to fp32 rounding;
     a level graph broadcasts one h_t over the paths or reads one row per path (batched sequences)."""
     from medusa_runtime.artifact import load_artifact
-    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.engines.ort import OrtEngine
 
     art = load_artifact(attached[head_type])
     engine = OrtEngine(art, threads=1)

@@ -1,4 +1,4 @@
-"""KV compaction (medusa_runtime.kvcache) and stop handling (medusa_runtime.stops): pure functions."""
+"""KV compaction (medusa_runtime.engines.kvcache) and stop handling (medusa_runtime.stops): pure functions."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from medusa_runtime.engines.kvcache import compaction_slots, fits, write_accepted
 from medusa_runtime.errors import ContextOverflowError
-from medusa_runtime.kvcache import compaction_slots, fits, write_accepted
 from medusa_runtime.stops import apply_stops, find_stop_string
 
 

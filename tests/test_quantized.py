@@ -15,8 +15,8 @@ from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, q
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import PromptReport, ValidationError, ValidationReport, tolerance
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree, tree_from_spec
 
 ARTIFACT_FILES = ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer",

@@ -23,8 +23,9 @@ import torch
 
 from conftest import MT_BENCH, make_counter_medusa, mt_bench_prompts, tiny_loaded
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
-from medusa_runtime.loop import KVCache, generate
+from medusa_runtime.loop import generate
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tokenizer import RuntimeTokenizer
 
@@ -392,7 +393,7 @@ def test_kv_cache_tracks_tokens_and_truncates():
 @pytest.mark.parametrize("accepted", [[0], [0, 1, 2], [0, 2, 5], [0, 3, 4, 9]])
 def test_in_place_moves_equal_write_accepted(accepted):
     """The device caches' compaction (the step wrote its K/V after the past) equals the copy."""
-    from medusa_runtime.kvcache import in_place_moves, write_accepted
+    from medusa_runtime.engines.kvcache import in_place_moves, write_accepted
 
     past, t = 3, 10
     rng = np.random.default_rng(0)

@@ -20,8 +20,8 @@ from medusa_export.model.heads import save_heads
 from medusa_export.loading.sources import open_model
 from medusa_export.validation.plan import plan_validation
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

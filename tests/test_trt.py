@@ -29,9 +29,9 @@ from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
 from medusa_export.trt.readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
 from medusa_export.validation.manifest_update import update_manifest
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.kvcache import write_accepted
 from medusa_runtime.errors import BackendUnavailableError, ContextOverflowError
-from medusa_runtime.kvcache import write_accepted
-from medusa_runtime.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileError, compaction_copies, compaction_runs,
+from medusa_runtime.engines.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileError, compaction_copies, compaction_runs,
                                      model_profiles, profile_shapes, select_profile)
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -392,7 +392,7 @@ def test_engine_config_rejects_bad_options():
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed")
 def test_trt_backend_says_what_is_missing(tiny_trt_artifact):
-    from medusa_runtime.trt_engine import TrtEngine
+    from medusa_runtime.engines.trt import TrtEngine
 
     with pytest.raises(BackendUnavailableError, match="TensorRT"):
         TrtEngine(load_artifact(tiny_trt_artifact))
@@ -402,9 +402,9 @@ def test_trt_engine_matches_onnxruntime(art):
     """Build fp32 engines and compare greedy Medusa output with ONNX Runtime (needs TensorRT + GPU)."""
     pytest.importorskip("tensorrt", reason=NO_TRT)
     pytest.importorskip("cuda", reason="cuda-python is not installed (pip install cuda-python)")
+    from medusa_runtime.engines.ort import OrtEngine
+    from medusa_runtime.engines.trt import TrtEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.ort_engine import OrtEngine
-    from medusa_runtime.trt_engine import TrtEngine
 
     assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
     a = load_artifact(art)

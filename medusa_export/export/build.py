@@ -83,7 +83,7 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
     best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
     from medusa_runtime.autotree import auto_tree
     from medusa_runtime.candidates import DynamicTree
-    from medusa_runtime.ort_engine import OrtEngine
+    from medusa_runtime.engines.ort import OrtEngine
     from medusa_runtime.tree import tree_from_spec
 
     artifact = load_artifact(folder)

@@ -15,7 +15,9 @@ import torch
 
 from medusa_runtime.acceptance import SamplingConfig, draw_tokens
 from medusa_runtime.candidates import DynamicTree
-from medusa_runtime.loop import GenerationResult, KVCache, SamplerInputs, StepResult, causal_mask, generate
+from medusa_runtime.engines.base import SamplerInputs, StepResult
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.loop import GenerationResult, causal_mask, generate
 from medusa_runtime.tree import Tree
 
 from .medusa import STEP_TOPK, MedusaModel, acceptance_outputs
@@ -26,7 +28,7 @@ _NP_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 class TorchEngine:
-    """:class:`medusa_runtime.loop.Engine` over the PyTorch reference model.
+    """:class:`medusa_runtime.engines.base.Engine` over the PyTorch reference model.
 
     Args:
         model: the reference model.

@@ -246,15 +246,16 @@ def _copy_runtime(dst: Path) -> None:
     import medusa_runtime
 
     src = Path(medusa_runtime.__file__).parent
-    dst.mkdir(parents=True)
-    for f in sorted(src.glob("*.py")):
-        shutil.copy2(f, dst / f.name)
+    for f in sorted(src.rglob("*.py")):  # subpackages included (medusa_runtime.engines)
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, target)
 
 
 def _engine_models(art: Artifact, repo: Path, name: str, plans: tuple[str, dict] | None, how: str) -> list[str]:
     """NAME_step and NAME_heads (path-conditioned heads: NAME_heads_level{j}, one per level) from ``art`` (the
     repository's own copy, or the referenced artifact)."""
-    from medusa_runtime.trt_plan import graph_profiles
+    from medusa_runtime.engines.trt_plan import graph_profiles
 
     written = []
     heads = [k for k in art.manifest.graphs if k.startswith("heads")]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 from medusa_runtime.errors import ArtifactError
 from medusa_runtime.manifest import Manifest, as_manifest
-from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 
 from .commands import fp32_node_names, strongly_typed
 from .config import CALIBRATION_CACHE, TIMING_CACHE, EngineConfig
@@ -101,7 +101,7 @@ def _pin_fp32(network, names: set[str]) -> None:
 
 
 def _add_profiles(trt, builder, config, manifest: Manifest, graph: str) -> list:
-    """One optimization profile per :func:`~medusa_runtime.trt_plan.graph_profiles` entry, in that order."""
+    """One optimization profile per :func:`~medusa_runtime.engines.trt_plan.graph_profiles` entry, in that order."""
     out = []
     for prof in graph_profiles(manifest, graph):
         p = builder.create_optimization_profile()
@@ -278,7 +278,7 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
     record = {
         "status": "built",
         "backend": "tensorrt",
-        # The plan's key (checked when the runtime loads it: medusa_runtime.trt_plan.check_plan_key).
+        # The plan's key (checked when the runtime loads it: medusa_runtime.engines.trt_plan.check_plan_key).
         "tensorrt": tensorrt_version(),
         **gpu_key(cfg.device_id),
         "precision": cfg.precision,

@@ -3,7 +3,7 @@
 Written into every artifact the engine step sees, so that a user can build the engines
 on their own GPU machine with TensorRT alone. Everything is derived from the manifest:
 the shapes of every input for every optimization profile
-(``medusa_runtime.trt_plan.profile_shapes``), the plan names and the precision flags.
+(``medusa_runtime.engines.trt_plan.profile_shapes``), the plan names and the precision flags.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import onnx
 
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 from medusa_runtime.manifest import Manifest, as_manifest
-from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
 
 from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS, TIMING_CACHE
 

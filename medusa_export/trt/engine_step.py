@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_runtime.artifact import load_artifact
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files
 from medusa_runtime.manifest import Manifest
-from medusa_runtime.trt_plan import ENGINE_DIR, graph_profiles, plan_files
 
 from ..validation.manifest_update import update_manifest
 from .builder import build_engines, tensorrt_version

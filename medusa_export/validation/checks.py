@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from medusa_runtime.artifact import Artifact, load_artifact
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
 from medusa_runtime.manifest import Manifest, as_manifest
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.tree import make_tree
 
 from ..loading.sources import ModelSources, reference_model

@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.artifact import Artifact
+from medusa_runtime.engines.kvcache import KVCache
+from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import EXIT_MISMATCH
-from medusa_runtime.loop import KVCache, causal_mask, generate
+from medusa_runtime.loop import causal_mask, generate
 from medusa_runtime.manifest import Manifest
-from medusa_runtime.ort_engine import OrtEngine
 from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 

@@ -1,17 +1,17 @@
-"""Engine backends by name: one registry, one small interface (:class:`medusa_runtime.loop.Engine`).
+"""Engine backends by name: one registry, one small interface (:class:`medusa_runtime.engines.base.Engine`).
 
 ========================  ==========================================================  =========
 name                      what                                                        status
 ========================  ==========================================================  =========
-``onnxruntime``           ONNX Runtime, CPU provider (:class:`~.ort_engine.OrtEngine`;  tested
+``onnxruntime``           ONNX Runtime, CPU provider (:class:`~.ort.OrtEngine`;       tested
                           batched artifacts: :class:`~.ort_batched.OrtBatchEngine`)
-``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device    unexecuted here
+``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device  unexecuted here
                           (:class:`~.ort_cuda.OrtCudaEngine`)
-``tensorrt``              TensorRT plans of the artifact: ``medusa_runtime.trt_engine``  hook
-                          ``.TrtEngine(artifact, **options)`` (the TensorRT issue)
+``tensorrt``              TensorRT plans of the artifact (:class:`~.trt.TrtEngine`,   hook
+                          ``TrtEngine(artifact, **options)``; the TensorRT issue)
 ========================  ==========================================================  =========
 
-A factory takes the loaded :class:`~.artifact.Artifact` and keyword options (``threads``,
+A factory takes the loaded :class:`~medusa_runtime.artifact.Artifact` and keyword options (``threads``,
 ``spin``, ``device_id``; each factory ignores what it does not use) and returns an engine. Other
 backends plug in with :func:`register_backend`.
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .artifact import Artifact, step_batch
-from .errors import BackendUnavailableError, MedusaError
+from ..artifact import Artifact, step_batch
+from ..errors import BackendUnavailableError, MedusaError
 
 DEFAULT_BACKEND = "onnxruntime"
 #: Backends that run batched step graphs (artifacts built with ``--batch-size`` N > 1).
@@ -34,7 +34,7 @@ def _onnxruntime(artifact: Artifact, *, threads: int | None = None, spin: bool =
         from .ort_batched import OrtBatchEngine
 
         return OrtBatchEngine(artifact, threads=threads, spin=spin)
-    from .ort_engine import OrtEngine
+    from .ort import OrtEngine
 
     return OrtEngine(artifact, threads=threads, spin=spin)
 
@@ -52,10 +52,10 @@ def _tensorrt(artifact: Artifact, **options):
         raise BackendUnavailableError("the tensorrt backend needs TensorRT's Python package (`import tensorrt` "
                                       "failed); build and run the engines on a machine with TensorRT") from None
     try:
-        module = importlib.import_module(".trt_engine", __package__)
+        module = importlib.import_module(".trt", __package__)
     except ModuleNotFoundError:
         raise BackendUnavailableError("this version of medusa_runtime has no TensorRT engine "
-                                      "(medusa_runtime.trt_engine is missing)") from None
+                                      "(medusa_runtime.engines.trt is missing)") from None
     return module.TrtEngine(artifact, **options)
 
 

@@ -3,9 +3,9 @@
 Both KV layouts of the manifest (``kv_layout.layout``):
 
 * ``sequence-major`` (portable and ``ort-contrib`` artifacts): the loop's numpy
-  :class:`~medusa_runtime.loop.KVCache`; the past is fed as views of its valid prefix (no
+  :class:`~medusa_runtime.engines.kvcache.KVCache`; the past is fed as views of its valid prefix (no
   copy), the step returns only the S new K/V rows and the cache copies the accepted ones.
-* ``head-major`` (``ort-fused`` artifacts): a :class:`~medusa_runtime.loop.HeadMajorKVCache`
+* ``head-major`` (``ort-fused`` artifacts): a :class:`~medusa_runtime.engines.kvcache.HeadMajorKVCache`
   (``make_cache``); each layer's whole buffer is bound with I/O binding both as the
   ``past_key_values.{i}.*`` input and as the ``present.{i}.*`` output, so GroupQueryAttention
   writes the step's K/V into slots [P, P + S) in place; the KV bindings are made once per
@@ -16,17 +16,18 @@ Measured and not kept (2 shared CPU cores, embedded model, T = 64 and T = 1 at p
 straight into the cache slots (saving the allocation of the [1, S, H_kv, D] outputs and
 the compaction copy) was within the run-to-run noise of plain ``run`` (a few hundred KB
 per step against tens of ms of compute), so the simpler ``run`` stays. The GPU engine
-(:mod:`medusa_runtime.ort_cuda`) binds, where the host/device copies would matter.
+(:mod:`medusa_runtime.engines.ort_cuda`) binds, where the host/device copies would matter.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
-from .errors import ArtifactError, ContextOverflowError, MedusaError
-from .loop import HeadMajorKVCache, InPlacePast, KVCache, RowInputs, SamplerInputs, StepResult, sampler_feed
-from .manifest import Graph
+from ..artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
+from ..errors import ArtifactError, ContextOverflowError, MedusaError
+from ..manifest import Graph
+from .base import RowInputs, SamplerInputs, StepResult, sampler_feed
+from .kvcache import HeadMajorKVCache, InPlacePast, KVCache
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -162,7 +163,7 @@ class OrtEngine:
         return sampler_feed(s, sampling)
 
     def step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs | None = None) -> StepResult:
-        """One step; shapes as :class:`medusa_runtime.loop.Engine` (outputs batch-dropped).
+        """One step; shapes as :class:`medusa_runtime.engines.base.Engine` (outputs batch-dropped).
 
         ``sampling`` feeds the in-graph sampler (artifacts whose manifest has ``step_sampler``);
         ``StepResult.sampled_ids`` is then its draw per row. A batched step graph (manifest ``batch``)

@@ -10,12 +10,12 @@ rows into one call,
   ``new_token_mask`` [B, S, S] while no real token sees it, so the real rows' outputs are those of
   the row alone;
 * the past per layer, P the longest row's valid length: [B, P, H_kv, D] (portable graph, each row a
-  :class:`~medusa_runtime.loop.KVCache`) or [B, H_kv, P, D] (batched fused graph, each row a
-  :class:`~medusa_runtime.loop.HeadMajorKVCache`): row b's valid slots copied from its own cache, the
+  :class:`~medusa_runtime.engines.kvcache.KVCache`) or [B, H_kv, P, D] (batched fused graph, each row a
+  :class:`~medusa_runtime.engines.kvcache.HeadMajorKVCache`): row b's valid slots copied from its own cache, the
   rest zeros that ``past_sequence_length`` [B] masks out;
 * ``temperature`` [B], one per row;
 
-then hands each row its own :class:`~medusa_runtime.loop.StepResult` (padding cut off), whose K/V
+then hands each row its own :class:`~medusa_runtime.engines.base.StepResult` (padding cut off), whose K/V
 the row's cache keeps (compaction touches that row's buffers only). The batched fused graph returns
 the new K/V instead of writing the buffers (GroupQueryAttention is not in it): they are written into
 the row's buffer at slots [P_b, P_b + S_b), so its in-place compaction is the batch-1 one.
@@ -36,10 +36,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .artifact import Artifact
-from .errors import ArtifactError, ContextOverflowError
-from .loop import HeadMajorKVCache, RowInputs, StepResult
-from .ort_engine import OrtEngine
+from ..artifact import Artifact
+from ..errors import ArtifactError, ContextOverflowError
+from .base import RowInputs, StepResult
+from .kvcache import HeadMajorKVCache
+from .ort import OrtEngine
 
 
 def pack_rows(inputs: Sequence[RowInputs]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
@@ -76,8 +77,8 @@ def pack_past(caches: Sequence, num_layers: int,
     """Every row's valid past in one zero-padded array per layer.
 
     Args:
-        caches: the rows' caches, all sequence-major (:class:`~medusa_runtime.loop.KVCache`, ``keys[l]``
-            [1, capacity, H_kv, D]) or all head-major (:class:`~medusa_runtime.loop.HeadMajorKVCache`,
+        caches: the rows' caches, all sequence-major (:class:`~medusa_runtime.engines.kvcache.KVCache`, ``keys[l]``
+            [1, capacity, H_kv, D]) or all head-major (:class:`~medusa_runtime.engines.kvcache.HeadMajorKVCache`,
             ``keys[l]`` [1, H_kv, capacity, D]).
         num_layers: layers.
         length: P, the packed length (>= the longest valid length; default: the longest).
@@ -171,12 +172,12 @@ def run_rows(engine: OrtEngine, caches: Sequence, inputs: Sequence[RowInputs],
     batch-1 graph writes them, so its ``keep`` compacts them in place.
 
     Args:
-        engine: an :class:`~.ort_engine.OrtEngine` on a batched artifact.
-        caches: each row's cache (its valid past); inputs: each row's :class:`~medusa_runtime.loop.RowInputs`.
+        engine: an :class:`~.ort.OrtEngine` on a batched artifact.
+        caches: each row's cache (its valid past); inputs: each row's :class:`~medusa_runtime.engines.base.RowInputs`.
         packed: the rows' packed past kept between calls (None: packed afresh).
 
     Returns:
-        Per row, its :class:`~medusa_runtime.loop.StepResult` (padding cut off: [S_b, ...]; ``new_kv``
+        Per row, its :class:`~medusa_runtime.engines.base.StepResult` (padding cut off: [S_b, ...]; ``new_kv``
         [1, S_b, H_kv, D] per layer).
 
     Raises:
@@ -217,7 +218,7 @@ def run_rows(engine: OrtEngine, caches: Sequence, inputs: Sequence[RowInputs],
 
 
 class OrtBatchEngine(OrtEngine):
-    """:class:`~.ort_engine.OrtEngine` for a batched artifact, with the :class:`~medusa_runtime.batch.BatchEngine`
+    """:class:`~.ort.OrtEngine` for a batched artifact, with the :class:`~medusa_runtime.batch.BatchEngine`
     interface: ``step_rows`` runs every row in one ONNX Runtime call (see the module docstring).
 
     ``step`` (one sequence: :func:`~medusa_runtime.loop.generate`, validation) runs the same graph

@@ -6,7 +6,7 @@ GPU for this backend's development): written against TensorRT 10's Python API
 ``set_optimization_profile_async``, ``set_input_shape``, ``set_tensor_address``,
 ``execute_async_v3``) and cuda-python's CUDA runtime bindings (``cudaMalloc``,
 ``cudaMemcpyAsync``, ``cudaMemcpy2DAsync``, streams). The pure parts (profile selection,
-shapes, buffer layout, compaction copies) live in :mod:`medusa_runtime.trt_plan` and are
+shapes, buffer layout, compaction copies) live in :mod:`medusa_runtime.engines.trt_plan` and are
 tested without TensorRT.
 
 Device memory: cuda-python (NVIDIA's own bindings, used by TensorRT's samples) rather than
@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .artifact import Artifact, step_limits
-from .errors import ArtifactError, BackendUnavailableError, ContextOverflowError
-from .loop import StepResult, sampler_feed
+from ..artifact import Artifact, step_limits
+from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError
+from .base import StepResult, sampler_feed
 from .trt_plan import (KVLayout, align, compaction_copies, heads_profiles, kv_bindings, model_profiles, plan_files,
                        select_profile)
 
@@ -170,7 +170,7 @@ class TrtNewKV(NamedTuple):
 
 
 class TrtKVCache:
-    """The KV cache in device memory; same interface as :class:`medusa_runtime.loop.KVCache`."""
+    """The KV cache in device memory; same interface as :class:`medusa_runtime.engines.kvcache.KVCache`."""
 
     def __init__(self, engine: "TrtEngine", capacity: int):
         self.engine = engine

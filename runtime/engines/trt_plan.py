@@ -1,6 +1,6 @@
 """Pure planning for TensorRT: optimization profiles, concrete shapes, KV buffer layout, compaction copies.
 
-Everything here is numpy/json only and tested without TensorRT; ``trt_engine`` (runtime)
+Everything here is numpy/json only and tested without TensorRT; ``trt`` (runtime)
 and ``medusa_export.trt`` (engine build, trtexec command) both read their shapes from here,
 so the profiles an engine is built with and the ones the runtime selects are the same.
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import MedusaError
+from ..errors import MedusaError
+from ..manifest import Manifest, TensorSpec, as_manifest
 from .kvcache import compaction_slots
-from .manifest import Manifest, TensorSpec, as_manifest
 
 #: Order of the model graph's optimization profiles in an engine (profile index = position).
 PROFILE_ORDER = ("prefill", "tree_step", "decode")
@@ -214,7 +214,7 @@ def compaction_copies(new: KVLayout, cache: KVLayout, past_len: int, accepted: n
     Node ``accepted[i]`` of every layer's new K and V (rows of ``new``) lands in cache slot
     ``past_len + i`` of the same plane: one 2-D copy per run of consecutive nodes covers all
     ``2 * num_layers`` planes at once (height = planes, pitches = the plane sizes). The
-    result equals :func:`medusa_runtime.kvcache.write_accepted` applied to every plane.
+    result equals :func:`medusa_runtime.engines.kvcache.write_accepted` applied to every plane.
 
     With ``in_place`` the step wrote its K/V straight into the cache at slot 0 (a prefill:
     past_len 0, ``new`` is ``cache``): rows already in place are skipped and the others are

@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .artifact import Artifact, kv_layout, step_limits
-from .errors import BackendUnavailableError
-from .kvcache import compaction_slots, in_place_moves
-from .loop import CacheState, StepResult, sampler_feed
-from .ort_engine import KV_DTYPES, check_graph_io, session_options
+from ..artifact import Artifact, kv_layout, step_limits
+from ..errors import BackendUnavailableError
+from .base import StepResult, sampler_feed
+from .kvcache import CacheState, compaction_slots, in_place_moves
+from .ort import KV_DTYPES, check_graph_io, session_options
 
 _HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -84,7 +84,7 @@ class DevicePast(NamedTuple):
 
 
 class DeviceKVCache(CacheState):
-    """The KV cache in device memory; same interface as :class:`medusa_runtime.loop.KVCache`.
+    """The KV cache in device memory; same interface as :class:`medusa_runtime.engines.kvcache.KVCache`.
 
     Args:
         engine: the engine whose geometry (layers, heads, dtype, device) the cache follows.
