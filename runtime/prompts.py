@@ -16,6 +16,7 @@ benchmarks); :func:`read_prompt_file` gives ``generate --prompt-file``'s records
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
@@ -24,6 +25,28 @@ from .errors import PromptFileError
 #: What ``generate --prompt-file`` reads, for help texts and errors.
 PROMPT_FILE_FORMAT = ("JSONL, one object a line with 'prompt' (a user message), 'messages' (a conversation) or "
                       "'turns' (MT-Bench: the first turn); optional 'max_new_tokens' and 'seed' per line")
+
+
+#: The environment variable naming the project's shared folder (the one holding ``data/eval/mt_bench``).
+SHARED_ENV = "MEDUSA_EXPORT_SHARED"
+#: MT-Bench's first turns, relative to the shared folder.
+MT_BENCH_RELPATH = Path("data") / "eval" / "mt_bench" / "question.jsonl"
+
+
+def shared_dir() -> Path:
+    """The project's shared folder: ``$MEDUSA_EXPORT_SHARED`` when set, else ``shared/`` beside the checkout.
+
+    "Beside the checkout" is the parent of the folder holding this package's source (``<checkout>/runtime``),
+    so a checkout at ``/work/main`` reads ``/work/shared``. The folder is not checked here (callers that
+    need a file in it check that file, naming it and this variable).
+    """
+    env = os.environ.get(SHARED_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+
+
+def mt_bench_questions() -> Path:
+    """MT-Bench's ``question.jsonl`` in :func:`shared_dir` (the benchmarks' and tests' default prompts)."""
+    return shared_dir() / MT_BENCH_RELPATH
 
 
 class PromptRecord(NamedTuple):

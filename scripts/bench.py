@@ -38,13 +38,13 @@ import numpy as np
 
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.loop import causal_mask, proposer
-from medusa_runtime.prompts import read_first_turns
+from medusa_runtime.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 
 
 def accept_rates(depths: list[int], max_depth: int) -> list[float]:

@@ -49,12 +49,12 @@ import time
 from pathlib import Path
 
 from medusa_runtime.batch import LoopedBatchEngine, Scheduler, SequenceRequest
-from medusa_runtime.prompts import read_first_turns
+from medusa_runtime.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import tree_from_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_QUESTIONS = ROOT.parent / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 DEFAULT_SIZES = "1,2,4,8,16"
 DEFAULT_TREES = "2,4,8,16"
 METRICS = ("tokens_per_s", "per_sequence_tokens_per_s", "tokens_per_step", "wall_s")

@@ -559,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(PEERS),
                    help=f"comma-separated systems to run (default: all of {','.join(PEERS)})")
     p.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns to use (default: 5)")
-    p.add_argument("--questions", default=None, help="MT-Bench question.jsonl (default: ../shared/data/eval/mt_bench)")
+    p.add_argument("--questions", default=None, help="MT-Bench question.jsonl (default: data/eval/mt_bench in $MEDUSA_EXPORT_SHARED, "
+                   "else in ../shared)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system (default: 2)")
@@ -569,10 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="peers", help="output file stem: NAME.md, NAME.json, NAME.png (default: peers)")
     args = p.parse_args(argv)
     if args.questions is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench import DEFAULT_QUESTIONS
+        from medusa_runtime.prompts import mt_bench_questions
 
-        args.questions = str(DEFAULT_QUESTIONS)
+        args.questions = str(mt_bench_questions())
     report = run(args)
     table = markdown_table(report)
     out = Path(args.out_dir)

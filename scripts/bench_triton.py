@@ -8,7 +8,7 @@ noise hits both alike. Checks that the tokens are identical and prints a table a
 
     python scripts/bench_triton.py ARTIFACT [--prompts 5] [--max-new-tokens 64] [--threads 2]
 
-Prompts: the first MT-Bench questions from ../shared/data (or --prompts-file, JSONL with
+Prompts: the first MT-Bench questions from $MEDUSA_EXPORT_SHARED/data, else ../shared/data (or --prompts-file, JSONL with
 "prompt" or "turns").
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.prompts import read_first_turns
+from medusa_runtime.prompts import mt_bench_questions, read_first_turns
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
+MT_BENCH = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 
 
 def triton_request(grpc, url: str, prompt: str, max_new_tokens: int) -> tuple[list[int], float, float]:

@@ -49,10 +49,10 @@ import numpy as np
 from medusa_runtime.acceptance import SamplingConfig, truncated_probs
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.prompts import read_first_turns
+from medusa_runtime.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.session import MedusaSession
 
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval" / "mt_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 ENTROPY_BUCKET = 16
 
 

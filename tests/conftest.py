@@ -24,10 +24,11 @@ os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from medusa_runtime.prompts import mt_bench_questions, shared_dir  # noqa: E402
 
 #: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
-SHARED = Path(os.environ.get("MEDUSA_EXPORT_SHARED") or Path(__file__).resolve().parents[2] / "shared")
-MT_BENCH = SHARED / "data" / "eval" / "mt_bench" / "question.jsonl"
+SHARED = shared_dir()
+MT_BENCH = mt_bench_questions()
 
 
 def pytest_configure(config):

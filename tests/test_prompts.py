@@ -65,3 +65,43 @@ def test_training_and_validation_read_through_it(tmp_path):
     assert read_prompts(f, 2) == ["a", "b"]
     with pytest.raises(PromptFileError, match=r"p\.jsonl:2: not valid JSON"):
         load_prompts(_write(tmp_path, [{"prompt": "a"}, "{oops"]))
+
+
+def test_shared_dir_honours_the_variable_else_the_folder_beside_the_checkout(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from medusa_runtime.prompts import mt_bench_questions, shared_dir
+
+    monkeypatch.setenv("MEDUSA_EXPORT_SHARED", str(tmp_path))
+    assert shared_dir() == tmp_path
+    assert mt_bench_questions() == tmp_path / "data" / "eval" / "mt_bench" / "question.jsonl"
+    monkeypatch.delenv("MEDUSA_EXPORT_SHARED")
+    assert shared_dir() == Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.mark.parametrize("script, name", [("bench.py", "DEFAULT_QUESTIONS"), ("bench_batch.py", "DEFAULT_QUESTIONS"),
+                                          ("compare_acceptance.py", "DEFAULT_QUESTIONS"), ("bench_triton.py", "MT_BENCH")])
+def test_every_script_default_goes_through_the_resolver(script, name, tmp_path):
+    """Issue 27 item 11: a checkout with no ../shared and MEDUSA_EXPORT_SHARED set: each script's default prompt
+    file is the variable's (read in a fresh interpreter, where the scripts compute their defaults at import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('m', {str(scripts / script)!r}); "
+            f"m = importlib.util.module_from_spec(spec); sys.modules['m'] = m; spec.loader.exec_module(m); "
+            f"print(m.{name})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "MEDUSA_EXPORT_SHARED": str(tmp_path)}).stdout.strip()
+    assert out == str(tmp_path / "data" / "eval" / "mt_bench" / "question.jsonl")
+
+
+def test_no_script_builds_the_shared_path_by_hand():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = [p.name for p in sorted((root / "scripts").glob("*.py"))
+                 if '/ "shared"' in p.read_text() or "parents[2]" in p.read_text()]
+    assert offenders == []
