@@ -17,6 +17,7 @@ import numpy as np
 from .candidates import ProbabilityMap
 from .errors import ArtifactError, MedusaError
 from .manifest import MANIFEST, Manifest, ModelInfo, as_manifest  # noqa: F401  (MANIFEST: for the exporter)
+from .onnx_io import DeclaredTensor, declared_io
 from .tree import Tree, tree_from_json
 
 def level_graph(depth: int) -> str:
@@ -77,8 +78,10 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
 
     Checks: manifest present and valid JSON, format and version, every file in the
     checksum table present with the recorded size, SHA-256 of every file (of files up to
-    :data:`QUICK_HASH_LIMIT` only, unless ``full_verify``), and the tree consistent with
-    the manifest (node count, depth <= heads).
+    :data:`QUICK_HASH_LIMIT` only, unless ``full_verify``), the tree consistent with
+    the manifest (node count, depth <= heads), every manifest field the graphs also fix against
+    the manifest's graph I/O lists (:func:`check_model_vs_graphs`), and those lists against the
+    inputs and outputs the ONNX files declare (:func:`check_graph_files`).
 
     Raises:
         ArtifactError: anything missing, edited or inconsistent; the message names the file/key.
@@ -118,6 +121,8 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     if tree.size != manifest.tree.size:
         raise ArtifactError(f"{path}: tree has {tree.size} nodes, the manifest records {manifest.tree.size}")
     check_model_vs_graphs(manifest, mpath, tree)
+    check_fields_vs_graphs(manifest, mpath)
+    check_graph_files(manifest, path)
     calibration = simulated = None
     if isinstance(tree_data, dict):
         try:
@@ -189,6 +194,95 @@ def check_model_vs_graphs(manifest: Manifest | dict, mpath: Path, tree: Tree) ->
     if topk_ids[1:] != [heads, tree.topk]:
         raise ArtifactError(f"{mpath}: the heads graph outputs {topk_ids} but the manifest has {heads} Medusa heads "
                             f"and the tree uses top-{tree.topk}")
+
+
+#: Manifest fields that a graph's I/O also fixes: (field, graph key, "inputs" | "outputs", tensor, dim index).
+#: A row applies when the graph has that tensor and the field is recorded; the dim must then equal the field.
+FIELD_DIMS = (
+    ("step_topk", "model", "outputs", "topk_ids", -1),
+    ("step_topk", "model", "outputs", "topk_logprobs", -1),
+    ("model.hidden_size", "model", "outputs", "hidden_states", -1),
+    ("model.hidden_size", "heads", "inputs", "hidden_states", -1),
+    ("model.medusa_heads", "heads", "outputs", "medusa_topk_logprobs", 1),
+    ("heads.num_heads", "heads", "outputs", "medusa_topk_ids", 1),
+    ("tree.topk", "heads", "outputs", "medusa_topk_logprobs", -1),
+)
+
+#: Manifest fields that fix a graph tensor's element type: (field, graph key, "inputs" | "outputs", tensor).
+FIELD_DTYPES = (
+    ("precision.kv_dtype", "model", "inputs", "past_key_values.0.key"),
+    ("precision.kv_dtype", "model", "inputs", "past_key_values.0.value"),
+)
+
+
+def _field(manifest: Manifest, dotted: str):
+    value = manifest
+    for part in dotted.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def check_fields_vs_graphs(manifest: Manifest | dict, mpath: Path) -> None:
+    """Every manifest field in :data:`FIELD_DIMS` / :data:`FIELD_DTYPES` must equal what its graph's I/O says.
+
+    E.g. ``step_topk`` is k of the step graph's ``topk_ids`` [1, S, k]: an edited ``step_topk`` would make
+    the loop treat a top-k it does not have as exact (and sample other tokens).
+
+    Raises:
+        ArtifactError: a disagreement; the message names the field, its value and the graph's.
+    """
+    manifest = as_manifest(manifest)
+    for field, key, side, tensor, dim in FIELD_DIMS:
+        value, graph = _field(manifest, field), manifest.graphs.get(key)
+        spec = graph and next((t for t in getattr(graph, side) if t.name == tensor), None)
+        if value is None or spec is None or not spec.shape:
+            continue
+        if spec.shape[dim] != value:
+            raise ArtifactError(f"{mpath}: {field} is {value} but graphs.{key} {side[:-1]} {tensor} has shape "
+                                f"{spec.shape} (dim {dim} = {spec.shape[dim]})")
+    for field, key, side, tensor in FIELD_DTYPES:
+        value, graph = _field(manifest, field), manifest.graphs.get(key)
+        spec = graph and next((t for t in getattr(graph, side) if t.name == tensor), None)
+        if value is not None and spec is not None and spec.dtype != value:
+            raise ArtifactError(f"{mpath}: {field} is {value} but graphs.{key} {side[:-1]} {tensor} is {spec.dtype}")
+
+
+def _io_mismatch(recorded, declared: list[DeclaredTensor]) -> str | None:
+    """What differs between a manifest I/O list and a file's declared one (None: they agree)."""
+    by_name = {t.name: t for t in declared}
+    names, file_names = [t.name for t in recorded], [t.name for t in declared]
+    if sorted(names) != sorted(file_names):
+        missing, extra = sorted(set(file_names) - set(names)), sorted(set(names) - set(file_names))
+        return f"the manifest lists {extra or 'no'} tensors the file lacks and lacks {missing or 'none'} of the file's"
+    for t in recorded:
+        d = by_name[t.name]
+        if d.dtype is not None and d.dtype != t.dtype:
+            return f"{t.name} is {t.dtype} in the manifest, {d.dtype} in the file"
+        if d.shape is None:
+            continue
+        fixed = [(a, b) for a, b in zip(t.shape, d.shape) if isinstance(a, int) or isinstance(b, int)]
+        if len(t.shape) != len(d.shape) or any(a != b for a, b in fixed):
+            return f"{t.name} has shape {t.shape} in the manifest, {d.shape} in the file"
+    return None
+
+
+def check_graph_files(manifest: Manifest | dict, path: Path) -> None:
+    """Each graph's I/O list in the manifest must match the inputs and outputs its ONNX file declares.
+
+    Names (as sets), element types and every fixed dim are compared; symbolic dims may have other
+    names. The files are read with :func:`medusa_runtime.onnx_io.declared_io` (their I/O fields only).
+    With :func:`check_model_vs_graphs` this ties each manifest field the graphs fix to the graphs themselves.
+
+    Raises:
+        ArtifactError: a disagreement; the message names the graph, the tensor and both values.
+    """
+    manifest = as_manifest(manifest)
+    for key, graph in manifest.graphs.items():
+        io = declared_io(path / graph.file)
+        for side, recorded, declared in (("inputs", graph.inputs, io.inputs), ("outputs", graph.outputs, io.outputs)):
+            problem = _io_mismatch(recorded, declared)
+            if problem:
+                raise ArtifactError(f"{path / MANIFEST}: graphs.{key} {side} disagree with {graph.file}: {problem}")
 
 
 #: The in-graph sampler's tensors (docs/sampling.md), by the manifest's ``step_sampler.version``.

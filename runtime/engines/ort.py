@@ -25,7 +25,6 @@ import numpy as np
 
 from ..artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from ..errors import ArtifactError, ContextOverflowError, MedusaError
-from ..manifest import Graph
 from .base import RowInputs, SamplerInputs, StepResult, sampler_feed
 from .kvcache import HeadMajorKVCache, InPlacePast, KVCache
 
@@ -52,37 +51,8 @@ def session_options(threads: int | None, spin: bool = False):
     return opts
 
 
-_ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
-              "int32": "tensor(int32)", "bool": "tensor(bool)"}
 #: The step outputs the loop reads (the K/V follow them).
 _STEP_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs", "hidden_states")
-
-
-def check_graph_io(session, graph: Graph, path) -> None:
-    """The ONNX graph's inputs/outputs must be the manifest's: names, dtypes, static dims.
-
-    Args:
-        session: an ``onnxruntime.InferenceSession``.
-        graph: the manifest's ``graphs[...]`` entry (``inputs``/``outputs`` lists).
-        path: the graph file (for messages).
-
-    Raises:
-        ArtifactError: a missing or extra tensor, a different dtype, or a different static
-            dimension (the graph is from another build, or the manifest was edited).
-    """
-    actual = {a.name: a for a in session.get_inputs() + session.get_outputs()}
-    expected = {t.name: t for t in graph.inputs + graph.outputs}
-    if set(actual) != set(expected):
-        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
-        raise ArtifactError(f"{path} does not match the manifest: tensors missing from the graph {missing[:3]}, "
-                            f"not in the manifest {extra[:3]}")
-    for name, t in expected.items():
-        a = actual[name]
-        same_dims = len(a.shape) == len(t.shape) and all(
-            x == y for x, y in zip(a.shape, t.shape) if isinstance(x, int) and isinstance(y, int))
-        if a.type != _ORT_TYPES.get(t.dtype) or not same_dims:
-            raise ArtifactError(f"{path}: tensor {name} is {a.type} {a.shape} in the graph but "
-                                f"{t.dtype} {t.shape} in the manifest")
 
 
 class OrtEngine:
@@ -127,8 +97,6 @@ class OrtEngine:
             opts.enable_profiling = True
             opts.profile_file_prefix = profile_prefix
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
-        for key, sess in (("model", self.step_session), *heads_sessions.items()):
-            check_graph_io(sess, artifact.manifest.graphs[key], artifact.file(key))
         self._heads_outputs = [o.name for o in self.heads_session.get_outputs()] if self.heads_session else []
         self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
         self._outputs = [o.name for o in self.step_session.get_outputs()]

@@ -30,7 +30,7 @@ from ..artifact import Artifact, kv_layout, step_limits
 from ..errors import BackendUnavailableError
 from .base import StepResult, sampler_feed
 from .kvcache import CacheState, compaction_slots, in_place_moves
-from .ort import KV_DTYPES, check_graph_io, session_options
+from .ort import KV_DTYPES, session_options
 
 _HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -171,8 +171,6 @@ class OrtCudaEngine:
             raise BackendUnavailableError(f"the ort-cuda backend runs Medusa heads (heads.onnx) only; this artifact's "
                                           f"heads are {artifact.head_type!r}: use the ort (CPU) backend")
         self.heads_session = ort.InferenceSession(str(artifact.file("heads")), opts, providers=providers)
-        for key, sess in (("model", self.step_session), ("heads", self.heads_session)):
-            check_graph_io(sess, artifact.manifest.graphs[key], artifact.file(key))
 
     def make_cache(self, capacity: int) -> DeviceKVCache:
         return DeviceKVCache(self, capacity)
