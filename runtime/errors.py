@@ -60,6 +60,11 @@ class InvalidSettingError(MedusaError, ValueError):
     max_new_tokens, context); the message names the setting and its valid range."""
 
 
+class InvalidPromptError(InvalidSettingError):
+    """Prompt token ids that are not token ids of the artifact's vocabulary (negative, not integers, or
+    >= the vocabulary size); the message names the first bad id, its position and the valid range."""
+
+
 class UnsupportedSamplingError(InvalidSettingError):
     """Sampling settings the engine cannot sample exactly (e.g. the whole vocabulary from a step
     graph that returns only its top-k); the message names the settings that are exact there."""

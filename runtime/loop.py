@@ -24,7 +24,7 @@ from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept
 from .candidates import DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
 from .engines.base import Engine, RowInputs, SamplerInputs, StepResult
 from .engines.kvcache import KVCache, fits
-from .errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
+from .errors import ContextOverflowError, InvalidPromptError, InvalidSettingError, InvalidTreeError
 from .manifest import HEAD_TYPES
 from .stops import apply_stops
 from .tree import Tree, make_tree
@@ -189,17 +189,46 @@ def engine_step(engine: Engine, inputs: RowInputs, past) -> StepResult:
     return engine.step(inputs.tokens[None], inputs.positions[None], inputs.mask, inputs.temperature, past, **kwargs)
 
 
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None) -> np.ndarray:
+    """The prompt as int64 [n], after checking that every id is a token id.
+
+    A token id is an integer (Python ``int`` or a numpy integer; not ``bool``, not a float even when whole:
+    ``int(1.5)`` would silently become 1) in ``0 .. vocab_size - 1``; a negative id would index the
+    embedding table from its end (numpy and ONNX Gather wrap), one >= vocab_size fails inside the graph.
+
+    Args:
+        prompt_ids: the ids, length >= 1.
+        vocab_size: V, the embedding table's rows (``manifest.model.vocab_size``); None: the upper
+            bound is not checked.
+
+    Raises:
+        InvalidSettingError: the prompt is empty.
+        InvalidPromptError: an id out of range or not an integer (the message names it, its index and the range).
+    """
+    ids = list(prompt_ids)
+    if not ids:
+        raise InvalidSettingError("the prompt is empty: give at least one token")
+    valid = f"token ids are integers in 0..{vocab_size - 1} (vocabulary {vocab_size})" if vocab_size \
+        else "token ids are integers >= 0"
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise InvalidPromptError(f"prompt_ids[{i}] = {t!r} ({type(t).__name__}) is not a token id: {valid}")
+        if t < 0 or (vocab_size and t >= vocab_size):
+            raise InvalidPromptError(f"prompt_ids[{i}] = {t} is out of range: {valid}")
+    return np.asarray(ids, dtype=np.int64)
+
+
 def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree | DynamicTree,
                   max_new_tokens: int) -> np.ndarray:
     """The prompt as int64 [n] after checking a generation's settings against the engine.
 
     Raises:
         InvalidSettingError: empty prompt, max_new_tokens not an integer >= 0.
+        InvalidPromptError: a prompt id that is not a token id (:func:`check_prompt_ids`, against the engine's
+            ``vocab_size`` when it has one).
         InvalidTreeError: a tree deeper than the engine's heads, or one its heads cannot run (:func:`check_heads`).
     """
-    prompt = np.asarray([int(t) for t in prompt_ids], dtype=np.int64)
-    if prompt.size == 0:
-        raise InvalidSettingError("the prompt is empty: give at least one token")
+    prompt = check_prompt_ids(prompt_ids, getattr(engine, "vocab_size", None))
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if tree.max_depth > engine.num_heads:
