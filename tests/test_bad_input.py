@@ -210,3 +210,142 @@ def test_threads_above_the_cpu_count_runs_with_a_note(artifact, capsys):
     assert main(["generate", "--artifact", str(artifact), "--prompt", "hi", "--max-new-tokens", "2",
                  "--threads", threads]) == 0
     assert f"[note: --threads {threads} is more than this machine's {os.cpu_count()} CPUs" in capsys.readouterr().err
+
+
+# --- 4. manifest fields checked against the graphs when an artifact is opened ---------------------------
+
+
+def _edited_copy(artifact, tmp_path, edit) -> object:
+    """A copy of ``artifact`` whose manifest.json went through ``edit(doc)``."""
+    import json
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(artifact, out)
+    doc = json.loads((out / "manifest.json").read_text())
+    edit(doc)
+    (out / "manifest.json").write_text(json.dumps(doc))
+    return out
+
+
+def _output(doc, graph, name) -> dict:
+    return next(t for t in doc["graphs"][graph]["outputs"] if t["name"] == name)
+
+
+def test_an_edited_step_topk_is_refused_on_open(artifact, tmp_path, capsys):
+    """step_topk 10 -> 20 was accepted although topk_ids is [1, S, 10]; --top-k 15 then sampled other tokens."""
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import ArtifactError
+
+    k = load_artifact(artifact).manifest.step_topk
+    edited = _edited_copy(artifact, tmp_path, lambda doc: doc.update(step_topk=2 * k))
+    with pytest.raises(ArtifactError) as exc:
+        load_artifact(edited)
+    assert f"step_topk is {2 * k} but graphs.model output topk_ids has shape [1, 'S', {k}]" in str(exc.value)
+    err = error_of(["generate", "--artifact", str(edited), "--prompt", "hi", "--top-k", "15"], capsys)
+    assert f"step_topk is {2 * k}" in err
+
+
+def test_an_io_list_edited_to_match_is_refused_against_the_onnx_file(artifact, tmp_path):
+    """Editing the manifest's I/O list along with step_topk: the ONNX file's declared shape still says k."""
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import ArtifactError
+
+    k = load_artifact(artifact).manifest.step_topk
+
+    def edit(doc):
+        doc["step_topk"] = 2 * k
+        for name in ("topk_ids", "topk_logprobs"):
+            _output(doc, "model", name)["shape"][-1] = 2 * k
+
+    with pytest.raises(ArtifactError) as exc:
+        load_artifact(_edited_copy(artifact, tmp_path, edit))
+    assert (f"graphs.model outputs disagree with model.onnx: topk_ids has shape [1, 'S', {2 * k}] in the manifest, "
+            f"[1, 'S', {k}] in the file") in str(exc.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 65, "model.hidden_size is 65 but graphs.model output hidden_states has shape [1, 'S', 64]"),
+    ("medusa_heads", 5, "the heads graph outputs ['R', 4, 10] but the manifest has 5 Medusa heads"),
+    ("num_kv_heads", 3, "but the model section says 3 KV heads"),
+])
+def test_an_edited_model_field_is_refused_on_open(field, value, message, artifact, tmp_path):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import ArtifactError
+
+    with pytest.raises(ArtifactError) as exc:
+        load_artifact(_edited_copy(artifact, tmp_path, lambda doc: doc["model"].update({field: value})))
+    assert message in str(exc.value)
+
+
+def test_an_edited_heads_count_is_refused_on_open(artifact, tmp_path):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import ArtifactError
+
+    with pytest.raises(ArtifactError) as exc:
+        load_artifact(_edited_copy(artifact, tmp_path, lambda doc: doc["heads"].update(num_heads=3)))
+    assert "heads.num_heads is 3 but graphs.heads output medusa_topk_ids has shape ['R', 4, 10]" in str(exc.value)
+
+
+def test_an_edited_kv_dtype_is_refused_on_open(artifact, tmp_path):
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.errors import ArtifactError
+
+    with pytest.raises(ArtifactError) as exc:
+        load_artifact(_edited_copy(artifact, tmp_path, lambda doc: doc["precision"].update(kv_dtype="float16")))
+    assert "precision.kv_dtype is float16 but graphs.model input past_key_values.0.key is float32" in str(exc.value)
+
+
+def test_the_onnx_reader_matches_onnx(artifact):
+    """medusa_runtime.onnx_io reads the declared I/O as the onnx package does (names, types, dims)."""
+    import onnx
+
+    from medusa_runtime.onnx_io import ELEM_TYPES, declared_io
+
+    for name in ("model.onnx", "heads.onnx"):
+        proto = onnx.load(str(artifact / name), load_external_data=False).graph
+        want = [(v.name, ELEM_TYPES[v.type.tensor_type.elem_type],
+                 [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim])
+                for v in [*proto.input, *proto.output]]
+        io = declared_io(artifact / name)
+        assert [tuple(t) for t in [*io.inputs, *io.outputs]] == want
+
+
+# --- 10. Python API: prompt_ids that are not token ids ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def session(artifact):
+    from medusa_runtime.session import MedusaSession
+
+    return MedusaSession(artifact, threads=1, tree="artifact", notice=None)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([5, -1], "prompt_ids[1] = -1 is out of range: token ids are integers in 0..1000 (vocabulary 1001)"),
+    ([1.5], "prompt_ids[0] = 1.5 (float) is not a token id: token ids are integers in 0..1000 (vocabulary 1001)"),
+    ([3.0], "prompt_ids[0] = 3.0 (float) is not a token id"),
+    ([True], "prompt_ids[0] = True (bool) is not a token id"),
+    ([7, 1001], "prompt_ids[1] = 1001 is out of range: token ids are integers in 0..1000 (vocabulary 1001)"),
+])
+@pytest.mark.parametrize("call", ["generate", "generate_batch"])
+def test_prompt_ids_that_are_not_token_ids_are_a_medusa_error(session, call, ids, message):
+    """Negative ids wrapped around silently, [1.5] was accepted, ids >= V raised onnxruntime's InvalidArgument."""
+    from medusa_runtime.errors import InvalidPromptError, MedusaError
+
+    with pytest.raises(InvalidPromptError) as exc:
+        if call == "generate":
+            session.generate(prompt_ids=ids, max_new_tokens=2)
+        else:
+            session.generate_batch(prompt_ids=[[1, 2], ids], max_new_tokens=2)
+    assert isinstance(exc.value, MedusaError) and message in str(exc.value)
+    if call == "generate_batch":
+        assert str(exc.value).startswith("prompt 1: ")
+
+
+def test_the_last_token_id_and_numpy_ids_are_accepted(session):
+    import numpy as np
+
+    a = session.generate(prompt_ids=[1000, 5], max_new_tokens=3)
+    b = session.generate(prompt_ids=np.array([1000, 5], dtype=np.int32), max_new_tokens=3)
+    assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens == 2
