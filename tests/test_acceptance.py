@@ -144,7 +144,28 @@ def test_sample_walks_the_draws(draws, path, next_token, row):
     np.testing.assert_array_equal(TREE.buffers().retrieve_indices[row, : len(path)], path)
 
 
-def test_sample_with_argmax_draws_accepts_what_greedy_accepts():
+def _walk_the_draws(tree, tokens, drawn) -> list[int]:
+    """The tokens sampling acceptance emits, by the rule of accept_sample's docstring, written independently:
+    from the root, move to a child whose token equals the current node's draw (the longest such walk, the first
+    child in node order on ties), then emit the draw at the last node as the bonus token."""
+    parent = tree.buffers().parent
+    children = {v: [c for c in range(1, tree.size) if parent[c] == v] for v in range(tree.size)}
+
+    def walk(v: int) -> list[int]:
+        best = [v]
+        for c in children[v]:
+            if tokens[c] == drawn[v] and len(path := [v] + walk(c)) > len(best):
+                best = path
+        return best
+
+    path = walk(0)
+    return [int(tokens[v]) for v in path[1:]] + [int(drawn[path[-1]])]
+
+
+def test_sample_emits_what_an_explicit_walk_of_the_draws_emits():
+    """accept_sample reuses accept_greedy's longest-prefix search with the draws in place of the argmax; this
+    checks it against the walk itself (trees with repeated sibling tokens, random draws; the draw is a function of
+    the node's path, as a backbone's is: nodes with equal paths see the same distribution and the same uniform)."""
     rng = np.random.default_rng(0)
     tree = make_tree([[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)] + [[0, 0, 0], [1, 2, 0]],
                      num_heads=3, topk=3)
@@ -153,12 +174,15 @@ def test_sample_with_argmax_draws_accepts_what_greedy_accepts():
     def path_tokens(tokens, v):
         return () if v < 0 else path_tokens(tokens, parent[v]) + (int(tokens[v]),)
 
+    lengths = set()
     for _ in range(300):
         tokens = rng.integers(0, 4, tree.size)  # siblings may repeat a token
-        model = {}  # a "backbone": the argmax is a function of the node's path (nodes with equal paths agree)
-        argmax = np.array([model.setdefault(path_tokens(tokens, v), int(rng.integers(0, 4))) for v in range(tree.size)])
-        g, s = accept_greedy(tree, tokens, argmax), accept_sample(tree, tokens, argmax)
-        assert list(tokens[g.accepted[1:]]) + [g.next_token] == list(tokens[s.accepted[1:]]) + [s.next_token]
+        model = {}
+        drawn = np.array([model.setdefault(path_tokens(tokens, v), int(rng.integers(0, 4))) for v in range(tree.size)])
+        s = accept_sample(tree, tokens, drawn)
+        assert list(tokens[s.accepted[1:]]) + [s.next_token] == _walk_the_draws(tree, tokens, drawn)
+        lengths.add(len(s.accepted))
+    assert lengths == {1, 2, 3, 4}  # the draws reached every depth
 
 
 # --- the sampling distribution against transformers' logits warpers --------------------------------

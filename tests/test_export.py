@@ -130,9 +130,12 @@ def test_reduced_precision_builds(tmp_path, precision):
     v = m["validation"]
     assert v["passed"], v
     assert m["precision"]["name"] == precision
+    # Thresholds about 5x above what this test measured on 2026-12-04 (fp16: log-prob diff <= 1.7e-4, hidden
+    # <= 1.9e-3; int8: <= 4.6e-3 and <= 3.2e-2; greedy agreement 1.0 on every prompt, both).
+    logprob_bound, hidden_bound = {"fp16": (1e-3, 1e-2), "int8": (2e-2, 0.15)}[precision]
     for p in v["prompts"]:
-        assert np.isfinite(p["max_logprob_diff"]) and np.isfinite(p["max_hidden_diff"])
-        assert 0.0 <= p["agreement"] <= 1.0
+        assert p["agreement"] == 1.0, p
+        assert p["max_logprob_diff"] < logprob_bound and p["max_hidden_diff"] < hidden_bound, p
     # only the artifact's own files: no leftover exporter/quantizer data files
     assert sorted(p.name for p in path.iterdir()) == sorted(
         ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer", "tree.json",

@@ -77,7 +77,9 @@ def test_weight_only_artifact_is_lossless_to_its_own_graph(built, precision):
         kw = dict(max_new_tokens=24, max_context=256)
         medusa, plain = generate(eng, prompt, art.tree, **kw), generate(eng, prompt, root, **kw)
         assert medusa.tokens == plain.tokens and len(medusa.tokens) == 24
-        assert medusa.steps <= plain.steps
+        # Every token is accounted to a step (the prefill's, then each tree step's), and the root-only tree
+        # emits exactly one per step: 23 steps after the prefill for 24 tokens.
+        assert 1 + sum(medusa.step_tokens) == 24 and plain.step_tokens == [1] * 23
 
 
 def test_quantized_artifact_is_smaller_and_reported_not_trt_ready(built, tiny_lm, tiny_trt_artifact):
