@@ -41,6 +41,28 @@ def pytest_configure(config):
 SMOLLM_TREE = "16"
 
 
+#: Set by .ci/run: CI installs the serving tools (tritonserver, tritonclient, g++, nlohmann-json), so a test that
+#: would skip for want of one fails there instead (:func:`skip_or_fail_in_ci`).
+IN_CI = os.environ.get("MEDUSA_EXPORT_CI") == "1"
+
+
+def skip_or_fail_in_ci(reason: str) -> None:
+    """Skip the test for want of a tool (``reason`` says which), or fail it under ``MEDUSA_EXPORT_CI=1``."""
+    if IN_CI:
+        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it, .ci/setup_serving.sh), so this is a failure")
+    pytest.skip(reason)
+
+
+def import_or_fail_in_ci(module: str, reason: str):
+    """``pytest.importorskip(module)``, except that under ``MEDUSA_EXPORT_CI=1`` a missing module fails the test."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        skip_or_fail_in_ci(f"{module} is not importable ({exc}): {reason}")
+
+
 def mt_bench_prompts(n: int = 5) -> list[str]:
     """First-turn MT-Bench questions (evaluation only; never trained on)."""
     lines = MT_BENCH.read_text().splitlines()[:n]

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import skip_or_fail_in_ci
+
 from medusa_runtime.acceptance import accept_greedy
 from medusa_runtime.engines.kvcache import compaction_slots
 from medusa_runtime.engines.trt_plan import PROFILE_ORDER, io_shapes, model_profiles, select_profile
@@ -28,7 +30,7 @@ JSON_HEADER = Path("/usr/include/nlohmann/json.hpp")
 def plan_binary(tmp_path_factory):
     gxx = shutil.which("g++")
     if gxx is None or not JSON_HEADER.is_file():
-        pytest.skip("needs g++ and nlohmann-json3-dev (apt-get install g++ nlohmann-json3-dev; .ci/run does)")
+        skip_or_fail_in_ci("needs g++ and nlohmann-json3-dev (apt-get install g++ nlohmann-json3-dev; .ci/run does)")
     exe = tmp_path_factory.mktemp("cpp") / "medusa_plan"
     subprocess.run([gxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(SOURCE)],
                    check=True, capture_output=True, text=True)

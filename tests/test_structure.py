@@ -114,3 +114,21 @@ def test_runtime_never_imports_heavy_packages(heavy):
     found = [m for m, p in MODULES.items() if m.startswith("medusa_runtime")
              for target, _ in _imports(m, p) if target == heavy or target.startswith(heavy + ".")]
     assert not found, f"medusa_runtime modules importing {heavy}: {found}"
+
+
+@pytest.mark.parametrize("ci, outcome", [("1", "1 failed"), ("", "1 skipped")])
+def test_missing_serving_tools_fail_under_ci(tmp_path, ci, outcome):
+    """.ci/run sets MEDUSA_EXPORT_CI=1: a test that would skip for want of tritonserver or g++ fails there."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    shutil.copy(tests / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_tool.py").write_text("from conftest import skip_or_fail_in_ci\n\n\n"
+                                           "def test_needs_a_tool():\n    skip_or_fail_in_ci('no such tool')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_tool.py")],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "MEDUSA_EXPORT_CI": ci})
+    assert outcome in run.stdout, run.stdout + run.stderr
+    assert ("MEDUSA_EXPORT_CI=1" in run.stdout) == bool(ci)

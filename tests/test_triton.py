@@ -29,7 +29,7 @@ from medusa_runtime.acceptance import SamplingConfig
 from medusa_runtime.artifact import sha256_file
 from medusa_runtime.serving import FIELDS, SAMPLING_FIELDS, RequestError, merge_fields, parse_request, serve
 
-from conftest import mt_bench_prompts
+from conftest import import_or_fail_in_ci, mt_bench_prompts, skip_or_fail_in_ci
 
 PROMPTS = ["Name three colors."] + [p[:120] for p in mt_bench_prompts(3)]
 NEW_TOKENS = 24
@@ -268,13 +268,13 @@ def test_repository_serves_built_tensorrt_plans(tiny_trt_artifact, tmp_path):
 def server(tiny_trt_artifact, tmp_path_factory):
     """The bundled tritonserver on a repository of the tiny artifact (2 instances, 1 thread each),
     loading only the generation model (the binary has the Python backend alone)."""
-    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is in the dev extra")
+    grpc = import_or_fail_in_ci("tritonclient.grpc", "tritonclient[grpc,http] is in the dev extra")
     from medusa_export.triton.local import LocalTritonServer, TritonUnavailableError, find_bundled
 
     try:
         find_bundled()
     except TritonUnavailableError as exc:
-        pytest.skip(f"no tritonserver binary: {exc}")
+        skip_or_fail_in_ci(f"no tritonserver binary: {exc}")
     work = tmp_path_factory.mktemp("triton")
     repo = write_repository(tiny_trt_artifact, work / "repo", TritonConfig(threads=1, instances=2))
     srv = LocalTritonServer(repo, work / "server", models=["medusa"])
@@ -499,13 +499,13 @@ def test_embedded_model_through_triton(smollm_artifact, tmp_path, monkeypatch):
     """The embedded SmolLM2 artifact (real BPE tokenizer and chat template, 30 layers) through a
     real server with the runtime's default tree (timed when the instance loads, issue 19): token-exact
     with the runtime (greedy: any tree gives plain greedy decoding's tokens), then a clean stop."""
-    grpc = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc,http] is in the dev extra")
+    grpc = import_or_fail_in_ci("tritonclient.grpc", "tritonclient[grpc,http] is in the dev extra")
     from medusa_export.triton.local import LocalTritonServer, TritonUnavailableError, find_bundled
 
     try:
         find_bundled()
     except TritonUnavailableError as exc:
-        pytest.skip(f"no tritonserver binary: {exc}")
+        skip_or_fail_in_ci(f"no tritonserver binary: {exc}")
     ref = MedusaSession(smollm_artifact, threads=2).generate(PROMPTS[0], max_new_tokens=16)
     repo = write_repository(smollm_artifact, tmp_path / "repo", TritonConfig(threads=2, engine_models=False))
     monkeypatch.delenv("MEDUSA_EXPORT_TREE")  # the server's own default, not the suite's pinned tree
