@@ -291,11 +291,14 @@ _CHILD = textwrap.dedent("""
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
 
+    from medusa_export.validation import plan
     open_model(sys.argv[1])  # imports, tokenizer, headers: everything but the weights
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the peak: measure the build alone
     base = psutil.Process().memory_info().rss
-    rc = main(["build", "--model", sys.argv[1], "--precision", "fp16", "--checks", "checksums", "--tree", "4",
+    limit = int(sys.argv[3])
+    plan.available_memory = lambda: limit  # the memory the build is told it has: its plan must keep to it
+    rc = main(["build", "--model", sys.argv[1], "--precision", "fp16", "--tree", "4", "--new-tokens", "8",
                "--out", sys.argv[2]])
     print("MEMORY", json.dumps({"rc": rc, "base": base, "peak": high_water()}))
 """)
@@ -335,21 +338,26 @@ def medium_ckpt(tmp_path_factory):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures Linux's peak resident set (VmHWM)")
-def test_streamed_build_memory_stays_far_below_the_model_in_fp32(medium_ckpt, tmp_path):
-    """The whole build process (export + checksums re-made from the checkpoint) on a 426 MB fp16 checkpoint whose
-    fp32 model is 852 MB: its peak resident memory above the same process before the build stays under a third of
-    the fp32 model (loading the model in fp32 for export, as before issue 13, would add at least all of it)."""
+def test_streamed_build_memory_stays_within_the_memory_it_is_given(medium_ckpt, tmp_path):
+    """The whole build process, validation included, on a 426 MB fp16 checkpoint whose fp32 model is 852 MB,
+    told that 2 GB are available: the plan picks the checks that fit (an ONNX Runtime run of the fp16 artifact
+    needs about 3.1x its weights) and the process's measured peak resident memory above its state before the
+    build stays within that 2 GB (loading the model in fp32 for export, as before issue 13, would add 852 MB
+    before any check)."""
     path, fp32_bytes = medium_ckpt
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(tmp_path / "art")], capture_output=True,
-                       text=True, timeout=900)
+    limit = 2_000_000_000
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(tmp_path / "art"), str(limit)],
+                       capture_output=True, text=True, timeout=900)
     line = next((x for x in r.stdout.splitlines() if x.startswith("MEMORY")), None)
     assert line, r.stderr[-3000:]
     mem = json.loads(line.split(" ", 1)[1])
-    assert mem["rc"] == 0
+    assert mem["rc"] == 0, r.stdout[-3000:] + r.stderr[-3000:]
     grew = mem["peak"] - mem["base"]
     assert fp32_bytes > 800e6
-    print(f"build peak {mem['peak'] / 1e6:.0f} MB, {grew / 1e6:.0f} MB above the opened model ({mem['base'] / 1e6:.0f} MB)")
-    assert grew < fp32_bytes / 3, f"the build added {grew / 1e6:.0f} MB above {mem['base'] / 1e6:.0f} MB"
     m = json.loads((tmp_path / "art" / "manifest.json").read_text())
-    assert m["validation"]["ran"] == ["checksums"] and m["validation"]["passed"]
+    v = m["validation"]
+    print(f"build peak {mem['peak'] / 1e6:.0f} MB, {grew / 1e6:.0f} MB above the opened model "
+          f"({mem['base'] / 1e6:.0f} MB); checks {v['ran']}")
+    assert v["passed"] and "checksums" in v["ran"] and len(v["ran"]) > 1, v["ran"]  # a check that runs the model
+    assert grew < limit, f"the build added {grew / 1e6:.0f} MB above {mem['base'] / 1e6:.0f} MB, given {limit / 1e6:.0f}"
     assert m["precision"]["name"] == "fp16" and m["weights"]["bytes"] > 420e6
