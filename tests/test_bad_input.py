@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -349,3 +350,42 @@ def test_the_last_token_id_and_numpy_ids_are_accepted(session):
     a = session.generate(prompt_ids=[1000, 5], max_new_tokens=3)
     b = session.generate(prompt_ids=np.array([1000, 5], dtype=np.int32), max_new_tokens=3)
     assert a.token_ids == b.token_ids and a.prompt_tokens == b.prompt_tokens == 2
+
+
+# --- 5. --max-context against the validation prompts and the model ---------------------------------------
+
+
+def test_a_full_context_reports_the_tokens_really_compared(tiny_model_dir, tmp_path, capsys):
+    """--max-context 150: the first prompt (88 tokens with the template) + 64 new tokens do not fit; the summary
+    said "3/3 prompts x 64 tokens" although the manifest recorded fewer for it."""
+    out = tmp_path / "art"
+    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+        assert main(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "150",
+                     "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    counts = [p["tokens"] for p in json.loads((out / "manifest.json").read_text())["validation"]["prompts"]]
+    assert counts[0] < 64 and counts[1:] == [64, 64]
+    assert ("[note: validation prompt 1 has 88 tokens: with --max-new-tokens 64 it needs 152 > --max-context 150, "
+            "so it is compared on fewer tokens]") in err
+    assert f"identical on 3/3 prompts x {'/'.join(map(str, counts))} of 64 tokens (fewer where EOS" in stdout.getvalue()
+
+
+def test_a_validation_prompt_longer_than_the_context_fails_before_the_export(tiny_model_dir, tmp_path, capsys):
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "80",
+                    "--out", str(tmp_path / "art")], capsys)
+    assert ("validation prompt 1 ('Write a short note to a colleague explai') has 88 tokens with the chat template, "
+            "which leaves no room in --max-context 80: give --max-context >= 152") in err
+    assert "--prompt-file, or --no-validate" in err and "[1/" not in err  # no stage started
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("context, message", [
+    ("999999", "--max-context must be in 2..4096 (tiny-llama's max_position_embeddings is 4096), got 999999"),
+    ("0", "--max-context must be >= 2, got 0"),
+    ("-5", "--max-context must be >= 2, got -5"),
+])
+def test_max_context_outside_the_models_positions_fails(tiny_model_dir, tmp_path, context, message, capsys):
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", context,
+                    "--out", str(tmp_path / "art")], capsys)
+    assert message in err
+    assert list(tmp_path.iterdir()) == []

@@ -123,6 +123,7 @@ def cmd_build(args) -> int:
     from ..export.build import build_artifact
     from ..export.config import BuildConfig
     from ..loading.sources import open_model
+    from ..validation.checks import check_prompts_fit, prompt_ids
     from ..validation.validate import read_prompts
     from .trt import after_build
 
@@ -137,6 +138,9 @@ def cmd_build(args) -> int:
     lm = open_model(args.model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     print_notes(lm)
+    positions = lm.sources.config.max_position_embeddings
+    check_int(args.max_context, "--max-context", low=2, high=positions,
+              meaning=f"{lm.name}'s max_position_embeddings is {positions}")
     num_heads = lm.sources.heads_config.num_heads
     spec = args.tree or lm.default_tree
     auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
@@ -148,6 +152,10 @@ def cmd_build(args) -> int:
     size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
     out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"
     check_replaceable(Path(out), force=args.force)
+    if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
+        texts, ids = prompt_ids(lm, prompts)
+        for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
+            print(f"[note: {note}]", file=sys.stderr, flush=True)
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
     _print_summary(path, time.perf_counter() - t0, lm)
     print_machine_tree(path)
@@ -451,7 +459,9 @@ def _add_build_parser(sub) -> None:
                         "Medusa stays identical to plain greedy of the graph), 4 = int8 activations (faster, but a "
                         "tree step's rounding differs from one-token steps and outputs can diverge) "
                         "(default: 1 for int4, 4 for int8, which has no fast fp32-compute kernel)")
-    p.add_argument("--max-context", type=int, help="KV capacity the artifact is built for (default: the model's)")
+    p.add_argument("--max-context", type=int, metavar="N",
+                   help="KV capacity the artifact is built for, 2..the model's max_position_embeddings; every "
+                        "validation prompt must fit it (checked before the export) (default: the model's)")
     p.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, metavar="N",
                    help="sequences per step: 1 = the batch-1 step graph; N > 1 = a step graph with a dynamic batch "
                         "dimension (per-row past lengths), so generate --batch-size runs all "

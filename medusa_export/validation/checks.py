@@ -51,6 +51,38 @@ def prompt_ids(lm, prompts: list[str] | None) -> tuple[list[str], list[list[int]
     return texts, ids
 
 
+def check_prompts_fit(texts: list[str], ids: list[list[int]], max_context: int, new_tokens: int) -> list[str]:
+    """Before the export: every validation prompt must fit the context the artifact is built for.
+
+    A prompt longer than ``max_context`` could not be run at all (the build failed after the export); one that
+    fits without room for ``new_tokens`` more is compared on fewer tokens, which the returned notes say.
+
+    Args:
+        texts: the prompts (user messages), for the messages.
+        ids: their token ids, chat template applied (:func:`prompt_ids`).
+        max_context: the artifact's KV capacity in tokens.
+        new_tokens: greedy tokens compared per prompt.
+
+    Returns:
+        One note per prompt compared on fewer than ``new_tokens`` tokens (the context fills first).
+
+    Raises:
+        ContextOverflowError: a prompt has more tokens than ``max_context``; the message names it and what to do.
+    """
+    from ..errors import ContextOverflowError
+
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) >= max_context:
+        raise ContextOverflowError(
+            f"validation prompt {longest + 1} ({texts[longest][:40]!r}) has {len(ids[longest])} tokens with the chat "
+            f"template, which leaves no room in --max-context {max_context}: give --max-context "
+            f">= {len(ids[longest]) + new_tokens} (the prompt and --max-new-tokens {new_tokens}), shorter prompts "
+            "with --prompt-file, or --no-validate")
+    return [f"validation prompt {i + 1} has {len(p)} tokens: with --max-new-tokens {new_tokens} it needs "
+            f"{len(p) + new_tokens} > --max-context {max_context}, so it is compared on fewer tokens"
+            for i, p in enumerate(ids) if len(p) + new_tokens > max_context]
+
+
 def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool) -> dict:
     """The whole artifact against the whole reference (:func:`~.validate.validate`, reference phase first)."""
     ref = lm.model if lm.model is not None else reference_model(src)  # loaded, or streamed from the sources

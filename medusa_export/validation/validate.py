@@ -170,8 +170,17 @@ def validation_summary(v: dict) -> str:
             c = v[check]
             same = sum(p["identical"] for p in c["prompts"])
             parts.append(f"self: Medusa == plain greedy of the same graph on {same}/{len(c['prompts'])} prompts x "
-                         f"{c['new_tokens']} tokens")
+                         f"{compared_tokens(c['prompts'], c['new_tokens'])}")
     return head + "; ".join(parts)
+
+
+def compared_tokens(prompts: list[dict], new_tokens: int) -> str:
+    """"64 tokens" when every prompt was compared on ``new_tokens`` tokens, else each prompt's real count
+    ("23/48/38 of 64 tokens ..."): a prompt stops early at EOS or when the context is full."""
+    counts = [p["tokens"] for p in prompts]
+    if all(n == new_tokens for n in counts):
+        return f"{new_tokens} tokens"
+    return f"{'/'.join(map(str, counts))} of {new_tokens} tokens (fewer where EOS came or the context was full)"
 
 
 def _report_summary(v: dict) -> str:
@@ -180,10 +189,12 @@ def _report_summary(v: dict) -> str:
     if v["tolerance"].get("reference") == "vanilla":
         lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
         agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
-        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x {v['new_tokens']} tokens; "
+        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x "
+                f"{compared_tokens(prompts, v['new_tokens'])}; "
                 f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
     worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
-    text = f"greedy tokens identical on {same}/{n} prompts x {v['new_tokens']} tokens; max |log-prob diff| {worst:.2e}"
+    text = (f"greedy tokens identical on {same}/{n} prompts x {compared_tokens(prompts, v['new_tokens'])}; "
+            f"max |log-prob diff| {worst:.2e}")
     compared = [p for p in prompts if p.get("accept_identical") is not None]
     if compared:
         text += (f"; tokens accepted per tree step identical on {sum(p['accept_identical'] for p in compared)}/"
