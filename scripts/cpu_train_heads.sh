@@ -13,7 +13,7 @@
 #   OUT=/work/scratch/heads bash scripts/cpu_train_heads.sh
 #
 # Env: OUT (heads go to OUT/heads), CACHE (OUT/cache), PARTS (2), BUDGET (820000 reply tokens), DATA
-# (../shared/data/train), GSM8K (1500), SAMPLES (8), TEMPERATURE (0.7), MAX_NEW (320), BATCH (64),
+# ($MEDUSA_EXPORT_SHARED/data/train, else ../shared/data/train), GSM8K (1500), SAMPLES (8), TEMPERATURE (0.7), MAX_NEW (320), BATCH (64),
 # HEAD_TYPE (hydra), INIT (models/smollm2-135m when HEAD_TYPE is hydra: start equal to the shipped Medusa
 # heads, which have 1 block; "" for fresh heads, e.g. with LAYERS=2), LAYERS (1), SOFT (16; 0 = hard labels), TRAIN_VOCAB (8192), EPOCHS (2),
 # LR (2e-3), THREADS (training threads, 1), MAX_TOKENS (train on a prefix; data scaling), PYTHON (python3).
@@ -21,7 +21,7 @@ set -uo pipefail
 
 OUT="${OUT:-/tmp/cpu-heads}"
 CACHE="${CACHE:-$OUT/cache}"
-DATA="${DATA:-../shared/data/train}"
+DATA="${DATA:-${MEDUSA_EXPORT_SHARED:-../shared}/data/train}"
 PYTHON="${PYTHON:-python3}"
 PARTS="${PARTS:-2}"
 HEAD_TYPE="${HEAD_TYPE:-hydra}"

