@@ -14,8 +14,7 @@ conditioned)         depth-(d-1) node with children, level by     per level (EAG
                      level                                        candidates
 ===================  ==========================================  =========================================
 
-**Objective of the per-step trees** (EAGLE-2 arXiv 2406.16858 §4; OPT-Tree arXiv 2406.17276;
-notes in /work/notes/18-research.md §2.4). Greedy verification accepts the longest prefix of the
+**Objective of the per-step trees** (EAGLE-2 arXiv 2406.16858 §4; OPT-Tree arXiv 2406.17276). Greedy verification accepts the longest prefix of the
 backbone's greedy continuation that lies in the tree, so with v(n) = P(every node on the path
 root -> n is right), E[tokens per step] = 1 + sum_{n != root} v(n). We estimate
 v(n) = prod_{a on the path} c_d(q(a)), with q(a) the probability the head of depth d gave a and

@@ -134,6 +134,40 @@ def _session(args):
     return session
 
 
+def check_utf8(texts, flag: str) -> None:
+    """Command-line text must be UTF-8: Python hands bytes that are not as lone surrogates (PEP 383), which
+    the tokenizer refused with a TypeError.
+
+    Args:
+        texts: a string, a list of strings, or None.
+        flag: the option, for the message.
+
+    Raises:
+        InvalidSettingError: a text holds such bytes (the message gives the first byte and its offset).
+    """
+    for text in [texts] if isinstance(texts, str) else (texts or []):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            byte = text[exc.start].encode("utf-8", "surrogateescape")[0]
+            raise InvalidSettingError(f"{flag} is not valid UTF-8 (byte {byte:#04x} at character {exc.start}); "
+                                      "give the text in UTF-8 (check the terminal's or the script's encoding)") \
+                from None
+
+
+def check_stops(stops: list[str]) -> list[str]:
+    """``--stop`` values: each must hold at least one character (an empty one was silently ignored).
+
+    Raises:
+        InvalidSettingError: an empty stop string.
+    """
+    check_utf8(stops, "--stop")
+    if any(not s for s in stops):
+        raise InvalidSettingError("--stop '' is empty: a stop string needs at least one character (leave --stop out "
+                                  "to stop at EOS and --max-new-tokens only)")
+    return stops
+
+
 def _gen_kwargs(args, session) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, sampling=session.sampling(sampling_from_args(args)),
                 stop=args.stop, vanilla=args.vanilla)
@@ -216,6 +250,8 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     """
     out, err = out or sys.stdout, err or sys.stderr
     sampling_from_args(args)  # bad values fail before the artifact is loaded
+    check_stops(args.stop)
+    check_utf8(getattr(args, "prompt", None), "--prompt")
     if getattr(args, "prompt_file", None):
         return run_generate_batch(args, out, err)
     if getattr(args, "batch_size", None) is not None:
@@ -246,6 +282,8 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     """
     inp, out, err = inp or sys.stdin, out or sys.stdout, err or sys.stderr
     sampling_from_args(args)
+    check_stops(args.stop)
+    check_utf8(args.system, "--system")
     session = _session(args)
     if not session.tokenizer.has_chat_template:
         raise ChatTemplateError(f"{NO_TEMPLATE_MESSAGE}; chat needs one: use `generate --artifact "

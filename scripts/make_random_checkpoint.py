@@ -25,8 +25,8 @@ What is written (the formats of a Hugging Face model repo and of FasterDecoding'
   ``--heads-out``), keys ``{h}.{l}.linear.weight|bias`` and ``{h}.{L}.weight`` (the head's own [V, d]
   projection; ``--head-projection shared`` leaves it out, the "legacy v2" layout that uses the backbone's
   lm_head); ``medusa-1.0``: the same tensors inside the model shards with the prefix ``medusa_head.`` and
-  ``medusa_num_heads`` / ``medusa_num_layers`` in the model's config.json (FasterDecoding's medusa-1.0 repos,
-  see /work/notes/14-research.md §1.a); ``none``: no heads;
+  ``medusa_num_heads`` / ``medusa_num_layers`` in the model's config.json (FasterDecoding's medusa-1.0 repos
+  on the Hugging Face Hub, e.g. ``FasterDecoding/medusa-1.0-vicuna-7b-v1.5``); ``none``: no heads;
 * ``OUT/random_checkpoint.json``: how the folder was made (shape, seed, dtype, parameter counts).
 
 Values: weights ~ N(0, 0.02²), norm weights 1 + N(0, 0.02²), biases N(0, 0.02²): activations stay finite in
@@ -98,7 +98,8 @@ _LLAMA3_ROPE = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                 "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 #: name -> config fields + "family", "dtype", "heads" (default K), "style" (tokenizer), "tokenizer_size".
-#: Sources: the public config.json files (see /work/notes/14-research.md §2 for Llama 3.x / Qwen).
+#: Sources: each model's public config.json on the Hugging Face Hub (lmsys/vicuna-7b-v1.3, meta-llama/Llama-2-13b-hf,
+#: meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B, mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-0.5B, Qwen/Qwen3-0.6B).
 SHAPES: dict[str, dict] = {
     "vicuna-7b": dict(family="llama", dtype="fp16", heads=5, style="vicuna", hidden_size=4096, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,

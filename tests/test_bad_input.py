@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -389,3 +390,80 @@ def test_max_context_outside_the_models_positions_fails(tiny_model_dir, tmp_path
                     "--out", str(tmp_path / "art")], capsys)
     assert message in err
     assert list(tmp_path.iterdir()) == []
+
+
+# --- 6. typed errors instead of tracebacks --------------------------------------------------------------
+
+
+def test_a_model_folder_without_a_tokenizer_fails(tiny_model_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").unlink()  # was an AttributeError deep inside transformers
+    err = error_of(["build", "--model", str(model), "--tree", "4", "--out", str(tmp_path / "art")], capsys)
+    assert (f"{model} has no tokenizer: expected one of tokenizer.json, tokenizer.model, vocab.json, "
+            "tokenizer.tiktoken beside config.json") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_string_where_config_json_needs_an_integer_fails(tiny_model_dir, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_size": "64"}))
+    err = error_of(["build", "--model", str(model), "--tree", "4", "--out", str(tmp_path / "art")], capsys)
+    assert "config.json: hidden_size must be a non-negative integer, got '64' (str)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_prompt_that_is_not_utf8_fails(artifact, capsys):
+    """Bytes that are not UTF-8 on the command line reach Python as lone surrogates (PEP 383)."""
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    err = error_of(["generate", "--artifact", str(artifact), "--prompt", prompt], capsys)
+    assert "--prompt is not valid UTF-8 (byte 0xe9 at character 3); give the text in UTF-8" in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "caf\xe9"}\n', "{f}:1: not UTF-8 (byte 0xe9 at offset 15); prompt files are JSONL in UTF-8"),
+    (None, "prompt file {f} is a directory; give a JSONL file"),  # 12: it said "does not exist"
+])
+@pytest.mark.parametrize("command", ["verify", "generate"])
+def test_a_prompt_file_that_cannot_be_read_fails(command, content, message, artifact, tiny_model_dir, tmp_path,
+                                                 capsys):
+    f = tmp_path / "prompts.jsonl"
+    if content is None:
+        f.mkdir()
+    else:
+        f.write_bytes(content)
+    extra = ["--model-path", str(tiny_model_dir)] if command == "verify" else []
+    err = error_of([command, "--artifact", str(artifact), *extra, "--prompt-file", str(f)], capsys)
+    assert message.format(f=f) in err
+
+
+# --- 12. small ones -------------------------------------------------------------------------------------
+
+
+def test_an_empty_stop_string_fails(artifact, capsys):
+    err = error_of(["generate", "--artifact", str(artifact), "--prompt", "hi", "--stop", ""], capsys)
+    assert "--stop '' is empty: a stop string needs at least one character" in err
+
+
+def test_the_artifact_doc_names_an_importable_loader():
+    import importlib
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "artifact.md").read_text()
+    for module, name in re.findall(r"`(medusa_runtime(?:\.\w+)*)\.(load_artifact)`", doc):
+        assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
+    assert "medusa_runtime.artifact.load_artifact" in doc
+
+
+def test_no_source_cites_notes_outside_the_repository():
+    """A docstring of scripts/make_random_checkpoint.py cited /work/notes/..., which no clone has."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cited = [str(p.relative_to(root)) for folder in ("scripts", "medusa_export", "runtime", "docs")
+             for p in (root / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")
+             and "/work/notes" in p.read_text(errors="replace")]
+    assert cited == []

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from medusa_runtime.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
-                                check_threads, run_command, sampling_from_args)
+                                check_threads, check_utf8, run_command, sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file, check_replaceable
@@ -70,6 +70,7 @@ def cmd_generate(args) -> int:
         raise MedusaError("--prompt-file and --batch-size need --artifact (the runtime's batch scheduler); the PyTorch "
                           "reference answers one --prompt")
     sampling = sampling_from_args(args)  # bad values fail before the model is loaded
+    check_utf8(args.prompt, "--prompt")
     from medusa_runtime.tree import tree_from_spec
 
     from ..chat import apply_chat_template, TextStreamer

@@ -71,6 +71,13 @@ def backbone_config(cfg: dict) -> BackboneConfig:
         raise UnsupportedModelError(f"{cfg.get('model_type')} config: {exc}") from None
 
 
+#: config.json fields read as integers (checked before use: a string or a float is refused by name).
+INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+#: config.json fields every supported family's config has.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def _backbone_config(cfg: dict) -> BackboneConfig:
     mt = cfg.get("model_type")
     if mt not in ARCHITECTURES:
@@ -82,6 +89,15 @@ def _backbone_config(cfg: dict) -> BackboneConfig:
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise UnsupportedModelError(f"partial_rotary_factor {cfg['partial_rotary_factor']} is not supported; "
                                     "supported: 1.0 (RoPE on the whole head)")
+    for key in INT_FIELDS:  # "hidden_size": "64" failed later with a TypeError, or a shape "[1001, '64']"
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise UnsupportedModelError(f"config.json: {key} must be a non-negative integer, got {value!r} "
+                                        f"({type(value).__name__})")
+    missing = [k for k in REQUIRED_FIELDS if cfg.get(k) is None]
+    if missing:
+        raise UnsupportedModelError(f"config.json: {', '.join(missing)} missing; a {mt} config needs "
+                                    f"{', '.join(REQUIRED_FIELDS)}")
     heads = cfg["num_attention_heads"]
     common = dict(
         vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],

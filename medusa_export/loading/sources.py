@@ -201,11 +201,19 @@ def checkpoint_notes(source: TensorSource, folder: Path, gguf_file: str | None,
     return [fp8.TENSORRT_FP8_NOTE], fp8.describe(source.fp8_weights), source.kept_scales()
 
 
+#: Tokenizer files transformers reads from a model folder (fast JSON, SentencePiece, byte-level BPE, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
+
 def tokenizer_and_eos(folder: Path, gguf_file: str | None, hf: dict, trust_remote_code: bool = False):
     """(tokenizer, EOS ids): the tokenizer beside the weights (or in the GGUF) and the generation config's EOS.
 
     The generation config comes first, as for a loaded model (:func:`~.backbone.eos_ids`): with
     transformers 4.57 a GGUF tokenizer reports the wrong EOS.
+
+    Raises:
+        CheckpointError: the folder has none of :data:`TOKENIZER_FILES` (and no GGUF), or transformers cannot
+            read the tokenizer (its message quoted).
     """
     from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
@@ -213,8 +221,14 @@ def tokenizer_and_eos(folder: Path, gguf_file: str | None, hf: dict, trust_remot
     from .checkpoint import quiet_transformers
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if not gguf_file and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise CheckpointError(f"{folder} has no tokenizer: expected one of {', '.join(TOKENIZER_FILES)} beside "
+                              "config.json (copy them from the model's repository)")
     with quiet_transformers():
-        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise CheckpointError(f"the tokenizer in {folder} cannot be read ({type(exc).__name__}: {exc})") from None
         if not gguf_file and (folder / "generation_config.json").is_file():
             gen = GenerationConfig.from_pretrained(str(folder))
         else:

@@ -1,8 +1,9 @@
 """Batched decoding for self-distillation: an own decode loop with continuous batching.
 
 transformers ``generate`` on this CPU spends most of a batched step outside the GEMMs: the
-SDPA kernel for one query token and the dynamic cache's per-step ``cat`` (measured in
-/work/notes/18-research.md §3.2: 61% and 21% of a step). This loop avoids both:
+SDPA kernel for one query token and the dynamic cache's per-step ``cat`` (61% and 21% of a step in a
+profile taken on the 2-core development machine; the profile itself is not in the repository). This loop
+avoids both:
 
 * one preallocated KV buffer per layer, ``[B, H_kv, C, D]``: a step writes each row's new K/V
   into its own slot (no concatenation), and attention reads ``[:, :, :L]`` with L the longest
