@@ -439,6 +439,15 @@ def test_a_prompt_file_that_cannot_be_read_fails(command, content, message, arti
     assert message.format(f=f) in err
 
 
+def test_verify_against_a_model_with_another_vocabulary_fails(artifact, tmp_path, capsys):
+    """Was onnxruntime's Gather INVALID_ARGUMENT traceback."""
+    other = tmp_path / "other"
+    save_tiny_hf_dir(other, vocab=320)
+    err = error_of(["verify", "--artifact", str(artifact), "--model-path", str(other)], capsys)
+    assert f"{other} is not the model this artifact was built from (vocab_size 1001 vs 320; artifact vs checkpoint)" \
+        in err
+
+
 # --- 12. small ones -------------------------------------------------------------------------------------
 
 

@@ -292,6 +292,32 @@ def _print_summary(path, seconds: float, lm=None) -> None:
         print(line)
 
 
+#: The artifact's geometry (manifest ``model`` field) -> the checkpoint config's field that must equal it.
+GEOMETRY = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+            "num_attention_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+
+def check_same_geometry(model, config, where: str) -> None:
+    """``verify``: the reference model must have the artifact's geometry (another vocabulary failed inside
+    ONNX Runtime's Gather with INVALID_ARGUMENT).
+
+    Args:
+        model: the artifact's :class:`medusa_runtime.manifest.ModelInfo`.
+        config: the checkpoint's :class:`~medusa_export.model.config.BackboneConfig`.
+        where: the checkpoint, for the message.
+
+    Raises:
+        ArtifactError: a field differs; the message names each with both values.
+    """
+    from medusa_runtime.errors import ArtifactError
+
+    diff = [f"{ours} {getattr(model, ours)} vs {getattr(config, theirs)}" for ours, theirs in GEOMETRY.items()
+            if getattr(model, ours) != getattr(config, theirs)]
+    if diff:
+        raise ArtifactError(f"{where} is not the model this artifact was built from ({', '.join(diff)}; artifact vs "
+                            f"checkpoint): give the weights of {model.backbone_source} with --model-path")
+
+
 def cmd_verify(args) -> int:
     """Validate an existing artifact with the checks that fit (or those asked for); exit 1
     (:data:`EXIT_MISMATCH`) on a failure."""
@@ -319,6 +345,7 @@ def cmd_verify(args) -> int:
         raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
                           "--model-path (an HF model dir or .gguf file)")
     print_notes(lm)
+    check_same_geometry(m.model, lm.sources.config, args.model_path or name)
     cfg = BuildConfig(precision=m.precision_name, graph="fused" if m.flavour == "ort-fused" else "portable",
                       new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
                       max_context=m.model.max_context, batch_size=step_batch(m) or 1)
