@@ -14,7 +14,8 @@ from .errors import (ArtifactError, BackendUnavailableError, ChatTemplateError, 
                      InvalidTreeError, MedusaError)
 from .manifest import Manifest
 from .session import Completion, MedusaSession
-from .tree import Tree, TreeBuffers, make_tree, tree_from_spec
+from .tree import Tree, TreeBuffers, make_tree
+from .treespec import tree_from_spec
 
 __all__ = [
     "ArtifactError",

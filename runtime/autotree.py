@@ -27,15 +27,14 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .candidates import DEFAULT_WIDTH, DynamicTree, ProbabilityMap
+from .candidates import ProbabilityMap
 from .errors import InvalidTreeError
 from .tree import DEFAULT_TOPK, Tree, default_accuracies, expected_accept_length, greedy_tree, make_tree
+from .treespec import DEFAULT_WIDTH, DynamicTree
 
 #: Tree policies: one fixed tree, or a tree of fixed size chosen every step.
 POLICIES = ("static", "dynamic")
 
-#: The ``--tree`` spec that selects this module.
-AUTO = "auto"
 #: Node counts tried by ``--tree auto`` (1 = plain decoding).
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: Past length (tokens already in the cache) at which steps are timed: a typical mid-reply context.
@@ -247,19 +246,6 @@ def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEF
         if res.steps:
             best = min(best, 1e3 * (res.engine_seconds + res.host_seconds - res.prefill_seconds) / res.steps)
     return best
-
-
-def is_auto(spec) -> bool:
-    """True for the ``--tree auto`` and ``--tree auto:dynamic`` specs (any surrounding whitespace)."""
-    return auto_policy(spec) is not None
-
-
-def auto_policy(spec) -> str | None:
-    """The tree policy of an auto spec: "static" for ``auto``, "dynamic" for ``auto:dynamic`` (per-step
-    trees of each size), None for any other spec."""
-    if not isinstance(spec, str):
-        return None
-    return {AUTO: "static", f"{AUTO}:dynamic": "dynamic"}.get(spec.strip())
 
 
 def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:

@@ -51,13 +51,14 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .acceptance import SamplingConfig
-from .candidates import DynamicTree, HeadsCall
+from .candidates import HeadsCall
 from .engines.base import Engine, RowInputs, StepResult
 from .engines.kvcache import KVCache
 from .errors import ContextOverflowError, InvalidSettingError
 from .loop import (Decoding, GenerationResult, check_request, context_capacity, engine_sampling_route, engine_step,
                    run_heads)
 from .tree import Tree
+from .treespec import DynamicTree
 
 #: Sequences per step when none is given (the CLI's --batch-size; Triton's batch_size parameter).
 DEFAULT_BATCH_SIZE = 8

@@ -36,10 +36,8 @@ import numpy as np
 
 from .errors import InvalidTreeError
 from .manifest import HEAD_TYPES  # noqa: F401  (medusa heads read h_t alone; hydra heads also read the path)
-from .tree import DEFAULT_TOPK, Tree, gather_candidates, make_tree
-
-#: Beam width W of per-step trees for path-conditioned heads (EAGLE-2 uses 10 on a GPU).
-DEFAULT_WIDTH = 8
+from .tree import Tree, gather_candidates, make_tree
+from .treespec import DynamicTree
 
 #: ``run_level(depth, path_ids int64 [R, depth]) -> (ids int64 [R, k], logprobs float32 [R, k])``: the
 #: path-conditioned head of that depth on R paths (root first), best first.
@@ -116,71 +114,6 @@ class ProbabilityMap:
             raise InvalidTreeError(f"bad calibration map: logprobs {x.shape} must increase and p_right "
                                    f"{p.shape} be [heads, {x.size}] probabilities")
         return cls(x, p)
-
-
-def raw_probability(depth: int, logprobs: np.ndarray) -> np.ndarray:
-    """The uncalibrated estimate: P(right) = exp(log-probability)."""
-    return np.exp(np.asarray(logprobs, dtype=np.float64))
-
-
-@dataclass(frozen=True)
-class DynamicTree:
-    """A per-step tree of fixed size: what ``--tree dynamic:T`` asks for.
-
-    Attributes:
-        size: T, nodes per step (root included), the same every step.
-        num_heads: heads K (the depth limit).
-        topk: candidates taken per head and parent.
-        width: W, nodes expanded per level by path-conditioned heads (the beam; EAGLE-2 uses 10).
-        calibration: the heads' calibration map, or None for raw probabilities.
-    """
-
-    size: int
-    num_heads: int
-    topk: int = DEFAULT_TOPK
-    width: int = DEFAULT_WIDTH
-    calibration: ProbabilityMap | None = None
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise InvalidTreeError(f"a per-step tree needs at least 1 node (the root), got {self.size}")
-        if self.width < 1 or self.topk < 1 or self.num_heads < 1:
-            raise InvalidTreeError(f"width, topk and num_heads must be >= 1, got {self.width}, {self.topk}, "
-                                   f"{self.num_heads}")
-        most, level = 0, 1
-        for _ in range(self.num_heads):  # each level expands at most W of the previous level's nodes
-            level = min(level, self.width) * self.topk
-            most += level
-        if self.size - 1 > most:
-            raise InvalidTreeError(f"a per-step tree of {self.size} nodes needs more candidates than {self.num_heads} "
-                                   f"heads x top-{self.topk} (beam {self.width}) give ({most}); choose at most "
-                                   f"{most + 1} nodes")
-
-    @property
-    def max_depth(self) -> int:
-        return self.num_heads if self.size > 1 else 0
-
-    def probability(self) -> Callable[[int, np.ndarray], np.ndarray]:
-        """The map log-probability -> P(right) it uses (calibrated, or :func:`raw_probability`)."""
-        return self.calibration if self.calibration is not None else raw_probability
-
-
-DYNAMIC_PREFIX = "dynamic:"
-
-
-def parse_dynamic(spec) -> int | None:
-    """The node count of a ``dynamic:T`` tree spec, or None when ``spec`` is another spec.
-
-    Raises:
-        InvalidTreeError: ``dynamic:`` followed by something other than a positive integer.
-    """
-    text = str(spec).strip()
-    if not text.startswith(DYNAMIC_PREFIX):
-        return None
-    n = text[len(DYNAMIC_PREFIX):]
-    if not n.isdigit() or int(n) < 1:
-        raise InvalidTreeError(f"--tree dynamic:T takes a node count T >= 1 (e.g. dynamic:6), got {text!r}")
-    return int(n)
 
 
 # ---------------------------------------------------------------------------

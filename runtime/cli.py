@@ -120,7 +120,8 @@ def _session(args):
 
     check_threads(args.threads)
 
-    from .autotree import format_table, is_auto
+    from .autotree import format_table
+    from .treespec import is_auto
 
     tree = getattr(args, "tree", None)
     auto = is_auto(tree)

@@ -21,13 +21,14 @@ import numpy as np
 
 from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
                          sampling_route)
-from .candidates import DynamicTree, HeadsCall, Plan, Proposal, plan_for, run_plan
+from .candidates import HeadsCall, Plan, Proposal, plan_for, run_plan
 from .engines.base import Engine, RowInputs, SamplerInputs, StepResult
 from .engines.kvcache import KVCache, fits
 from .errors import ContextOverflowError, InvalidPromptError, InvalidSettingError, InvalidTreeError
 from .manifest import HEAD_TYPES
 from .stops import apply_stops
 from .tree import Tree, make_tree
+from .treespec import DynamicTree
 
 
 def engine_head_type(engine: Engine) -> str:
@@ -84,7 +85,7 @@ def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda 
 
     Args:
         engine: the backend (``head_type`` and the heads methods, see :class:`Engine`).
-        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.candidates.DynamicTree` (per-step
+        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.treespec.DynamicTree` (per-step
             trees of fixed size).
         timed: ``timed(fn, *args)`` calls ``fn(*args)`` (e.g. adding its time to a total).
 
@@ -454,7 +455,7 @@ def generate(
         prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
             ``cache`` given, these are the tokens *after* the cache's valid prefix.
         tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps; a
-            :class:`~medusa_runtime.candidates.DynamicTree` chooses a tree of its size every step.
+            :class:`~medusa_runtime.treespec.DynamicTree` chooses a tree of its size every step.
         max_new_tokens: maximum emitted tokens (exact), >= 0.
         eos_token_ids: tokens that end generation (not emitted).
         max_context: KV capacity in tokens (default: the engine's ``max_context``, i.e. the

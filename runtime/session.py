@@ -28,17 +28,17 @@ from typing import Callable, Sequence
 
 from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
-from .autotree import TreeTiming, auto_policy, auto_tree, candidate_trees, is_auto
+from .autotree import TreeTiming, auto_tree, candidate_trees
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
-from .candidates import DynamicTree
 from .engines import DEFAULT_BACKEND, create_engine
 from .engines.kvcache import KVCache
 from .errors import ChatTemplateError, MedusaError
 from .loop import GenerationResult, engine_sampling_route, generate
 from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
-from .tree import Tree, default_accuracies, make_tree, tree_from_spec
-from .treecache import (ARTIFACT_SPEC, DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,
+from .tree import Tree, default_accuracies, make_tree
+from .treecache import ( DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,
                         TREE_ENV, cached_choice, default_spec, machine_fingerprint, timing_key)
+from .treespec import DynamicTree, auto_policy, is_artifact, is_auto, tree_from_spec
 
 #: Reply budget when none is given (generate, the CLIs, Triton requests).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -231,7 +231,7 @@ class MedusaSession:
             if tree == DEFAULT_SPEC:
                 return self._fastest_tree(threads, notice)
             self.tree_source = f"${TREE_ENV}={tree}"
-        if isinstance(tree, str) and tree.strip() == ARTIFACT_SPEC:
+        if is_artifact(tree):
             # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
             self.tree_source = "the artifact's"
             tree = self.artifact.manifest.tree.policy

@@ -331,7 +331,7 @@ def greedy_tree(budget: int, accuracies: np.ndarray, *, topk: int | None = None)
 
 
 # ---------------------------------------------------------------------------
-# Presets, specs and JSON
+# Presets and JSON (the --tree grammar: medusa_runtime.treespec)
 # ---------------------------------------------------------------------------
 
 
@@ -340,82 +340,25 @@ def chain_tree(num_heads: int, topk: int = DEFAULT_TOPK) -> Tree:
     return make_tree([(0,) * d for d in range(1, num_heads + 1)], num_heads=num_heads, topk=topk)
 
 
-PRESETS = {
-    "root": "root only (T=1): plain one-token-per-step decoding through the tree step",
-    "chain": "each head's top-1 guess in a chain (T = 1 + num_heads)",
-}
-
-
-def tree_from_spec(
-    spec: str | int,
-    *,
-    num_heads: int,
-    accuracies: np.ndarray | None = None,
-    topk: int = DEFAULT_TOPK,
-    calibration=None,
-):
-    """Resolve a ``--tree`` value: a node budget, a per-step tree size, a preset name or a JSON file path.
-
-    Args:
-        spec: ``"64"`` / ``64`` (greedy tree of that many nodes from ``accuracies``, or
-            from :func:`default_accuracies` when None), ``"dynamic:6"`` (a tree of 6 nodes chosen
-            every step from the heads' probabilities: a
-            :class:`~medusa_runtime.candidates.DynamicTree`), a name in :data:`PRESETS`, or the
-            path of a JSON file (either a bare list of paths or :meth:`Tree.to_json` output).
-        num_heads: number of Medusa heads K.
-        accuracies: float [K', topk] calibrated a_k^(i) or None. Rows beyond K are ignored.
-        topk: candidate top-k for presets and JSON lists without their own.
-        calibration: the heads' :class:`~medusa_runtime.candidates.ProbabilityMap` for per-step
-            trees (None: raw probabilities).
-
-    Returns:
-        A :class:`Tree`, or a :class:`~medusa_runtime.candidates.DynamicTree` for ``dynamic:T``.
-
-    Raises:
-        InvalidTreeError: unknown preset / missing file / bad JSON / invalid tree. The
-            message lists the valid presets.
-    """
-    from .candidates import DynamicTree, parse_dynamic  # candidates imports this module
-
-    size = parse_dynamic(spec)
-    if size is not None:
-        return DynamicTree(size, num_heads, topk, calibration=calibration)
-    text = str(spec).strip()
-    if text.isdigit():
-        acc = default_accuracies(num_heads, topk) if accuracies is None else np.asarray(accuracies)
-        return greedy_tree(int(text), acc[:num_heads], topk=topk)
-    if text == "root":
-        return make_tree([], num_heads=num_heads, topk=topk)
-    if text == "chain":
-        return chain_tree(num_heads, topk)
-    if text == "auto":  # medusa_runtime.autotree.AUTO (imported there, not here: autotree imports this module)
-        raise InvalidTreeError("--tree auto times the tree step on an engine, so it needs an artifact: "
-                               "medusa-export build --tree auto, generate/chat --artifact DIR --tree auto, "
-                               "or MedusaSession(dir, tree='auto')")
-    if text == "artifact":  # medusa_runtime.treecache.ARTIFACT_SPEC
-        raise InvalidTreeError("--tree artifact means the tree an artifact was built with, so it needs an artifact: "
-                               "generate/chat --artifact DIR --tree artifact, or MedusaSession(dir, tree='artifact')")
-    path = Path(text)
-    if path.suffix == ".json" or path.exists():
-        return load_tree(path, num_heads=num_heads, topk=topk)
-    raise InvalidTreeError(
-        f"unknown tree {text!r}: give a node budget (e.g. 64), dynamic:T (a T-node tree chosen every step), auto or "
-        f"auto:dynamic (measured on this machine), artifact (with an artifact: the tree it was built with), "
-        f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
-    )
-
-
 def load_tree(path: str | Path, *, num_heads: int, topk: int = DEFAULT_TOPK) -> Tree:
     """Read a tree JSON file (a list of paths, or a dict with ``medusa_choices``).
 
     Raises:
-        InvalidTreeError: the file is missing or not valid JSON, or the tree is invalid.
+        InvalidTreeError: the file is missing, a directory, unreadable, not UTF-8 or not valid JSON, or the
+            tree is invalid.
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise InvalidTreeError(f"tree file {path} does not exist") from None
+    except IsADirectoryError:
+        raise InvalidTreeError(f"tree file {path} is a directory; give a JSON file of medusa_choices") from None
+    except OSError as exc:
+        raise InvalidTreeError(f"tree file {path} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidTreeError(f"tree file {path} is not UTF-8 text (byte {exc.start}): a tree file is JSON "
+                               "(a list of paths, or a dict with medusa_choices)") from None
     except json.JSONDecodeError as exc:
         raise InvalidTreeError(f"tree file {path} is not valid JSON: {exc}") from None
     return tree_from_json(data, num_heads=num_heads, topk=topk)

@@ -33,15 +33,16 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .autotree import DEFAULT_MARGIN, DEFAULT_SIZES, TreeTiming
+from .treespec import ARTIFACT, AUTO
 
 #: Environment variable: the tree spec used when no ``--tree`` is given.
 TREE_ENV = "MEDUSA_EXPORT_TREE"
 #: Environment variable: the cache folder.
 CACHE_ENV = "MEDUSA_EXPORT_CACHE"
 #: The default tree spec: measured on this machine, cached.
-DEFAULT_SPEC = "auto"
+DEFAULT_SPEC = AUTO
 #: The ``--tree`` spec of the tree the artifact was built with.
-ARTIFACT_SPEC = "artifact"
+ARTIFACT_SPEC = ARTIFACT
 #: Version of the record format and of the choice it holds (a new version re-times).
 RECORD_VERSION = 1
 #: Records kept per artifact (one per configuration it was timed under: threads, backend, capacity, ...).

@@ -51,7 +51,7 @@ from pathlib import Path
 from medusa_runtime.batch import LoopedBatchEngine, Scheduler, SequenceRequest
 from medusa_runtime.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.session import MedusaSession
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared

@@ -33,7 +33,7 @@ from typing import Callable, Hashable
 import numpy as np
 
 from medusa_runtime.artifact import load_artifact
-from medusa_runtime.candidates import DynamicTree
+from medusa_runtime.treespec import DynamicTree
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import causal_mask, proposer

@@ -269,7 +269,7 @@ def smollm_artifact(smollm, tmp_path_factory):
     """
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
                           accuracies=smollm.head_accuracies)
@@ -284,7 +284,7 @@ def tiny_trt_artifact(tmp_path_factory):
     Tests that change it copy it first."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     _, model = make_tiny_medusa()
     lm = tiny_loaded(model, max_context=256)

@@ -11,7 +11,7 @@ import pytest
 from medusa_runtime.autotree import TreeTiming, candidate_trees, choose_tree, pick, time_tree_steps
 from medusa_runtime.engines.base import StepResult
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 
 from conftest import make_tiny_medusa, tiny_loaded
 
@@ -79,7 +79,7 @@ class RecordingEngine:
 
 
 def test_auto_tree_uses_the_simulated_tokens_of_the_policy_in_use():
-    from medusa_runtime.candidates import DynamicTree
+    from medusa_runtime.treespec import DynamicTree
 
     trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2, policy="dynamic")
     assert isinstance(trees[4], DynamicTree) and trees[4].size == 4 and trees[1].size == 1

@@ -476,3 +476,67 @@ def test_no_source_cites_notes_outside_the_repository():
              for p in (root / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")
              and "/work/notes" in p.read_text(errors="replace")]
     assert cited == []
+# --- 6, 12. --tree values that are not a tree (build and generate) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_tree_files(tmp_path_factory):
+    """A folder, a non-UTF-8 tree file and a valid JSON tree under one temporary folder."""
+    root = tmp_path_factory.mktemp("bad-trees")
+    (root / "a-folder").mkdir()
+    (root / "latin1.json").write_bytes(b'[[0], "\xe9"]')
+    return root
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("", "--tree is empty"),
+    ("a-folder", "is a directory"),
+    ("latin1.json", "is not UTF-8"),
+])
+def test_build_refuses_a_tree_that_is_not_a_tree(spec, expected, tiny_model_dir, bad_tree_files, tmp_path, capsys):
+    tree = str(bad_tree_files / spec) if spec else spec
+    out = tmp_path / "never-written"
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", tree, "--no-validate", "--out", str(out)],
+                   capsys)
+    assert expected in err
+    if spec in ("", "a-folder"):  # the message lists what a tree spec may be
+        assert "node budget" in err and "chain" in err and "dynamic:T" in err
+    assert not out.exists()
+
+
+def test_build_names_the_largest_tree_the_heads_make(tiny_model_dir, tmp_path, capsys):
+    """--tree 5000 was silently capped at 1111 nodes (3 heads of top-10): a budget above what the heads can make
+    is refused with the range; the largest is what the greedy builder makes from an unbounded budget."""
+    import re
+
+    from medusa_runtime.tree import default_accuracies, greedy_tree
+
+    out = tmp_path / "x"
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "999999", "--no-validate", "--out", str(out)],
+                   capsys)
+    found = re.search(r"(\d+) heads of top-(\d+) make at most (\d+) nodes \(root included\); give 1\.\.(\d+)", err)
+    assert found, err
+    heads, topk, most, upper = map(int, found.groups())
+    assert most == upper == greedy_tree(10**6, default_accuracies(heads, topk)).size
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("", "--tree is empty"),
+    ("a-folder", "is a directory"),
+    ("latin1.json", "is not UTF-8"),
+])
+def test_generate_refuses_a_tree_that_is_not_a_tree(spec, expected, artifact, bad_tree_files, capsys):
+    before = snapshot(artifact)
+    tree = str(bad_tree_files / spec) if spec else spec
+    err = error_of(["generate", "--artifact", str(artifact), "--tree", tree, "--prompt", "hi"], capsys)
+    assert expected in err
+    assert snapshot(artifact) == before
+
+
+def test_the_python_api_refuses_an_empty_tree_spec(artifact):
+    from medusa_runtime.errors import InvalidTreeError
+    from medusa_runtime.session import MedusaSession
+
+    with pytest.raises(InvalidTreeError, match="--tree is empty: give a node budget"):
+        MedusaSession(artifact, tree="  ", notice=None)

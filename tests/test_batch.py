@@ -29,7 +29,7 @@ VOCAB, CONTEXT, EOS = 300, 128, 2
 def _counter_build(out, batch_size: int, graph: str = "portable"):
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
     return build_artifact(lm, tree_from_spec("16", num_heads=3), out,
@@ -179,7 +179,7 @@ def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, 
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     hf, model = tiny_hf()
     session = batch1 = MedusaSession(tiny_trt_artifact, threads=1)
@@ -294,7 +294,7 @@ def test_fused_artifact_rows_keep_their_own_cache(tmp_path):
     """Head-major caches written in place by the fused graph, one per row: rows never see each other."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-fused", max_context=CONTEXT)
     art = build_artifact(lm, tree_from_spec("16", num_heads=3), tmp_path / "fused",
@@ -578,7 +578,7 @@ def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_arti
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)
     art = build_artifact(smollm, tree, tmp_path / "b3", BuildConfig(max_context=1024, validate=False, batch_size=3),

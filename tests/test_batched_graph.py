@@ -16,7 +16,7 @@ from medusa_export.export.build import build_artifact
 from medusa_export.export.config import BuildConfig, UnsupportedGraphError
 from medusa_runtime.artifact import load_artifact, step_batch
 from medusa_runtime.engines.base import sampler_feed
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 
 BATCH = 4
 #: A 4-node tree: root, two children of the root, a child of the first child (node order, ancestors first).

@@ -27,7 +27,7 @@ def counter_artifacts(tmp_path_factory):
     fused step graphs, fp32 and int4, ``--batch-size 4``."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     root = tmp_path_factory.mktemp("bench_batch")
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=512)
@@ -104,7 +104,7 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     status is 1, after the files are written. The looped mode runs on a batch-1 artifact (--looped-artifacts)."""
     from medusa_export.export.build import build_artifact
     from medusa_export.export.config import BuildConfig
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     batch1 = build_artifact(tiny_loaded(make_counter_medusa(), name="counter", max_context=512),
                             tree_from_spec("16", num_heads=3), tmp_path / "b1", BuildConfig(validate=False, graph="fused"),

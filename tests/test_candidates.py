@@ -7,8 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from medusa_runtime.candidates import (DynamicTree, ProbabilityMap, best_first_paths, dynamic_levels, dynamic_medusa,
-                                       parse_dynamic, static_levels, static_medusa)
+from medusa_runtime.treespec import DynamicTree, parse_tree_spec
+from medusa_runtime.candidates import (ProbabilityMap, best_first_paths, dynamic_levels, dynamic_medusa,
+                                       static_levels, static_medusa)
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.tree import make_tree
 
@@ -150,9 +151,10 @@ def test_probability_map_round_trip_and_errors():
 
 
 def test_dynamic_tree_spec_checks():
-    assert parse_dynamic("dynamic:6") == 6 and parse_dynamic("16") is None
+    assert parse_tree_spec("dynamic:6").size == 6 and parse_tree_spec("dynamic:6").policy == "dynamic"
+    assert parse_tree_spec("16").kind == "size"
     with pytest.raises(InvalidTreeError, match="node count"):
-        parse_dynamic("dynamic:x")
+        parse_tree_spec("dynamic:x")
     assert DynamicTree(size=7, num_heads=2, topk=2, width=4).size == 7  # 2 + 2 x 2 candidates
     with pytest.raises(InvalidTreeError, match="choose at most 7 nodes"):
         DynamicTree(size=8, num_heads=2, topk=2, width=4)

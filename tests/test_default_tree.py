@@ -21,7 +21,7 @@ from medusa_runtime.engines import BACKENDS, register_backend
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.session import MedusaSession
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 from medusa_runtime.treecache import (CACHE_ENV, MAX_RECORDS, TREE_ENV, TreeRecord, artifact_identity, cached_choice,
                                       read_records, record_path, stale_reason, timing_key, write_records)
 

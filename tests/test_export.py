@@ -18,7 +18,8 @@ from medusa_runtime.artifact import load_artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import causal_mask
-from medusa_runtime.tree import make_tree, tree_from_spec
+from medusa_runtime.tree import make_tree
+from medusa_runtime.treespec import tree_from_spec
 
 
 def _build(lm, tree, out, **cfg):

@@ -24,7 +24,8 @@ from medusa_runtime.engines.kvcache import HeadMajorKVCache, KVCache, compact_in
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import ContextOverflowError
 from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.tree import make_tree, tree_from_spec
+from medusa_runtime.tree import make_tree
+from medusa_runtime.treespec import tree_from_spec
 
 # Depth 3 with siblings at every depth: nodes far apart on a path (compaction moves rows).
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]

@@ -22,7 +22,8 @@ from medusa_export.training.draft_vocab import coverage, draft_vocab_json, frequ
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree, tree_from_spec
+from medusa_runtime.tree import make_tree
+from medusa_runtime.treespec import tree_from_spec
 
 TOPK = 10
 VOCAB = 503

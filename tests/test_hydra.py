@@ -15,7 +15,7 @@ from medusa_export.model.heads import save_heads
 from medusa_export.model.hydra_heads import HydraHeads
 from medusa_export.model.medusa import MedusaModel
 from medusa_export.training.distill import TrainConfig, heads_loss, train_data, train_heads
-from medusa_runtime.candidates import DynamicTree
+from medusa_runtime.treespec import DynamicTree
 from medusa_runtime.tree import greedy_tree, make_tree
 
 
@@ -211,7 +211,7 @@ def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_ty
     from medusa_runtime.artifact import load_artifact
     from medusa_runtime.engines.ort import OrtEngine
     from medusa_runtime.loop import generate
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     _, model = tiny
     art = load_artifact(attached[head_type])

@@ -17,7 +17,8 @@ from medusa_export.validation.validate import PromptReport, ValidationError, Val
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree, tree_from_spec
+from medusa_runtime.tree import make_tree
+from medusa_runtime.treespec import tree_from_spec
 
 ARTIFACT_FILES = ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer",
                   "tree.json", "weights.bin"]

@@ -30,7 +30,7 @@ from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import UnsupportedSamplingError
 from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 
 VOCAB = 24
 PROMPT = [3, 1, 4, 1]

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.tree import (
-    PRESETS,
     default_accuracies,
     expected_accept_length,
     gather_candidates,
@@ -19,8 +18,8 @@ from medusa_runtime.tree import (
     load_tree,
     make_tree,
     tree_from_json,
-    tree_from_spec,
 )
+from medusa_runtime.treespec import PRESETS, tree_from_spec
 
 # A small tree checked by hand. Node order (depth, path):
 #   0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from medusa_runtime.autotree import DEFAULT_SIZES as AUTO_SIZES
-from medusa_runtime.candidates import DEFAULT_WIDTH
+from medusa_runtime.treespec import DEFAULT_WIDTH
 
 from ..errors import MedusaError
 from ..loading.registry import DEFAULT_MODEL
@@ -269,7 +269,7 @@ def cmd_calibrate(args) -> int:
     """Measure a_k^(i) and the probability map on held-out prompts, simulate static and per-step trees,
     save accuracies.json beside the heads."""
     import numpy as np
-    from medusa_runtime.candidates import DynamicTree
+    from medusa_runtime.treespec import DynamicTree
     from medusa_runtime.tree import expected_accept_length, greedy_tree
 
     from ..loading.registry import entry_for, load_entry_heads

@@ -71,7 +71,7 @@ def cmd_generate(args) -> int:
                           "reference answers one --prompt")
     sampling = sampling_from_args(args)  # bad values fail before the model is loaded
     check_utf8(args.prompt, "--prompt")
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import tree_from_spec
 
     from ..chat import apply_chat_template, TextStreamer
     from ..loading.registry import DEFAULT_MODEL, load_model
@@ -83,7 +83,8 @@ def cmd_generate(args) -> int:
     lm = load_model(model, model_path=args.model_path, heads_path=args.heads,
                     trust_remote_code=args.trust_remote_code)
     print_notes(lm)
-    tree = tree_from_spec("root" if args.vanilla else args.tree or lm.default_tree, num_heads=lm.model.num_heads,
+    spec = "root" if args.vanilla else lm.default_tree if args.tree is None else args.tree  # '' is an error
+    tree = tree_from_spec(spec, num_heads=lm.model.num_heads,
                           accuracies=lm.head_accuracies)
     if args.raw:
         prompt_ids = lm.tokenizer.encode(args.prompt)
@@ -117,9 +118,9 @@ def cmd_chat(args) -> int:
 
 def cmd_build(args) -> int:
     """Export + validate an artifact, the weights streamed from the checkpoint (nothing materialised)."""
-    from medusa_runtime.autotree import DEFAULT_SIZES, auto_policy, is_auto
-    from medusa_runtime.candidates import parse_dynamic
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.autotree import DEFAULT_SIZES
+    from medusa_runtime.tree import DEFAULT_TOPK
+    from medusa_runtime.treespec import TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
 
     from ..export.build import build_artifact
     from ..export.config import BuildConfig
@@ -143,12 +144,14 @@ def cmd_build(args) -> int:
     check_int(args.max_context, "--max-context", low=2, high=positions,
               meaning=f"{lm.name}'s max_position_embeddings is {positions}")
     num_heads = lm.sources.heads_config.num_heads
-    spec = args.tree or lm.default_tree
-    auto = is_auto(spec)  # the largest candidate first; build_artifact times the others after export
-    policy = auto_policy(spec) or ("dynamic" if parse_dynamic(spec) else "static")
-    # dynamic:T: the artifact's static tree is the T-node greedy tree (fixed-tree engines), the policy is recorded
-    static = str(max(DEFAULT_SIZES)) if auto else (str(parse_dynamic(spec)) if policy == "dynamic" else spec)
-    tree = tree_from_spec(static, num_heads=num_heads, accuracies=lm.head_accuracies)
+    spec = parse_tree_spec(lm.default_tree if args.tree is None else args.tree)  # --tree '' is an error
+    auto, policy = spec.kind == "auto", spec.policy
+    if auto:  # the largest candidate first; build_artifact times the others after export
+        most = min(max(DEFAULT_SIZES), most_nodes(num_heads, DEFAULT_TOPK))
+        spec = TreeSpec(str(most), "size", most)
+    elif spec.kind == "dynamic":  # the artifact's static tree is the T-node greedy tree (fixed-tree engines)
+        spec = TreeSpec(str(spec.size), "size", spec.size)
+    tree = tree_from_spec(spec, num_heads=num_heads, accuracies=lm.head_accuracies)
     graph = "-fused" if cfg.graph == "fused" else ""
     size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
     out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"

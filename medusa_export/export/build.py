@@ -82,9 +82,9 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
     """``--tree auto`` (``auto:dynamic``) on the artifact being built: time tree steps with ONNX Runtime, pick the
     best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
     from medusa_runtime.autotree import auto_tree
-    from medusa_runtime.candidates import DynamicTree
+    from medusa_runtime.treespec import DynamicTree
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.tree import tree_from_spec
+    from medusa_runtime.treespec import DynamicTree, tree_from_spec
 
     artifact = load_artifact(folder)
     say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from medusa_runtime.acceptance import SamplingConfig, draw_tokens
-from medusa_runtime.candidates import DynamicTree
+from medusa_runtime.treespec import DynamicTree
 from medusa_runtime.engines.base import SamplerInputs, StepResult
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.loop import GenerationResult, causal_mask, generate

@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from medusa_runtime.candidates import DynamicTree, ProbabilityMap, Proposal, dynamic_levels, dynamic_medusa
+from medusa_runtime.treespec import DynamicTree
+from medusa_runtime.candidates import ProbabilityMap, Proposal, dynamic_levels, dynamic_medusa
 from medusa_runtime.tree import Tree
 from torch import nn
 
