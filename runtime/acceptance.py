@@ -24,14 +24,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .errors import InvalidSettingError, UnsupportedSamplingError
 from .tree import Tree
 
-#: Acceptance rules, by name (``--acceptance``).
-ACCEPTANCES = ("greedy", "sample", "typical")
+#: Largest accepted sampling temperature. The step computes log-softmax(logits / T) in float32, whose
+#: spacing near a log-probability of -log(V) (about -7 to -12 for vocabularies of 1e3 to 2e5 tokens, binade
+#: [4, 16)) is 2^-21 to 2^-20, about 1e-6 (IEEE 754 binary32: 24-bit significand). A logit gap d becomes a
+#: log-probability gap d / T; at T = 1e4 a gap of 0.01 is still 1e-6 apart, while at T ~ 1e6 (issue 27,
+#: item 8) every gap below ~1 rounds to a tie and the top-k falls back to the lowest token ids (special
+#: tokens). Above 1e4 the distribution is uniform to within float32 anyway, so nothing is lost by refusing it.
+MAX_TEMPERATURE = 1e4
 
 
 @dataclass(frozen=True)
@@ -101,12 +107,18 @@ class SamplingConfig:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidSettingError(f"temperature must be a finite number >= 0 (0 = greedy decoding), got {t!r}")
-        if self.acceptance is not None and self.acceptance not in ACCEPTANCES:
-            raise InvalidSettingError(f"unknown acceptance {self.acceptance!r}; choose one of {', '.join(ACCEPTANCES)}")
-        if self.acceptance == "greedy" and t > 0:
-            raise InvalidSettingError(f"greedy acceptance decodes the argmax: it needs temperature 0, got {t} "
-                                      "(use acceptance 'sample' to sample at this temperature)")
-        if self.acceptance in ("sample", "typical") and t == 0:
+        if t > MAX_TEMPERATURE:
+            raise InvalidSettingError(f"temperature must be at most {MAX_TEMPERATURE:g}, got {t:g}: above it float32 "
+                                      "log-probabilities round into ties (the top-k becomes the lowest token ids); "
+                                      f"give 0 (greedy) up to {MAX_TEMPERATURE:g}")
+        if self.acceptance is not None and self.acceptance not in ACCEPTANCE_RULES:
+            raise InvalidSettingError(f"unknown acceptance {self.acceptance!r}; choose one of "
+                                      f"{', '.join(ACCEPTANCE_RULES)}")
+        rule = ACCEPTANCE_RULES.get(self.acceptance)
+        if rule is not None and not rule.sampled and t > 0:
+            raise InvalidSettingError(f"{self.acceptance} acceptance decodes the argmax: it needs temperature 0, got "
+                                      f"{t} (use acceptance 'sample' to sample at this temperature)")
+        if rule is not None and rule.sampled and t == 0:
             raise InvalidSettingError(f"{self.acceptance} acceptance needs temperature > 0 (temperature 0 is greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise InvalidSettingError(f"top_k must be an integer >= 0 (0 = the whole vocabulary), got {self.top_k!r}")
@@ -123,6 +135,11 @@ class SamplingConfig:
         return self.acceptance or ("greedy" if self.temperature == 0 else "sample")
 
     @property
+    def rule(self) -> "AcceptanceRule":
+        """The :class:`AcceptanceRule` of :attr:`mode` (from :data:`ACCEPTANCE_RULES`)."""
+        return ACCEPTANCE_RULES[self.mode]
+
+    @property
     def typical(self) -> TypicalConfig:
         """Typical acceptance's parameters at this temperature.
 
@@ -133,8 +150,8 @@ class SamplingConfig:
 
     def describe(self) -> str:
         """Short text for logs: "greedy", "sample T=0.7 top-k 10 top-p 0.9 seed 0", ..."""
-        if self.mode == "greedy":
-            return "greedy"
+        if not self.rule.sampled:
+            return self.mode
         s = f"{self.mode} T={self.temperature:g} top-k {self.top_k or 'off'}" + (
             f" top-p {self.top_p:g}" if self.top_p < 1 else "")
         if self.mode == "typical":
@@ -172,7 +189,7 @@ def sampling_route(config: SamplingConfig, *, step_topk: int, vocab_size: int | 
         UnsupportedSamplingError: the settings need the whole distribution and the graph has no
             sampler; the message names the settings that are exact here.
     """
-    if config.mode == "greedy":
+    if not config.rule.sampled:
         return "greedy"
     covers_vocab = vocab_size is not None and step_topk >= vocab_size
     if covers_vocab or 1 <= config.top_k <= step_topk:
@@ -445,3 +462,50 @@ def accept_typical(
         best = int(cand[0])
     accepted = b.retrieve_indices[best, : best_len + 1].copy()
     return Acceptance(accepted, int(np.asarray(drawn)[accepted[-1]]), best)
+
+
+# ---------------------------------------------------------------------------
+# The rules, as data
+# ---------------------------------------------------------------------------
+
+
+def _greedy(tree: Tree, tokens: np.ndarray, drawn: np.ndarray, step, params: None) -> Acceptance:
+    return accept_greedy(tree, tokens, drawn)
+
+
+def _sample(tree: Tree, tokens: np.ndarray, drawn: np.ndarray, step, params: None) -> Acceptance:
+    return accept_sample(tree, tokens, drawn)
+
+
+def _typical(tree: Tree, tokens: np.ndarray, drawn: np.ndarray, step, params: TypicalConfig) -> Acceptance:
+    return accept_typical(tree, tokens, step.token_logprobs, step.entropy, params, drawn)
+
+
+@dataclass(frozen=True)
+class AcceptanceRule:
+    """One acceptance rule: how the decode loop accepts a verified tree step.
+
+    Attributes:
+        accept: ``(tree, tokens int [T], drawn int [T], step, params) -> Acceptance``; ``drawn`` holds the
+            token drawn at each node (the argmax when not :attr:`sampled`), ``step`` the engine's
+            :class:`~medusa_runtime.engines.base.StepResult` (read only the fields in :attr:`needs`).
+        params: builds the rule's parameter dataclass from a :class:`SamplingConfig` (None: no parameters).
+        needs: the step outputs it reads besides the draws (StepResult field names).
+        sampled: True when the rule samples (temperature > 0, tokens drawn by inverse CDF); False when it
+            runs at temperature 0 on the argmax.
+    """
+
+    accept: Callable[..., Acceptance]
+    params: Callable[[SamplingConfig], object] | None = None
+    needs: tuple[str, ...] = ()
+    sampled: bool = True
+
+
+#: Acceptance rules by name (``--acceptance``, ``SamplingConfig.acceptance``): adding a rule is one entry here.
+ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
+    "greedy": AcceptanceRule(_greedy, sampled=False),
+    "sample": AcceptanceRule(_sample),
+    "typical": AcceptanceRule(_typical, params=lambda cfg: cfg.typical, needs=("token_logprobs", "entropy")),
+}
+#: Their names, in table order.
+ACCEPTANCES = tuple(ACCEPTANCE_RULES)

@@ -19,8 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .acceptance import (PositionUniforms, SamplingConfig, accept_greedy, accept_sample, accept_typical, draw_tokens,
-                         sampling_route)
+from .acceptance import PositionUniforms, SamplingConfig, draw_tokens, sampling_route
 from .candidates import HeadsCall, Plan, Proposal, plan_for, run_plan
 from .engines.base import Engine, RowInputs, SamplerInputs, StepResult
 from .engines.kvcache import KVCache, fits
@@ -283,8 +282,9 @@ class Decoding:
         self.done = max_new_tokens == 0
         self.root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
         self.mode = self.sampling.mode
-        self.typical = self.sampling.typical if self.mode == "typical" else None
-        self.temperature = self.sampling.temperature if self.mode != "greedy" else 1.0
+        self.rule = self.sampling.rule  # medusa_runtime.acceptance.ACCEPTANCE_RULES
+        self.rule_params = self.rule.params(self.sampling) if self.rule.params is not None else None
+        self.temperature = self.sampling.temperature if self.rule.sampled else 1.0
         self.uniforms = PositionUniforms(self.sampling.seed)
         self.heads_row = None  # the [1, d] hidden row whose heads the next step needs (set by advance)
         self.heads_call: HeadsCall | None = None  # what to run on heads_row (set with it)
@@ -392,12 +392,7 @@ class Decoding:
             last = n - 1
         else:
             drawn = self._draw(out, np.arange(tree.size), draws)
-            if self.mode == "greedy":
-                acc = accept_greedy(tree, tokens, drawn)
-            elif self.mode == "sample":
-                acc = accept_sample(tree, tokens, drawn)
-            else:
-                acc = accept_typical(tree, tokens, out.token_logprobs, out.entropy, self.typical, drawn)
+            acc = self.rule.accept(tree, tokens, drawn, out, self.rule_params)
             self.cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
             emitted = self._emit([int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token])
             self.result.step_tokens.append(emitted)

@@ -312,3 +312,29 @@ def test_sampling_route_says_which_settings_are_exact():
                 SamplingConfig(temperature=1.0, acceptance="typical", top_k=0)):
         with pytest.raises(UnsupportedSamplingError, match=r"Exact here: top_k 1..10, with any top_p"):
             route(cfg)
+
+
+def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch):
+    """Worked example (docs "where to add": an acceptance rule): a rule that accepts the root alone, added
+    to ACCEPTANCE_RULES only, runs end to end through the session; nothing else knows its name."""
+    from medusa_runtime.acceptance import ACCEPTANCE_RULES, Acceptance, AcceptanceRule, SamplingConfig
+    from medusa_runtime.session import MedusaSession
+
+    calls = []
+
+    def root_only(tree, tokens, drawn, step, params):
+        calls.append((tree.size, params))
+        return Acceptance(np.array([0]), int(drawn[0]), 0)  # the root; the bonus token is the root's argmax
+
+    monkeypatch.setitem(ACCEPTANCE_RULES, "root-only",
+                        AcceptanceRule(root_only, params=lambda cfg: cfg.seed, sampled=False))
+    session = MedusaSession(tiny_trt_artifact, tree="16", notice=None)
+    prompt = [5, 17, 42, 9]
+    got = session.generate(prompt_ids=prompt, max_new_tokens=6, sampling=SamplingConfig(acceptance="root-only",
+                                                                                          seed=3))
+    plain = session.generate(prompt_ids=prompt, max_new_tokens=6, vanilla=True)
+    assert got.token_ids == plain.token_ids  # the root's argmax each step is plain greedy decoding
+    assert got.result.accept_depths == [0] * 5  # one token per step after the prefill's
+    assert calls == [(16, 3)] * 5  # called on every tree step with its parameters from the config
+    with pytest.raises(InvalidSettingError, match="root-only acceptance decodes the argmax"):
+        SamplingConfig(acceptance="root-only", temperature=0.5)

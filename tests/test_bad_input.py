@@ -540,3 +540,14 @@ def test_the_python_api_refuses_an_empty_tree_spec(artifact):
 
     with pytest.raises(InvalidTreeError, match="--tree is empty: give a node budget"):
         MedusaSession(artifact, tree="  ", notice=None)
+
+
+# --- 8. a temperature so high that float32 log-probabilities tie ----------------------------------------
+
+
+def test_a_temperature_above_the_float32_bound_fails(artifact, capsys):
+    """--temperature 1e7 made every log-prob a tie (the top-k became token ids 0..9): refused, with the bound."""
+    from medusa_runtime.acceptance import MAX_TEMPERATURE
+
+    err = error_of(["generate", "--artifact", str(artifact), "--prompt", "hi", "--temperature", "1e7"], capsys)
+    assert f"temperature must be at most {MAX_TEMPERATURE:g}, got 1e+07" in err and "give 0 (greedy)" in err
