@@ -44,9 +44,10 @@ from onnx import TensorProto, helper
 
 from ..model.config import BackboneConfig, rope_cos_sin
 from ..model.medusa import STEP_TOPK
+from .acceptance import acceptance_outputs, batched_acceptance_outputs
 from .contract import TensorSpec, step_token_io
 from .graph import GraphBuilder
-from .portable import Masks, _rope, attend, batched_acceptance_outputs, layer_key, lm_head_key
+from .portable import Masks, _rope, attend, layer_key, lm_head_key
 from .quantize import CONTRIB_DOMAIN, WeightOnlyConfig
 from .weights import Recipe
 
@@ -298,5 +299,5 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
         residual = _mlp_block(b, cfg, i, residual, norm)
     norm(residual, "model.norm.weight", "norm", out="hidden_states")
     rows = b.op("Reshape", ["hidden_states", b.const([-1, d], "int64")], "lm_head/rows")
-    b.acceptance_outputs(b.projection(rows, "lm_head", lm_head_key(cfg), quant=lm_head_quant), k)
+    acceptance_outputs(b, b.projection(rows, "lm_head", lm_head_key(cfg), quant=lm_head_quant), k)
     return fused_step_io(cfg, k)

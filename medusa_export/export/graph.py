@@ -235,30 +235,6 @@ class GraphBuilder:
         """SiLU as standard ops: ``x * Sigmoid(x)``."""
         return self.op("Mul", [x, self.op("Sigmoid", [x], name + "/sigmoid")], name)
 
-    def acceptance_outputs(self, logits: str, k: int) -> None:
-        """The step's acceptance outputs from logits [S, V] (``model/medusa.py`` ``acceptance_outputs``):
-        log-softmax at ``temperature`` in float32, top-k, entropy, each node's log-prob of every input token,
-        and the in-graph sampler's ``sampled_ids`` (:mod:`.sampler`, docs/sampling.md, ``step_sampler`` v1),
-        which reads the probabilities the entropy computes."""
-        from .sampler import write_sampler  # sampler.py builds with this class
-
-        lf = self.to_float32(logits, "logits/cast")
-        logp = self.op("LogSoftmax", [self.op("Div", [lf, "temperature"], "logits/temperature")], "logprobs", axis=-1)
-        top_lp, top_ids = self.op("TopK", [logp, self.const([k], "int64")], "topk", n_out=2, axis=-1, largest=1,
-                                  sorted=1)
-        axis0 = self.const([0], "int64")
-        self.op("Unsqueeze", [top_ids, axis0], "topk_ids/unsqueeze", outputs=["topk_ids"])
-        self.op("Unsqueeze", [top_lp, axis0], "topk_logprobs/unsqueeze", outputs=["topk_logprobs"])
-        probs = self.op("Exp", [logp], "entropy/exp")  # [S, V]
-        plogp = self.op("Mul", [probs, logp], "entropy/plogp")
-        ent = self.op("Neg", [self.op("ReduceSum", [plogp, self.const([-1], "int64")], "entropy/sum", keepdims=0)],
-                      "entropy/neg")
-        self.op("Unsqueeze", [ent, axis0], "entropy/unsqueeze", outputs=["entropy"])
-        ids = self.op("Reshape", ["input_ids", self.const([-1], "int64")], "token_logprobs/ids")
-        tok = self.op("Gather", [logp, ids], "token_logprobs/gather", axis=1)  # [S, S]
-        self.op("Unsqueeze", [tok, axis0], "token_logprobs/unsqueeze", outputs=["token_logprobs"])
-        write_sampler(self, probs)
-
     # ---- the model --------------------------------------------------------------------------------------
 
     def model(self, graph_name: str, inputs: list[TensorSpec], outputs: list[TensorSpec], producer: str,

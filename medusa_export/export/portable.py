@@ -32,6 +32,7 @@ import numpy as np
 
 from ..model.config import BackboneConfig, rope_inv_freq
 from ..model.medusa import STEP_TOPK
+from .acceptance import acceptance_outputs, batched_acceptance_outputs
 from .contract import TensorSpec, step_io
 from .graph import GraphBuilder
 from .quantize import WeightOnlyConfig
@@ -260,27 +261,5 @@ def write_portable_step(b: GraphBuilder, cfg: BackboneConfig, lm_head_quant: Wei
     if batched:
         batched_acceptance_outputs(b, logits, k)
     else:
-        b.acceptance_outputs(logits, k)
+        acceptance_outputs(b, logits, k)
     return step_io(cfg, b.dtype, k, batched)
-
-
-def batched_acceptance_outputs(b: GraphBuilder, logits: str, k: int) -> None:
-    """The batched step's acceptance outputs from logits [B * S, V]: those of
-    :meth:`.graph.GraphBuilder.acceptance_outputs` (``model/medusa.py`` ``acceptance_outputs``) per row, at the
-    row's ``temperature`` [B]: log-softmax in float32, top-k, entropy, and ``token_logprobs`` [b, i, j] =
-    logp[b, i, input_ids[b, j]], all [B, S, ...]."""
-    lf = b.to_float32(logits, "logits/cast")
-    bsv = b.op("Concat", [b.op("Shape", ["input_ids"], "logits/bs"), b.const([-1], "int64")], "logits/bsv_shape", axis=0)
-    lf = b.op("Reshape", [lf, bsv], "logits/bsv")  # [B, S, V]
-    t = b.op("Reshape", ["temperature", b.const([-1, 1, 1], "int64")], "logits/temperature_rows")  # [B, 1, 1]
-    logp = b.op("LogSoftmax", [b.op("Div", [lf, t], "logits/temperature")], "logprobs", axis=-1)
-    b.op("TopK", [logp, b.const([k], "int64")], "topk", n_out=2, outputs=["topk_logprobs", "topk_ids"], axis=-1,
-         largest=1, sorted=1)
-    plogp = b.op("Mul", [b.op("Exp", [logp], "entropy/exp"), logp], "entropy/plogp")
-    b.op("Neg", [b.op("ReduceSum", [plogp, b.const([-1], "int64")], "entropy/sum", keepdims=0)], "entropy/neg",
-         outputs=["entropy"])
-    ids = b.op("Unsqueeze", ["input_ids", b.const([1], "int64")], "token_logprobs/ids")  # [B, 1, S]
-    bss = b.op("Concat", [b.op("Shape", ["input_ids"], "token_logprobs/bs"),
-                          b.op("Shape", ["input_ids"], "token_logprobs/s", start=1, end=2)], "token_logprobs/bss", axis=0)
-    ids = b.op("Expand", [ids, bss], "token_logprobs/ids_rows")  # [B, S, S]
-    b.op("GatherElements", [logp, ids], "token_logprobs/gather", outputs=["token_logprobs"], axis=2)

@@ -49,13 +49,10 @@ docs/sampling.md. Standard opset-18 ops only, all in TensorRT 10's parser table.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from onnx import TensorProto, helper
 
-if TYPE_CHECKING:  # graph.py imports this module inside GraphBuilder.acceptance_outputs
-    from .graph import GraphBuilder
+from .graph import GraphBuilder
 
 _F32 = np.float32
 #: Exponent bits searched: float32 exponents 0..127 cover [0, 2), probabilities are <= 1.
