@@ -249,7 +249,7 @@ def test_packed_past_is_kept_between_calls(counter, monkeypatch):
     """The batched engine's packed past (PackedPast): between calls over the same rows only the newly kept
     slots are copied, and every call's packed valid slots equal the rows' caches packed afresh."""
     from medusa_runtime.engines.kvcache import HeadMajorKVCache
-    from medusa_runtime.engines.ort_batched import PackedPast, pack_past
+    from medusa_runtime.engines.ort_rows import PackedPast, pack_past
 
     eng = counter.engine
     if not eng.max_batch:

@@ -27,6 +27,7 @@ from ..artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from ..errors import ArtifactError, ContextOverflowError, MedusaError
 from .base import RowInputs, SamplerInputs, StepResult, sampler_feed
 from .kvcache import HeadMajorKVCache, InPlacePast, KVCache
+from .ort_rows import StepIO, run_rows
 
 #: manifest ``precision.kv_dtype`` -> numpy dtype of the K/V and hidden-state tensors.
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -98,9 +99,7 @@ class OrtEngine:
             opts.profile_file_prefix = profile_prefix
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
         self._heads_outputs = [o.name for o in self.heads_session.get_outputs()] if self.heads_session else []
-        self._past_names = [(f"past_key_values.{i}.key", f"past_key_values.{i}.value") for i in range(self.num_layers)]
-        self._outputs = [o.name for o in self.step_session.get_outputs()]
-        self._kv_outputs = [i for i, n in enumerate(self._outputs) if n.startswith("new_key_values.")]
+        self.step_io = StepIO.of(self.step_session, self.num_layers)
         self.kv_layout = kv_layout(artifact.manifest)
         self.max_positions = int(m.max_context)
         self.max_context, self.vocab_size, self.step_topk, self.has_sampler = step_limits(artifact.manifest)
@@ -139,12 +138,10 @@ class OrtEngine:
         """
         if isinstance(past, InPlacePast):
             if self.max_batch:  # a batched fused graph: it reads the buffers and returns the new K/V
-                from .ort_batched import run_rows
-
                 if sampling is not None:
                     raise ArtifactError("a batched step graph has no in-graph sampler: sample on the host")
-                return run_rows(self, [past.cache], [RowInputs(input_ids[0], position_ids[0], mask, temperature,
-                                                               None)])[0]
+                return run_rows(self.step_session, self.step_io, [past.cache],
+                                [RowInputs(input_ids[0], position_ids[0], mask, temperature, None)])[0]
             return self._step_in_place(input_ids, position_ids, mask, temperature, past, sampling)
         feed = {
             "input_ids": input_ids,
@@ -153,13 +150,14 @@ class OrtEngine:
             "temperature": np.array([temperature], dtype=np.float32),
             **self._sampler_feed(int(input_ids.shape[1]), sampling),
         }
-        for (kn, vn), (k, v) in zip(self._past_names, past):
+        for (kn, vn), (k, v) in zip(self.step_io.past_names, past):
             feed[kn], feed[vn] = k, v
         if self.max_batch:
             feed["new_token_mask"] = mask[None]
             feed["past_sequence_length"] = np.array([past[0][0].shape[1]], dtype=np.int32)
-        outs = dict(zip(self._outputs, self.step_session.run(self._outputs, feed)))
-        new = [outs[self._outputs[i]] for i in self._kv_outputs]
+        names = self.step_io
+        outs = dict(zip(names.outputs, self.step_session.run(names.outputs, feed)))
+        new = [outs[names.outputs[i]] for i in names.kv_outputs]
         sampled = outs["sampled_ids"][0] if sampling is not None else None
         return StepResult(outs["topk_ids"][0], outs["topk_logprobs"][0], outs["entropy"][0], outs["token_logprobs"][0],
                           outs["hidden_states"][0], [(new[2 * i], new[2 * i + 1]) for i in range(self.num_layers)],
@@ -173,7 +171,7 @@ class OrtEngine:
         for name in self._host_outputs:  # first, so that they lead get_outputs()
             io.bind_output(name)
         dtype = self.kv_dtype.type
-        for i, (kn, vn) in enumerate(self._past_names):
+        for i, (kn, vn) in enumerate(self.step_io.past_names):
             for name, out, buf in ((kn, f"present.{i}.key", cache.keys[i]), (vn, f"present.{i}.value", cache.values[i])):
                 io.bind_input(name, "cpu", 0, dtype, list(buf.shape), buf.ctypes.data)
                 io.bind_output(out, "cpu", 0, dtype, list(buf.shape), buf.ctypes.data)
