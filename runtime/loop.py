@@ -110,7 +110,9 @@ class GenerationResult:
         step_tokens: tokens each tree step emitted (accepted candidates + 1, less what EOS, a stop
             string or max_new_tokens cut off; EOS itself is not counted), so that
             ``len(tokens) == 1 + sum(step_tokens)`` whenever the prefill's token was emitted.
-        accept_depths: per tree step, the candidates acceptance accepted after the root (before stops).
+        accept_depths: per tree step, the candidates acceptance accepted after the root and that were
+            emitted: in the step that stopped, none after EOS, a stop string or max_new_tokens (so
+            ``accept_depths[i] <= step_tokens[i]``; equal to it less 1 in every step that did not stop).
         prompt_tokens: prompt length.
         engine_seconds / host_seconds: wall time in engine calls / in the loop's own work.
         prefill_seconds: wall time of the prefill call.
@@ -396,7 +398,8 @@ class Decoding:
             self.cache.keep(out.new_kv, acc.accepted, tokens[acc.accepted])
             emitted = self._emit([int(t) for t in tokens[acc.accepted[1:]]] + [acc.next_token])
             self.result.step_tokens.append(emitted)
-            self.result.accept_depths.append(acc.accept_length)
+            # the candidates accepted *and used*: none after EOS, a stop string or max_new_tokens in the step that ended
+            self.result.accept_depths.append(min(acc.accept_length, emitted))
             self._root = acc.next_token
             last = int(acc.accepted[-1])
         if not self.done and self._plan_for is not None and fits(self.cache.length, self.tree.size,

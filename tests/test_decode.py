@@ -205,7 +205,8 @@ def test_eos_in_the_middle_of_an_accepted_path(vocab8):
     res = medusa_generate(model, prompt, FULL_TREE, max_new_tokens=N_NEW, eos_token_ids=[ref[i]])
     assert res.tokens == ref[:i]
     assert res.finish_reason == "stop"
-    assert res.steps == (i + 2) // 4 and res.accept_depths[-1] == 3  # it stopped inside the last step's path
+    assert res.steps == (i + 2) // 4  # it stopped inside the last step's path (3 candidates accepted) ...
+    assert res.accept_depths == [3] * (res.steps - 1) + [1]  # ... of which 1 before EOS counts (issue 27)
     assert res.step_tokens[-1] == 1 and len(res.tokens) == 1 + sum(res.step_tokens)  # only the emitted token counts
 
 

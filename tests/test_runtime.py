@@ -77,8 +77,9 @@ def test_eos_inside_an_accepted_path(counter):
     assert c.token_ids == [296, 297, 298, 299, 0, 1]
     assert c.finish_reason == "stop"
     # the last step accepted a whole path (3 candidates + bonus: 1, 2, 3, 4) but emitted only 1 before EOS:
-    # it counts 1, not 4 (issue 16: the discarded tail was counted)
-    assert c.result.accept_depths[-1] == 3 and c.result.step_tokens[-1] == 1
+    # it counts 1, not 4 (issue 16: the discarded tail was counted), and 1 accepted candidate, not 3 (issue 27)
+    assert c.result.accept_depths[-1] == 1 and c.result.step_tokens[-1] == 1
+    assert c.result.accept_depths[:-1] == [s - 1 for s in c.result.step_tokens[:-1]]
     assert len(c.token_ids) == 1 + sum(c.result.step_tokens)
     assert c.tokens_per_step == np.mean(c.result.step_tokens)
 
@@ -108,7 +109,7 @@ def test_stop_string_inside_an_accepted_path(counter):
     assert "".join(streamed) == before  # the stop string's start was never printed
     assert c.token_ids == ids[: i + 2]  # up to the token that completed the stop string
     assert sum(c.result.step_tokens) + 1 == len(c.token_ids) == len(c.result.tokens)  # only the emitted ones count
-    assert c.result.accept_depths[-1] + 1 > c.result.step_tokens[-1]  # the step had accepted more
+    assert c.result.accept_depths[-1] <= c.result.step_tokens[-1]  # what was cut is not counted as accepted
 
 
 def test_max_new_tokens_exact_inside_a_long_path(counter):
