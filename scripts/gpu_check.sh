@@ -49,8 +49,7 @@ else
 import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig
+from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.backbone import backbone_from_hf_model
 from medusa_export.loading.registry import LoadedMedusa
 from medusa_export.model.medusa import MedusaModel

@@ -267,8 +267,7 @@ def smollm_artifact(smollm, tmp_path_factory):
 
     Built without build's own validation: the parity tests validate it explicitly.
     """
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
@@ -282,8 +281,7 @@ def tiny_trt_artifact(tmp_path_factory):
     """A tiny exported artifact (2 layers, 16-node tree, max context 256, fp32, real tokenizer),
     built once per session without validation, for the TensorRT stage's tests (tests/test_trt.py).
     Tests that change it copy it first."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     _, model = make_tiny_medusa()

@@ -108,8 +108,7 @@ def test_time_tree_steps_feeds_each_tree_after_the_past():
 
 @pytest.fixture(scope="module")
 def auto_artifact(tmp_path_factory):
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
 
     _, model = make_tiny_medusa(medusa_heads=2)
     acc = np.zeros((2, 10))

@@ -27,8 +27,7 @@ VOCAB, CONTEXT, EOS = 300, 128, 2
 
 
 def _counter_build(out, batch_size: int, graph: str = "portable"):
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
@@ -176,8 +175,7 @@ def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, 
     """An independent reference: transformers' greedy generate of the same random model, four prompts of
     different lengths sharing each step and finishing at different times. Batched: the model built with
     --batch-size 4 (one call per step); each row is also the batch-1 artifact's generate (tokens, tokens per step)."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.treespec import tree_from_spec
 
@@ -292,8 +290,7 @@ def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
 
 def test_fused_artifact_rows_keep_their_own_cache(tmp_path):
     """Head-major caches written in place by the fused graph, one per row: rows never see each other."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-fused", max_context=CONTEXT)
@@ -575,8 +572,7 @@ def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_arti
     """The embedded SmolLM2 built with --batch-size 3: four MT-Bench prompts of different lengths, three rows per
     call, greedy: every reply (ids, finish reason, tokens per step) is the batch-1 artifact's generate."""
     from conftest import SMOLLM_TREE, mt_bench_prompts
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
     from medusa_runtime.treespec import tree_from_spec
 

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from conftest import make_family_medusa, make_tiny_medusa, tiny_loaded
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig, UnsupportedGraphError
+from medusa_export.pipeline import BuildConfig, build_artifact
+from medusa_export.export.config import UnsupportedGraphError
 from medusa_runtime.artifact import load_artifact, step_batch
 from medusa_runtime.engines.base import sampler_feed
 from medusa_runtime.treespec import tree_from_spec

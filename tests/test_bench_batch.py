@@ -25,8 +25,7 @@ VOCAB, EOS = 300, 2
 def counter_artifacts(tmp_path_factory):
     """The counter model (greedy next token after t: t+1 mod V; every head guesses right) built as batched
     fused step graphs, fp32 and int4, ``--batch-size 4``."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     root = tmp_path_factory.mktemp("bench_batch")
@@ -102,8 +101,7 @@ def test_vanilla_and_medusa_rows_give_the_counters_tokens(counter_artifacts):
 def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatch):
     """A Medusa reply that differs from vanilla's is reported (``identical`` false, NO in the table) and the exit
     status is 1, after the files are written. The looped mode runs on a batch-1 artifact (--looped-artifacts)."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     batch1 = build_artifact(tiny_loaded(make_counter_medusa(), name="counter", max_context=512),

@@ -37,8 +37,7 @@ def default_env(monkeypatch, tmp_path):
 
 
 def _build_counter(out, seed_scale: float = 6.0, tree: str = "8"):
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
 
     lm = tiny_loaded(make_counter_medusa(scale=seed_scale), name="counter", max_context=256)
     return build_artifact(lm, tree_from_spec(tree, num_heads=3), out, BuildConfig(validate=False), progress=False)

@@ -10,8 +10,7 @@ import pytest
 from conftest import make_tiny_medusa, mt_bench_prompts, tiny_loaded
 from medusa_export.chat import apply_chat_template
 from medusa_export.errors import ArtifactError, InvalidTreeError, UnknownModelError
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig
+from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.model.decode import TorchEngine
 from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_tokenizer, plain_greedy, rmsnorm_chains
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig
+from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.sources import open_model
 from medusa_export.trt.commands import fp32_node_names
 from medusa_runtime.artifact import load_artifact

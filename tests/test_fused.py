@@ -15,8 +15,8 @@ import pytest
 
 from conftest import SMOLLM_TREE, mt_bench_prompts, plain_greedy, tiny_loaded
 from medusa_export.chat import apply_chat_template
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig, UnsupportedGraphError
+from medusa_export.pipeline import BuildConfig, build_artifact
+from medusa_export.export.config import UnsupportedGraphError
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import validate
 from medusa_runtime.artifact import load_artifact

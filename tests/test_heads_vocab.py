@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig
+from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.export.heads_graph import write_heads_only
 from medusa_export.loading.sources import sources_from_model
 from medusa_export.loading.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, load_draft_vocab,

@@ -178,8 +178,7 @@ def attached(tiny, tmp_path_factory):
     import dataclasses
 
     from conftest import tiny_loaded
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_export.loading.accuracies import load_accuracies_doc
     from medusa_export.loading.draft_vocab import DraftVocab
     from medusa_export.training.calibrate import save_accuracies
@@ -329,8 +328,7 @@ def test_build_records_per_step_trees_and_the_session_runs_them(tiny, attached, 
     import dataclasses
 
     from conftest import tiny_loaded
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.session import MedusaSession
 
     _, model = tiny
@@ -393,8 +391,7 @@ def test_build_auto_dynamic_records_the_chosen_per_step_size(attached, tiny, tmp
     import dataclasses
 
     from conftest import tiny_loaded
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.autotree import DEFAULT_SIZES
 
     _, model = tiny

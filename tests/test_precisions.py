@@ -38,7 +38,7 @@ def test_every_stage_reads_the_table():
     assert validate.tolerance("fp16") is PRECISION_TABLE["fp16"].tolerance
     assert plan.ORT_FACTORS == {n: p.ort_factor for n, p in table}
     assert readiness.TENSORRT_PRECISIONS == " or ".join(n for n, p in table if p.tensorrt)
-    assert config.BuildConfig(precision="fp16").spec is PRECISION_TABLE["fp16"]
+    assert config.ExportConfig(precision="fp16").spec is PRECISION_TABLE["fp16"]
     with pytest.raises(config.UnknownPrecisionError, match="needs an fp32 or weight-only backbone"):
-        config.BuildConfig(precision="fp16", heads_precision="int8")
-    assert config.BuildConfig(precision="fp32", heads_precision="int4").resolved_heads_precision == "int4"
+        config.ExportConfig(precision="fp16", heads_precision="int8")
+    assert config.ExportConfig(precision="fp32", heads_precision="int4").resolved_heads_precision == "int4"

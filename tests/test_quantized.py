@@ -9,8 +9,8 @@ import onnx
 import pytest
 
 from conftest import make_tiny_medusa, tiny_loaded
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig, UnknownPrecisionError
+from medusa_export.pipeline import BuildConfig, build_artifact
+from medusa_export.export.config import ExportConfig, UnknownPrecisionError
 from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, quantize_rows
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import PromptReport, ValidationError, ValidationReport, tolerance
@@ -108,10 +108,10 @@ def test_quantized_heads_on_fp32_backbone(built):
 
 
 def test_fp32_default_stays_portable():
-    cfg = BuildConfig()
+    cfg = ExportConfig()
     assert cfg.resolved_heads_precision == "fp32"
-    assert BuildConfig(precision="fp16").resolved_heads_precision == "fp16"
-    assert BuildConfig(precision="int4", heads_precision="same").resolved_heads_precision == "int4"
+    assert ExportConfig(precision="fp16").resolved_heads_precision == "fp16"
+    assert ExportConfig(precision="int4", heads_precision="same").resolved_heads_precision == "int4"
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -173,9 +173,7 @@ def test_per_tensor_blocks_equal_the_whole_graph_quantizer(bits, k):
 
 
 def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():
-    from medusa_export.export.config import BuildConfig
-
-    assert BuildConfig(precision="int4").weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
-    assert BuildConfig(precision="int8").weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
-    assert BuildConfig(precision="int4").weight_only("int8", heads=True).accuracy_level == 4  # heads only propose
-    assert BuildConfig(precision="int4", accuracy_level=4).weight_only("int4").accuracy_level == 4
+    assert ExportConfig(precision="int4").weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
+    assert ExportConfig(precision="int8").weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
+    assert ExportConfig(precision="int4").weight_only("int8", heads=True).accuracy_level == 4  # heads only propose
+    assert ExportConfig(precision="int4", accuracy_level=4).weight_only("int4").accuracy_level == 4

@@ -36,8 +36,7 @@ EOS = 2  # the tiny tokenizer's "</s>"
 
 @pytest.fixture(scope="module")
 def counter_artifact(tmp_path_factory):
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=CONTEXT)

@@ -51,8 +51,7 @@ def peaked():
 @pytest.fixture(scope="module")
 def engines(peaked, tmp_path_factory):
     """(a PyTorch engine without the in-graph sampler, the ONNX Runtime engine of the built artifact, which has it)."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
 
     root = tmp_path_factory.mktemp("sampling")
     art = build_artifact(tiny_loaded(peaked[1], max_context=64), TREES["16"], root / "art", BuildConfig(validate=False),
@@ -204,8 +203,7 @@ def contract_draw(p: np.ndarray, u: float, top_k: int, top_p: float) -> int:
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """A 1001-token tiny Llama (lm_head x30: a spread of peaked and flat rows), built portable and fused."""
-    from medusa_export.export.build import build_artifact
-    from medusa_export.export.config import BuildConfig
+    from medusa_export.pipeline import BuildConfig, build_artifact
 
     hf, model = make_tiny_medusa(vocab=1001, seed=3, medusa_heads=3)
     with torch.no_grad():

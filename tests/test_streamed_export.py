@@ -14,8 +14,7 @@ import pytest
 
 from conftest import make_tiny_medusa, make_tiny_tokenizer, plain_greedy
 from medusa_export.errors import InsufficientMemoryError
-from medusa_export.export.build import build_artifact
-from medusa_export.export.config import BuildConfig
+from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.model.heads import save_heads
 from medusa_export.loading.sources import open_model
 from medusa_export.validation.plan import plan_validation
@@ -135,10 +134,11 @@ def test_plan_chooses_the_checks_that_fit(medium_ckpt):
     """An 852 MB (fp32) model exported to int4: between the full check's need and the others', the plan runs the
     truncated check, the checksums and Medusa vs plain greedy of the whole artifact; with less, no model check
     against the reference."""
+    from medusa_export.export.config import ExportConfig
     from medusa_export.export.writer import plan_graphs
 
     src = open_model(str(medium_ckpt[0])).sources
-    weights = plan_graphs(src, BuildConfig(precision="int4"), 10).nbytes()
+    weights = plan_graphs(src, ExportConfig(precision="int4"), 10).nbytes()
     est = plan_validation(src, "int4", weights, layers=1, available=10 ** 12, gpu_free=None).estimates
     assert est["truncated"] < est["full"] and est["self"] < est["full"]  # int4 weights: ONNX Runtime needs less
     between = int((max(est["truncated"], est["self"], est["export"]) + est["full"]) / 2 / 0.9)

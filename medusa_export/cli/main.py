@@ -122,9 +122,8 @@ def cmd_build(args) -> int:
     from medusa_runtime.tree import DEFAULT_TOPK
     from medusa_runtime.treespec import TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
 
-    from ..export.build import build_artifact
-    from ..export.config import BuildConfig
     from ..loading.sources import open_model
+    from ..pipeline import BuildConfig, build_artifact
     from ..validation.checks import check_prompts_fit, prompt_ids
     from ..validation.validate import read_prompts
     from .trt import after_build
@@ -324,12 +323,13 @@ def check_same_geometry(model, config, where: str) -> None:
 def cmd_verify(args) -> int:
     """Validate an existing artifact with the checks that fit (or those asked for); exit 1
     (:data:`EXIT_MISMATCH`) on a failure."""
-    from medusa_runtime.artifact import load_artifact, step_batch
+    from medusa_runtime.artifact import load_artifact
 
-    from ..export.config import BuildConfig
+    from ..export.config import ExportConfig
     from ..loading.registry import load_registry
     from ..loading.sources import open_model
     from ..validation.checks import run_checks
+    from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
     from ..validation.validate import ValidationReport, default_prompts, read_prompts
 
@@ -349,10 +349,9 @@ def cmd_verify(args) -> int:
                           "--model-path (an HF model dir or .gguf file)")
     print_notes(lm)
     check_same_geometry(m.model, lm.sources.config, args.model_path or name)
-    cfg = BuildConfig(precision=m.precision_name, graph="fused" if m.flavour == "ort-fused" else "portable",
-                      new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers,
-                      max_context=m.model.max_context, batch_size=step_batch(m) or 1)
-    plan = plan_validation(lm.sources, cfg.precision, m.weights.bytes, graph=cfg.graph, checks=cfg.checks,
+    built = ExportConfig.of_manifest(m)  # what the artifact was exported with (the pre-flight's sizes)
+    cfg = ValidationConfig(new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers)
+    plan = plan_validation(lm.sources, built.precision, m.weights.bytes, graph=built.graph, checks=cfg.checks,
                            layers=cfg.validate_layers)
     for line in plan.describe():
         print(f"  {line}", file=sys.stderr)
@@ -445,7 +444,8 @@ def _add_chat_parser(sub) -> None:
 
 def _add_build_parser(sub) -> None:
     from ..export.config import (FUSED_PRECISIONS, GRAPHS, HEADS_PRECISIONS, PRECISIONS, QUANTIZED_HEADS_DEFAULT,
-                                 BuildConfig)
+                                 ExportConfig)
+    from ..validation.config import ValidationConfig
     from .trt import add_build_engine_args
 
     p = sub.add_parser("build", help="export a Medusa model to a validated ONNX artifact",
@@ -466,26 +466,26 @@ def _add_build_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an existing artifact in --out, with everything in it (engines/ plans, other files); "
                         "without it such an --out is refused, naming what would be deleted")
-    p.add_argument("--precision", choices=PRECISIONS, default=BuildConfig.precision,
+    p.add_argument("--precision", choices=PRECISIONS, default=ExportConfig.precision,
                    help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "
                         "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
-                        f"of the same graph (default: {BuildConfig.precision})")
-    p.add_argument("--graph", choices=GRAPHS, default=BuildConfig.graph,
+                        f"of the same graph (default: {ExportConfig.precision})")
+    p.add_argument("--graph", choices=GRAPHS, default=ExportConfig.graph,
                    help="backbone step graph: portable (standard ONNX ops, written from the weights: ONNX Runtime and TensorRT) or fused "
                         "(ONNX Runtime's fused operators: GroupQueryAttention with rotary inside, SimplifiedLayerNormalization, "
                         f"QuickGelu, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
-                        f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {BuildConfig.graph})")
-    p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=BuildConfig.heads_precision,
+                        f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {ExportConfig.graph})")
+    p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=ExportConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "
                         f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
-                        f"(default: {BuildConfig.heads_precision})")
-    p.add_argument("--heads-vocab", type=int, default=BuildConfig.heads_vocab, metavar="N",
+                        f"(default: {ExportConfig.heads_precision})")
+    p.add_argument("--heads-vocab", type=int, default=ExportConfig.heads_vocab, metavar="N",
                    help="project the Medusa heads onto the N most frequent tokens of the model's draft vocabulary "
                         "(draft_vocab.json beside the heads) instead of the whole vocabulary: the heads graph costs "
                         "~V/N times less, the output never changes, a correct guess outside the subset is lost; "
-                        f"0 = the full vocabulary (default: {BuildConfig.heads_vocab})")
-    p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=BuildConfig.accuracy_level,
+                        f"0 = the full vocabulary (default: {ExportConfig.heads_vocab})")
+    p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=ExportConfig.accuracy_level,
                    help="MatMulNBits compute of an int8/int4 backbone: 1 = fp32 activations (batch invariant, so "
                         "Medusa stays identical to plain greedy of the graph), 4 = int8 activations (faster, but a "
                         "tree step's rounding differs from one-token steps and outputs can diverge) "
@@ -493,13 +493,13 @@ def _add_build_parser(sub) -> None:
     p.add_argument("--max-context", type=int, metavar="N",
                    help="KV capacity the artifact is built for, 2..the model's max_position_embeddings; every "
                         "validation prompt must fit it (checked before the export) (default: the model's)")
-    p.add_argument("--batch-size", type=int, default=BuildConfig.batch_size, metavar="N",
+    p.add_argument("--batch-size", type=int, default=ExportConfig.batch_size, metavar="N",
                    help="sequences per step: 1 = the batch-1 step graph; N > 1 = a step graph with a dynamic batch "
                         "dimension (per-row past lengths), so generate --batch-size runs all "
                         "rows in one call (docs/batching.md) (default: %(default)s)")
     add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
-    p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
-                   help=f"greedy tokens compared per validation prompt (default: {BuildConfig.new_tokens})")
+    p.add_argument("--max-new-tokens", type=int, default=ValidationConfig.new_tokens,
+                   help=f"greedy tokens compared per validation prompt (default: {ValidationConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--no-validate", action="store_true", help="skip validation (not recommended)")
     _add_check_args(p)
@@ -508,7 +508,7 @@ def _add_build_parser(sub) -> None:
 
 
 def _add_verify_parser(sub) -> None:
-    from ..export.config import BuildConfig
+    from ..validation.config import ValidationConfig
 
     p = sub.add_parser("verify", help="check an artifact against the PyTorch reference (for CI)",
                        description="Re-run build's validation on an existing artifact with the checks that fit in "
@@ -519,8 +519,8 @@ def _add_verify_parser(sub) -> None:
     add_artifact_arg(p)
     add_prompt_file_arg(p, "prompts to compare on (default: the project's own)", aliases=("--prompts",))
     p.add_argument("--limit", type=int, metavar="N", help="use only the first N prompts, N >= 1 (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=BuildConfig.new_tokens,
-                   help=f"greedy tokens compared per prompt (default: {BuildConfig.new_tokens})")
+    p.add_argument("--max-new-tokens", type=int, default=ValidationConfig.new_tokens,
+                   help=f"greedy tokens compared per prompt (default: {ValidationConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)
     p.add_argument("--model-path", help="local backbone weights (default: the manifest's model name; needed for "
                                         "an artifact built from a local folder)")
@@ -533,17 +533,17 @@ def _add_verify_parser(sub) -> None:
 
 def _add_check_args(p: argparse.ArgumentParser) -> None:
     """--checks and --validate-layers (build and verify)."""
-    from ..export.config import BuildConfig
+    from ..validation.config import ValidationConfig
 
-    p.add_argument("--checks", default=BuildConfig.checks,
+    p.add_argument("--checks", default=ValidationConfig.checks,
                    help="validation checks: auto (estimate each check's memory from the headers and run what fits: "
                         "the full PyTorch-vs-ONNX Runtime check when the model fits twice, else the truncated check, "
                         "weights checksums and Medusa-vs-plain-greedy of the whole artifact), or a comma-separated "
                         "list of full, truncated, checksums, self, gpu (full forces the full check) "
-                        f"(default: {BuildConfig.checks})")
-    p.add_argument("--validate-layers", type=int, default=BuildConfig.validate_layers, metavar="N",
+                        f"(default: {ValidationConfig.checks})")
+    p.add_argument("--validate-layers", type=int, default=ValidationConfig.validate_layers, metavar="N",
                    help="layers of the truncated check: the same exporter on the first N layers (+ final norm, lm_head, "
-                        f"heads) against the PyTorch reference of that truncation (default: {BuildConfig.validate_layers})")
+                        f"heads) against the PyTorch reference of that truncation (default: {ValidationConfig.validate_layers})")
 
 
 def _add_triton_parser(sub) -> None:

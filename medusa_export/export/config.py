@@ -1,12 +1,16 @@
-"""Options of ``medusa-export build``: precisions, step graphs and :class:`BuildConfig`.
+"""The export's options: precisions, step graphs and :class:`ExportConfig`.
 
-The CLI reads its choices and defaults from here; :mod:`.build` and :mod:`.manifest` read a
-:class:`BuildConfig`.
+The CLI reads its choices and defaults from here; :mod:`.writer`, :mod:`.build` and :mod:`.manifest` read an
+:class:`ExportConfig`. The validation's options are :class:`medusa_export.validation.config.ValidationConfig`;
+``build`` takes both (:class:`medusa_export.pipeline.BuildConfig`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from medusa_runtime.artifact import step_batch
+from medusa_runtime.manifest import Manifest
 
 from ..errors import MedusaError
 from ..loading.draft_vocab import HeadsVocabError
@@ -25,11 +29,14 @@ QUANTIZED_HEADS_DEFAULT = "int8"
 #: Backbone step graphs (``--graph``): "portable" standard ops (:mod:`.portable`), "fused" ONNX Runtime's
 #: fused operators (:mod:`.fused`, flavour ``ort-fused``).
 GRAPHS = ("portable", "fused")
+#: The step graph (:data:`GRAPHS`) of a manifest's ``flavour`` (:data:`.manifest.FLAVOURS`): ort-fused is the
+#: fused graph's; every other flavour (portable, ort-contrib) is a portable graph's.
+FLAVOUR_GRAPHS = {"ort-fused": "fused"}
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
 FUSED_PRECISIONS = precisions(fused=True)
 
 
-#: MatMulNBits accuracy level of a weight-only backbone by precision (see BuildConfig.accuracy_level).
+#: MatMulNBits accuracy level of a weight-only backbone by precision (see ExportConfig.accuracy_level).
 BACKBONE_ACCURACY = {n: p.accuracy_level for n, p in PRECISION_TABLE.items() if p.weight_only}
 
 
@@ -42,16 +49,14 @@ class UnsupportedGraphError(MedusaError, ValueError):
 
 
 @dataclass(frozen=True)
-class BuildConfig:
-    """Options of ``build``; the CLI reads its defaults from here.
+class ExportConfig:
+    """What the export writes (``build``'s export options); the CLI reads its defaults from here.
 
     Attributes:
         precision: backbone precision, one of :data:`PRECISIONS`.
         heads_precision: heads-graph precision, one of :data:`HEADS_PRECISIONS`; the heads only
             propose candidates the backbone verifies, so their precision never changes the output.
         max_context: KV capacity (None: the model's registered context).
-        new_tokens: greedy tokens compared per validation prompt.
-        validate: run the validation stage.
         block_size: MatMulNBits block size of the weight-only precisions.
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
@@ -72,10 +77,6 @@ class BuildConfig:
             Level 1 keeps int4 lossless; ONNX Runtime has no fast fp32-compute kernel for 8-bit
             weights (468 ms a step), so int8 keeps level 4 and is not lossless. The heads graph
             always uses level 4 (its candidates are verified, so its rounding never changes the output).
-        checks: validation checks (``--checks``): "auto" (the pre-flight chooses what fits:
-            :mod:`medusa_export.validation.plan`) or a comma-separated list of full, truncated,
-            checksums, self, gpu.
-        validate_layers: N of the truncated check (the first N layers + final norm, lm_head, heads).
         batch_size: sequences per step the artifact is built for (``--batch-size``): 1 writes the batch-1
             step graph of every artifact before; N > 1 the batched portable step (a dynamic batch dimension B,
             per-row past lengths; :func:`~.contract.step_io`; with ``graph`` "fused" its batched variant,
@@ -85,15 +86,11 @@ class BuildConfig:
     precision: str = "fp32"
     heads_precision: str = "auto"
     max_context: int | None = None
-    new_tokens: int = 64
-    validate: bool = True
     block_size: int = 32
     quantize_lm_head: bool = True
     accuracy_level: int | None = None
     graph: str = "portable"
     heads_vocab: int = 0
-    checks: str = "auto"
-    validate_layers: int = 2
     batch_size: int = 1
 
     def __post_init__(self) -> None:
@@ -113,15 +110,28 @@ class BuildConfig:
         if self.heads_vocab < 0:
             raise HeadsVocabError(f"--heads-vocab must be 0 (the full vocabulary) or a subset size N > 0, "
                                   f"got {self.heads_vocab}")
-        if self.validate_layers < 1:
-            raise MedusaError(f"--validate-layers must be >= 1, got {self.validate_layers}")
-        from ..validation.plan import parse_checks
-
-        parse_checks(self.checks)
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise UnsupportedGraphError(f"--batch-size must be an integer >= 1, got {self.batch_size!r}")
         if self.max_context is not None and self.max_context < 2:
             raise MedusaError(f"--max-context must be >= 2, got {self.max_context}")
+
+    @classmethod
+    def of_manifest(cls, manifest: Manifest, **overrides) -> ExportConfig:
+        """The export options an artifact was built with, as far as its manifest records them: the precision,
+        the step graph (:data:`FLAVOUR_GRAPHS` of its ``flavour``), the batch size (``batch.max_batch_size``,
+        :func:`medusa_runtime.artifact.step_batch`) and the context; the rest at their defaults.
+
+        Args:
+            manifest: the artifact's manifest.
+            overrides: fields to set instead (e.g. ``precision="fp32"`` for the truncated check's re-export).
+
+        Raises:
+            ArtifactError: the manifest's ``batch`` entry is malformed (:func:`~medusa_runtime.artifact.step_batch`).
+            UnknownPrecisionError, UnsupportedGraphError: as the constructor.
+        """
+        recorded = dict(precision=manifest.precision_name, graph=FLAVOUR_GRAPHS.get(manifest.flavour, "portable"),
+                        batch_size=step_batch(manifest) or 1, max_context=manifest.model.max_context)
+        return cls(**{**recorded, **overrides})
 
     @property
     def batched(self) -> bool:

@@ -26,7 +26,7 @@ from ..loading.draft_vocab import DRAFT_VOCAB_FILE
 from ..loading.registry import LoadedMedusa
 from ..loading.sources import ModelSources
 from ..model.medusa import STEP_TOPK
-from .config import BuildConfig
+from .config import ExportConfig
 from .contract import OPSET, heads_io, level_io, level_key, step_io, step_sampler_json
 from .fused import FUSED_OPS, fused_step_io
 from .precisions import PRECISION_TABLE
@@ -39,7 +39,7 @@ FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
                          "written in place; ONNX Runtime CPU only, not TensorRT"}
 
 
-def _precision_json(cfg: BuildConfig, dtype: str, quantized: dict) -> dict:
+def _precision_json(cfg: ExportConfig, dtype: str, quantized: dict) -> dict:
     def weights(precision: str, heads: bool) -> str:
         wo = cfg.weight_only(precision, heads)
         return PRECISION_TABLE[precision].dtype if wo is None else wo.describe()
@@ -57,7 +57,7 @@ def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]
     return ("ort-contrib" if ops else "portable"), ops
 
 
-def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_context: int, tree_size: int,
+def _step_graph_json(src: ModelSources, cfg: ExportConfig, dtype: str, max_context: int, tree_size: int,
                      file: str) -> tuple[dict, dict]:
     """The manifest's ``kv_layout`` and ``graphs.model`` entries of the build's step graph."""
     s_dim = "new tokens: prompt length for prefill, tree size T for a tree step"
@@ -110,7 +110,7 @@ def _step_graph_json(src: ModelSources, cfg: BuildConfig, dtype: str, max_contex
     return layout, graph
 
 
-def _batched_step_graph_json(cfg: BuildConfig, max_context: int, tree_size: int, file: str, s_in, s_out,
+def _batched_step_graph_json(cfg: ExportConfig, max_context: int, tree_size: int, file: str, s_in, s_out,
                              s_dim: str) -> tuple[dict, dict]:
     """``kv_layout`` and ``graphs.model`` of the batched portable step (``--batch-size`` N > 1)."""
     n = cfg.batch_size
@@ -133,7 +133,7 @@ def _batched_step_graph_json(cfg: BuildConfig, max_context: int, tree_size: int,
     return layout, graph
 
 
-def batch_json(cfg: BuildConfig) -> dict:
+def batch_json(cfg: ExportConfig) -> dict:
     """The manifest's ``batch`` entry of a batched artifact (absent from batch-1 ones)."""
     return {"version": 1, "dim": "B", "dynamic": True, "max_batch_size": cfg.batch_size,
             "note": "every step graph tensor has a leading batch dimension B; past_sequence_length [B] gives each "
@@ -154,7 +154,7 @@ def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) ->
             "draft_vocab_ids": seen}
 
 
-def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: BuildConfig, max_context: int, folder: Path,
+def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: ExportConfig, max_context: int, folder: Path,
                    files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
                    vocab_ids: np.ndarray | None = None, unchanged: dict | None = None) -> Manifest:
     """The manifest of the artifact being written in ``folder``.

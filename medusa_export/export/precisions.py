@@ -44,7 +44,7 @@ class PrecisionSpec:
         dtype: the graphs' float dtype (activations, KV cache, float weights): ``float32`` / ``float16``.
         weight_bits: bits of the weight-only MatMulNBits quantization, or None for float weights.
         accuracy_level: MatMulNBits compute type of the weight-only backbone when ``--accuracy-level``
-            is not given (1: fp32 activations, 4: int8 activations; see BuildConfig.accuracy_level),
+            is not given (1: fp32 activations, 4: int8 activations; see ExportConfig.accuracy_level),
             None for float weights.
         fused: whether the fused graph (``--graph fused``, its CPU kernels compute in fp32) takes it.
         flavour: the artifact flavour of its portable graph (``portable``: standard ONNX ops;

@@ -26,7 +26,7 @@ import onnx
 
 from ..loading.checkpoint import check_disk
 from ..loading.sources import ModelSources
-from .config import BuildConfig
+from .config import ExportConfig
 from .contract import HEADS_FILE, LEVEL_FILE, MODEL_FILE, level_key
 from .fused import write_fused_step
 from .graph import GraphBuilder
@@ -51,7 +51,7 @@ class WrittenGraphs:
     seconds: float
 
 
-def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None,
+def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: ExportConfig, topk: int, vocab_ids: np.ndarray | None,
              vocab_origin: str, max_context: int) -> dict[str, tuple]:
     """Both graphs' nodes, their weights added to ``weights``; {file: (builder, inputs, outputs, name, producer)}."""
     bc = src.config
@@ -86,7 +86,7 @@ def heads_files(head_type: str, num_heads: int) -> dict[str, str]:
     return {"heads": HEADS_FILE}
 
 
-def plan_graphs(src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.ndarray | None = None,
+def plan_graphs(src: ModelSources, cfg: ExportConfig, topk: int, vocab_ids: np.ndarray | None = None,
                 max_context: int = 2048) -> WeightsPlan:
     """The weights both graphs need, from the headers only (names, shapes, bytes): nothing is read."""
     plan = WeightsPlan(src.by_name)
@@ -94,7 +94,7 @@ def plan_graphs(src: ModelSources, cfg: BuildConfig, topk: int, vocab_ids: np.nd
     return plan
 
 
-def write_graphs(folder: Path, src: ModelSources, cfg: BuildConfig, topk: int, *, vocab_ids: np.ndarray | None = None,
+def write_graphs(folder: Path, src: ModelSources, cfg: ExportConfig, topk: int, *, vocab_ids: np.ndarray | None = None,
                  vocab_origin: str = "", max_context: int = 2048, progress: bool = True) -> WrittenGraphs:
     """Write ``model.onnx``, the heads graphs (``heads.onnx``, or ``heads_level{j}.onnx`` for path-conditioned
     heads, :func:`heads_files`) and ``weights.bin`` into ``folder`` from ``src``.

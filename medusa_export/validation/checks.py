@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +21,11 @@ from medusa_runtime.loop import generate
 from medusa_runtime.manifest import Manifest, as_manifest
 from medusa_runtime.tree import make_tree
 
+from ..export.build import write_artifact
+from ..export.config import ExportConfig
 from ..loading.sources import ModelSources, reference_model
 from ..model.decode import TorchEngine
+from .config import ValidationConfig
 from .plan import CHECK_TEXT, SELF_CHECK_LIMIT, SELF_CHECK_TOKENS, ValidationPlan
 from .validate import compare_runs, default_prompts, reference_runs
 
@@ -93,26 +95,32 @@ def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens
                         engine=validation_engine(artifact), progress=progress).to_json()
 
 
-def check_truncated(folder: Path, lm, src: ModelSources, cfg, layers: int, tree, max_context: int, texts, ids,
+def truncated_export(manifest: Manifest) -> ExportConfig:
+    """The export options of the truncated check's artifact: those the artifact under test records (its step
+    graph, batch size and context: :meth:`~medusa_export.export.config.ExportConfig.of_manifest`) in fp32, the
+    heads in fp32 over the whole vocabulary."""
+    return ExportConfig.of_manifest(manifest, precision="fp32")
+
+
+def check_truncated(folder: Path, lm, src: ModelSources, layers: int, artifact: Artifact, texts, ids,
                     new_tokens: int, progress: bool) -> dict:
     """(a) The same exporter on the first ``layers`` layers in fp32 (same graph flavour, real final norm, lm_head
-    and heads) against the reference of the same truncation: greedy tokens identical (fp32 rule)."""
-    from ..export.build import write_artifact
-
+    and heads; :func:`truncated_export`) against the reference of the same truncation: greedy tokens identical
+    (fp32 rule)."""
     sub = folder.parent / f".{folder.name}.truncated"
     shutil.rmtree(sub, ignore_errors=True)
     sub.mkdir()
     try:
         tsrc = ModelSources(src.backbone, src.heads, src.config.truncated(layers), src.heads_config)
-        tcfg = replace(cfg, precision="fp32", heads_precision="auto", heads_vocab=0, validate=False, checks="auto")
-        write_artifact(sub, lm, tsrc, tree, tcfg, max_context, progress=False)
-        artifact = load_artifact(sub)
+        write_artifact(sub, lm, tsrc, artifact.tree, truncated_export(artifact.manifest), artifact.model.max_context,
+                       progress=False)
+        truncated = load_artifact(sub)
         ref = reference_model(src, layers)
-        runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+        runs = reference_runs(ref, truncated, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
                               progress=progress)
         del ref
-        report = compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                              engine=validation_engine(artifact), progress=progress).to_json()
+        report = compare_runs(truncated, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                              engine=validation_engine(truncated), progress=progress).to_json()
     finally:
         shutil.rmtree(sub, ignore_errors=True)
     return {"layers": layers, **report}
@@ -194,9 +202,22 @@ def _failure(name: str, record: dict) -> list[str]:
     return [f"{name}: {f}" for f in report.failures()]
 
 
-def run_checks(plan: ValidationPlan, folder: Path, lm, src: ModelSources, cfg, *, prompts: list[str] | None = None,
-               vocab_ids=None, progress: bool = True, new_tokens: int | None = None) -> dict:
+def run_checks(plan: ValidationPlan, folder: Path, lm, src: ModelSources, cfg: ValidationConfig = ValidationConfig(),
+               *, prompts: list[str] | None = None, vocab_ids=None, progress: bool = True,
+               new_tokens: int | None = None) -> dict:
     """Run ``plan.checks`` on the artifact in ``folder``; the manifest's ``validation`` record.
+
+    Args:
+        plan: the checks chosen (:func:`~.plan.plan_validation`).
+        folder: the artifact (its manifest on disk is read, as a runtime would; the truncated check re-exports
+            with the options it records).
+        lm: the model (tokenizer, chat template, eos ids; ``model`` when loaded).
+        src: the model's tensor sources (the reference and the re-made tensors).
+        cfg: the validation's options; ``new_tokens``: greedy tokens compared per prompt.
+        prompts: user messages (default: the project's own).
+        vocab_ids: the heads' token subset the artifact was built with (the checksums check re-makes it).
+        progress: progress lines and bars.
+        new_tokens: instead of ``cfg.new_tokens``.
 
     Returns:
         ``{"passed", "ran", "skipped", "plan", "failures", "seconds", <check>: record ...}``; the full check's
@@ -215,8 +236,7 @@ def run_checks(plan: ValidationPlan, folder: Path, lm, src: ModelSources, cfg, *
         if check == "full":
             out[check] = check_full(artifact, lm, src, texts, ids, n, progress)
         elif check == "truncated":
-            out[check] = check_truncated(folder, lm, src, cfg, plan.layers, artifact.tree, artifact.model.max_context,
-                                         texts, ids, n, progress)
+            out[check] = check_truncated(folder, lm, src, plan.layers, artifact, texts, ids, n, progress)
         elif check == "checksums":
             out[check] = check_checksums(folder, manifest, src, vocab_ids, progress)
         elif check == "self":

@@ -1,0 +1,250 @@
+"""``medusa-export build``: model + tree -> a validated artifact directory, the stages run in order.
+
+The orchestration above the stage packages (none of them imports this module, nor a stage above its own):
+
+1. pre-flight: the weights plan from the headers (:func:`~.export.writer.plan_graphs`), each stage's memory
+   and the validation checks that fit (:func:`~.validation.plan.plan_validation`);
+2. export (:mod:`.export`): the two graphs with their weights streamed from the checkpoint into
+   ``weights.bin``, then tree / tokenizer / manifest (:func:`~.export.build.write_files`);
+3. ``--tree auto``: the tree step timed on ONNX Runtime here (:mod:`medusa_runtime.autotree`), the tree and
+   the manifest rewritten;
+4. the ONNX checked for TensorRT (:func:`~.trt.readiness.check_artifact`, no TensorRT needed);
+5. validation (:func:`~.validation.checks.run_checks`), the build record, and the finished folder moved
+   into place.
+
+Everything is written to a temporary sibling folder first, so a failed or interrupted build (Ctrl-C, SIGTERM,
+SIGHUP) leaves nothing half-written and an old artifact intact; what a SIGKILL'd build leaves is removed by the
+next build into the same folder, and a lock file beside the folder keeps two builds from writing it at once.
+The model is never materialised for the export; the checks that need the PyTorch reference build it from the
+same sources (truncated when the whole one does not fit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.tree import Tree
+
+from .errors import ArtifactError, InvalidTreeError, MedusaError
+from .export.build import check_output_dir, vocab_origin, write_files
+from .export.config import ExportConfig
+from .export.manifest import selection_json, write_manifest
+from .export.weights import WEIGHTS_FILE
+from .export.writer import plan_graphs, write_graphs
+from .files import OutputBusyError, OutputLock, partial_dir, remove_stale, replace_dir
+from .loading.draft_vocab import subset_ids
+from .loading.registry import LoadedMedusa
+from .loading.sources import sources_of
+from .trt.readiness import check_artifact
+from .validation.checks import run_checks
+from .validation.config import ValidationConfig
+from .validation.plan import plan_validation
+from .validation.validate import ValidationError
+
+_E, _V = ExportConfig, ValidationConfig
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """``build``'s options: the export's (:class:`~.export.config.ExportConfig`) and the validation's
+    (:class:`~.validation.config.ValidationConfig`), each documented there, with their defaults.
+
+    Each stage gets only its part (:attr:`export`, :attr:`validation`); the fields are flat so a caller writes
+    ``BuildConfig(precision="int4", validate=False)``, and the CLI reads its defaults from the two parts.
+
+    Raises:
+        UnknownPrecisionError, UnsupportedGraphError, HeadsVocabError, MedusaError: as the two parts do (each
+            checks its own fields when this is made).
+    """
+
+    precision: str = _E.precision
+    heads_precision: str = _E.heads_precision
+    max_context: int | None = _E.max_context
+    block_size: int = _E.block_size
+    quantize_lm_head: bool = _E.quantize_lm_head
+    accuracy_level: int | None = _E.accuracy_level
+    graph: str = _E.graph
+    heads_vocab: int = _E.heads_vocab
+    batch_size: int = _E.batch_size
+    validate: bool = _V.validate
+    checks: str = _V.checks
+    validate_layers: int = _V.validate_layers
+    new_tokens: int = _V.new_tokens
+
+    def __post_init__(self) -> None:
+        self.export, self.validation  # noqa: B018 - each part checks its own fields
+
+    @property
+    def export(self) -> ExportConfig:
+        """The export's part (what :mod:`.export` reads)."""
+        return ExportConfig(**{f.name: getattr(self, f.name) for f in fields(ExportConfig)})
+
+    @property
+    def validation(self) -> ValidationConfig:
+        """The validation's part (what :mod:`.validation` reads)."""
+        return ValidationConfig(**{f.name: getattr(self, f.name) for f in fields(ValidationConfig)})
+
+
+class Stages:
+    """Prints numbered stages with their wall time (the build's progress display) and keeps the times."""
+
+    def __init__(self, total: int, out=sys.stderr):
+        self.total, self.n, self.out = total, 0, out
+        self.times: list[dict] = []
+
+    @contextmanager
+    def __call__(self, what: str):
+        self.n += 1
+        print(f"[{self.n}/{self.total}] {what} ...", file=self.out, flush=True)
+        t = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t
+        self.times.append({"stage": what, "seconds": round(dt, 2)})
+        print(f"[{self.n}/{self.total}] {what}: done in {dt:.1f}s", file=self.out, flush=True)
+
+
+def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -> tuple[Tree, list, str]:
+    """``--tree auto`` (``auto:dynamic``) on the artifact being built: time tree steps with ONNX Runtime, pick the
+    best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
+    from medusa_runtime.autotree import auto_tree
+    from medusa_runtime.engines.ort import OrtEngine
+    from medusa_runtime.treespec import DynamicTree, tree_from_spec
+
+    artifact = load_artifact(folder)
+    say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
+    tree, table = auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model.max_context,
+                            topk=artifact.tree.topk, progress=say, policy=policy, calibration=artifact.calibration,
+                            simulated=artifact.simulated)
+    if isinstance(tree, DynamicTree):
+        static = tree_from_spec(str(tree.size), num_heads=tree.num_heads, accuracies=artifact.head_accuracies,
+                                topk=artifact.tree.topk)
+        return static, table, f"dynamic:{tree.size}"
+    return tree, table, ""
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConfig = BuildConfig(), *,
+                   prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False,
+                   tree_policy: str = "static") -> Path:
+    """Export, validate and write an artifact to ``out`` (atomically).
+
+    Args:
+        lm: the model: opened as sources (:func:`~medusa_export.loading.sources.open_model`, nothing loaded),
+            or loaded (its ``model`` is then exported from memory).
+        tree: the validated tree (depth <= the model's heads).
+        out: the artifact directory (created or replaced).
+        cfg: the export's options (precisions, context, graph: :attr:`BuildConfig.export`) and the validation's
+            (``validate``, ``checks``, ``validate_layers``, ``new_tokens``: :attr:`BuildConfig.validation`).
+        prompts: validation prompts (user messages); default: the project's own.
+        progress: print stage progress and progress bars.
+        auto_tree: ``--tree auto``: ``tree`` is only the largest candidate; after export the tree
+            step is timed at several sizes on ONNX Runtime on this machine and the tree with the
+            most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
+            goes to the manifest's ``tree.selection``).
+        tree_policy: "static", or "dynamic" (``--tree dynamic:T`` / ``auto:dynamic``): the runtime chooses a
+            ``tree.size``-node tree every step from the heads' log-probabilities; recorded as
+            the manifest's ``tree.policy`` = "dynamic:T" (``tree`` stays the static tree of fixed-tree engines).
+
+    Returns:
+        The artifact path.
+
+    Raises:
+        InvalidTreeError: the tree is deeper than the heads.
+        HeadsVocabError: ``cfg.heads_vocab`` is outside [tree.topk, V] or the model has no draft vocabulary.
+        ArtifactError: the output folder cannot be written, or another build is writing it (a lock file
+            ``.NAME.lock`` beside it; two builds into one folder never interleave).
+        InsufficientMemoryError: the pre-flight estimate of the export, or of a check asked for by name,
+            exceeds the memory available (both numbers and the options in the message).
+        InsufficientDiskError: the weights do not fit on the output's file system.
+        CheckpointError: a checkpoint file is missing, truncated or disagrees with its config.
+        ValidationError: a check failed (the first divergence is in the message).
+    """
+    t_start = time.perf_counter()
+    ecfg, vcfg = cfg.export, cfg.validation
+    out = Path(out).absolute()
+    src = sources_of(lm)
+    num_heads = src.heads_config.num_heads
+    if tree.max_depth > num_heads:
+        raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the model's {num_heads} Medusa heads")
+    vocab_ids = None
+    if ecfg.heads_vocab:
+        vocab_ids = subset_ids(lm.draft_vocab, ecfg.heads_vocab, src.config.vocab_size, tree.topk, model=lm.name)
+    check_output_dir(out)
+    max_context = ecfg.max_context or lm.max_context
+    if tree.size > max_context:
+        raise MedusaError(f"the tree ({tree.size} nodes) does not fit --max-context {max_context}")
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    weights_plan = plan_graphs(src, ecfg, tree.topk, vocab_ids, max_context)
+    plan = plan_validation(src, ecfg.precision, weights_plan.nbytes(), graph=ecfg.graph, checks=vcfg.checks,
+                           layers=vcfg.validate_layers, validate=vcfg.validate)
+    say(f"pre-flight: {plan.available / 1e9:.1f} GB available; estimated peaks: "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in plan.estimates.items()
+                    if k == "export" or k in plan.checks or (k.startswith("gpu") and "gpu" in plan.checks)))
+    for line in plan.describe() if vcfg.validate else ["validation: skipped (--no-validate)"]:
+        say(f"  {line}")
+    stages = Stages(3 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
+    tmp = partial_dir(out)
+    try:
+        lock = OutputLock(out)
+    except OutputBusyError as exc:
+        raise ArtifactError(f"{exc}; wait for it to finish or choose another output folder") from None
+    try:
+        for stale in remove_stale(out):  # left by a build that was killed (SIGKILL)
+            say(f"removed {stale.name}, left by a build that did not finish")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        flavour = "fused step (ONNX Runtime GroupQueryAttention, RMSNorm, QuickGelu)" if ecfg.graph == "fused" \
+            else "portable step (standard ONNX ops)"
+        heads = "Medusa heads" if src.heads_config.head_type == "medusa" else "path-conditioned heads (a graph per level)"
+        with stages(f"writing the graphs from the checkpoint: {flavour} + {heads}, weights streamed to "
+                    f"{WEIGHTS_FILE} ({ecfg.precision})"):
+            written = write_graphs(tmp, src, ecfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
+                                   max_context=max_context, progress=progress)
+            say(f"    {written.weights['bytes'] / 1e9:.2f} GB in {written.seconds:.1f}s "
+                f"({written.weights['bytes'] / 1e9 / max(written.seconds, 1e-9):.2f} GB/s), "
+                f"{written.weights['tensors']} tensors")
+        with stages("writing tree, tokenizer and manifest"):
+            policy = f"dynamic:{tree.size}" if tree_policy == "dynamic" and not auto_tree else ""
+            manifest = write_files(tmp, lm, src, tree, ecfg, max_context, written, vocab_ids, policy)
+        if auto_tree:
+            with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
+                tree, table, policy = _choose_tree_here(tmp, progress=progress, policy=tree_policy)
+                graphs = {rel: c for rel, c in manifest.checksums.items() if rel.endswith((".onnx", WEIGHTS_FILE))}
+                manifest = write_files(tmp, lm, src, tree, ecfg, max_context, written, vocab_ids, policy, graphs)
+                manifest = replace(manifest, tree=replace(manifest.tree, selection=selection_json(table, tree.size)))
+        with stages("checking the ONNX for TensorRT (no TensorRT needed)"):
+            manifest = replace(manifest, trt_readiness=check_artifact(tmp, manifest).to_json())
+            write_manifest(tmp, manifest)
+        if plan.checks:
+            with stages(f"validating: {', '.join(plan.checks)}"):
+                validation = run_checks(plan, tmp, lm, src, vcfg, prompts=prompts, vocab_ids=vocab_ids,
+                                        progress=progress)
+                manifest = replace(manifest, validation=validation)
+                write_manifest(tmp, manifest)
+                if not validation["passed"]:
+                    raise ValidationError("validation failed:\n  " + "\n  ".join(validation["failures"]))
+        stages.times.append({"stage": "total", "seconds": round(time.perf_counter() - t_start, 2)})
+        manifest = replace(manifest, build={
+            "stages": stages.times, "peak_rss_bytes": _peak_rss(),
+            "weights_gb_per_s": round(written.weights["bytes"] / 1e9 / max(written.seconds, 1e-9), 3),
+            "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}})
+        write_manifest(tmp, manifest)
+        replace_dir(tmp, out)
+    except BaseException:  # Ctrl-C, and SIGTERM / SIGHUP (medusa_runtime.cli.run_command makes them one)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+    return out
