@@ -1,8 +1,10 @@
-"""The house's shape (issue 15): no import cycle between modules, no private name imported across
-stage packages, and the runtime never imports torch, transformers or onnx at module level.
+"""The house's shape (issues 15 and 23): no import cycle between modules, no stage package importing
+a stage above it, no private name imported across stage packages, and the runtime never imports
+torch, transformers or onnx at module level.
 
-Read from the source with ``ast`` (module-level imports only: an import inside a function runs
-when it is called, which is how the CLI keeps heavy stages lazy)."""
+Read from the source with ``ast``. The cycle and layering checks read imports at every level: an
+import inside a function (how the CLI keeps heavy stages lazy) still ties two modules together, and
+four such hidden circles once stood where a module-level check could not see them (issue 23)."""
 
 from __future__ import annotations
 
@@ -39,11 +41,12 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, path: Path) -> list[tuple[str, list[str]]]:
-    """(imported module, names) for every module-level import of ``module``."""
+def _imports(module: str, path: Path, every_level: bool = False) -> list[tuple[str, list[str]]]:
+    """(imported module, names) for every module-level import of ``module``; with ``every_level``
+    also the imports inside functions, classes and ``if`` blocks."""
     tree = ast.parse(path.read_text())
     out = []
-    for node in tree.body:
+    for node in (ast.walk(tree) if every_level else tree.body):
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -56,11 +59,11 @@ def _imports(module: str, path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(every_level: bool = True) -> dict[str, set[str]]:
     graph = {}
     for module, path in MODULES.items():
         deps = set()
-        for target, _ in _imports(module, path):
+        for target, _ in _imports(module, path, every_level):
             while target and target not in MODULES:
                 target = target.rpartition(".")[0]
             if target and target != module:
@@ -74,8 +77,37 @@ def _stage(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "medusa_export" and len(parts) > 1 else parts[0]
 
 
-def test_module_level_imports_have_no_cycle():
-    graph = _graph()
+# The stages from the bottom up: a module imports its own stage or stages below it, never one above
+# (DESIGN.md's one-way data flow: load -> export -> validate -> engines -> orchestration -> front ends).
+# medusa_runtime is the floor: it must run without the exporter installed.
+LAYERS = {
+    "medusa_runtime": 0,
+    "medusa_export": 1, "medusa_export.errors": 1, "medusa_export.files": 1, "medusa_export.chat": 1,
+    "medusa_export.model": 2,
+    "medusa_export.loading": 3,
+    "medusa_export.export": 4, "medusa_export.training": 4,
+    "medusa_export.validation": 5,
+    "medusa_export.trt": 6, "medusa_export.triton": 6,
+    "medusa_export.pipeline": 7,
+    "medusa_export.cli": 8,
+}
+
+
+def test_every_stage_has_a_layer():
+    missing = sorted({_stage(m) for m in MODULES} - set(LAYERS))
+    assert not missing, f"stages without a layer in LAYERS (add them where they belong): {missing}"
+
+
+def test_no_stage_imports_a_stage_above_it():
+    graph = _graph(every_level=True)
+    found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                   if _stage(d) != _stage(m) and LAYERS.get(_stage(d), 0) >= LAYERS.get(_stage(m), 0)
+                   and not m.startswith(d + "."))
+    assert not found, "upward or sideways imports between stages:\n" + "\n".join(found)
+
+
+def test_imports_at_every_level_have_no_cycle():
+    graph = _graph(every_level=True)
     state: dict[str, int] = {}
     cycle: list[str] = []
 
