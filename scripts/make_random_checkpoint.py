@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from medusa_export.errors import MedusaError
+from medusa_export.model.families import FAMILIES as FAMILY_TABLE
 
 # torch (imported when values are drawn) reads this when its OpenMP threads start: spinning threads made each
 # chunk's mul/cast ~10x slower whenever the 2 cores here were shared (small: 6.5 s instead of 3.7 s at load 8).
@@ -79,7 +80,8 @@ HEADS_FILE = "medusa_lm_head.safetensors"
 INFO_FILE = "random_checkpoint.json"
 #: --dtype -> (safetensors dtype, torch / config.json name, bytes per value)
 DTYPES = {"fp16": ("F16", "float16", 2), "bf16": ("BF16", "bfloat16", 2), "fp32": ("F32", "float32", 4)}
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+#: the families a test shape can take (medusa_export.model.families.FAMILIES: model_type -> Family).
+FAMILIES = tuple(FAMILY_TABLE)
 LAYOUTS = ("fasterdecoding", "medusa-1.0", "none")
 #: ``transformers_version`` written into the json files: fixed, so that the files do not depend on what is
 #: installed, and not 4.57.3-4.57.x, for which transformers 4.57.6 warns "incorrect regex pattern" about any
@@ -144,9 +146,6 @@ TEST_SHAPES: dict[str, dict] = {
     "medium": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
                    intermediate_size=2816, vocab_size=32000, max_position_embeddings=4096),
 }
-_FAMILY_STYLE = {"llama": "vicuna", "mistral": "mistral", "qwen2": "chatml", "qwen3": "chatml"}
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
 _HF_IDS = {"vicuna-7b": "lmsys/vicuna-7b-v1.3", "llama-2-13b": "meta-llama/Llama-2-13b-hf",
            "llama-3.2-1b": "meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-3b": "meta-llama/Llama-3.2-3B-Instruct",
            "llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "mistral-7b": "mistralai/Mistral-7B-v0.1",
@@ -198,18 +197,15 @@ def shape_config(shape: str, family: str | None = None, dtype: str | None = None
                                       f"to the test shapes ({', '.join(TEST_SHAPES)}) only")
     elif shape in TEST_SHAPES:
         family = family or "llama"
-        if family not in FAMILIES:
-            raise CheckpointSpecError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-        spec = dict(TEST_SHAPES[shape], family=family, dtype="fp16", heads=4, style=_FAMILY_STYLE[family],
-                    rms_norm_eps=1e-6 if family.startswith("qwen") else 1e-5,
-                    rope_theta=1000000.0 if family.startswith("qwen") else 10000.0,
-                    tie_word_embeddings=family.startswith("qwen"))
-        if family == "mistral":
-            spec["sliding_window"] = 4096
-        if family.startswith("qwen"):
-            spec.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec["num_hidden_layers"])
-        if family == "qwen3":
-            spec.update(head_dim=spec["hidden_size"] // spec["num_attention_heads"], attention_bias=False)
+        if family not in FAMILY_TABLE:
+            raise CheckpointSpecError(f"unknown family {family!r}; choose one of {', '.join(FAMILY_TABLE)}")
+        fam = FAMILY_TABLE[family]
+        spec = dict(TEST_SHAPES[shape], family=family, dtype="fp16", heads=4, style=fam.chat_style,
+                    **fam.test_shape_defaults)
+        if fam.window == "layer_types":  # the window off, as the real configs write it
+            spec["max_window_layers"] = spec["num_hidden_layers"]
+        if fam.explicit_head_dim:
+            spec["head_dim"] = spec["hidden_size"] // spec["num_attention_heads"]
     else:
         raise CheckpointSpecError(f"unknown shape {shape!r}; choose one of {', '.join(shape_names())}")
     dtype = dtype or spec["dtype"]
@@ -228,14 +224,9 @@ def shape_config(shape: str, family: str | None = None, dtype: str | None = None
 
 def _config_json(family: str, spec: dict, dtype: str) -> dict:
     """The family's config.json fields around the shape's (what the real files hold, in their order)."""
-    cfg: dict = {"architectures": [_ARCH[family]], "attention_dropout": 0.0, "hidden_act": "silu",
-                 "initializer_range": 0.02, "model_type": family}
-    if family == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1, rope_scaling=None)
-    if family == "qwen3":
-        cfg.update(attention_bias=False)
-    if family == "mistral":
-        cfg.update(sliding_window=4096)
+    fam = FAMILY_TABLE[family]
+    cfg: dict = {"architectures": [fam.hf_class], "attention_dropout": 0.0, "hidden_act": "silu",
+                 "initializer_range": 0.02, "model_type": family, **fam.config_fields}
     cfg.update(spec)
     cfg.update(torch_dtype=DTYPES[dtype][1], transformers_version=WRITER_VERSION, use_cache=True)
     return dict(sorted(cfg.items()))
@@ -262,16 +253,15 @@ def model_tensors(cfg: dict) -> list[TensorSpec]:
     """The backbone's tensors in the order ``save_pretrained`` writes them (module registration order).
 
     Shapes follow transformers 4.57 ``modeling_{llama,mistral,qwen2,qwen3}.py``: q_proj [H*hd, d],
-    k/v_proj [Hkv*hd, d], o_proj [d, H*hd], gate/up [I, d], down [d, I]; Qwen2 q/k/v biases; Qwen3 (and
-    ``attention_bias``) q/k/v/o biases, q_norm/k_norm [hd]; ``lm_head`` only when untied.
+    k/v_proj [Hkv*hd, d], o_proj [d, H*hd], gate/up [I, d], down [d, I]; the biases and q_norm/k_norm [hd]
+    the family's switches turn on (``Family.switches``: Qwen2 q/k/v biases; ``attention_bias`` q/k/v/o biases;
+    Qwen3 q/k norms); ``lm_head`` only when untied.
     """
     d, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or d // heads
-    fam = cfg["model_type"]
-    qkv_bias = fam == "qwen2" or bool(cfg.get("attention_bias"))
-    o_bias = fam != "qwen2" and bool(cfg.get("attention_bias"))
-    mlp_bias = bool(cfg.get("mlp_bias"))
+    switches = FAMILY_TABLE[cfg["model_type"]].switches(cfg)
+    qkv_bias, o_bias, mlp_bias = switches["qkv_bias"], switches["o_bias"], switches["mlp_bias"]
     out = [TensorSpec("model.embed_tokens.weight", (vocab, d))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -282,7 +272,7 @@ def model_tensors(cfg: dict) -> list[TensorSpec]:
         out.append(TensorSpec(f"{p}.self_attn.o_proj.weight", (d, heads * hd)))
         if o_bias:
             out.append(TensorSpec(f"{p}.self_attn.o_proj.bias", (d,), "bias"))
-        if fam == "qwen3":
+        if switches["qk_norm"]:
             out += [TensorSpec(f"{p}.self_attn.q_norm.weight", (hd,), "norm"),
                     TensorSpec(f"{p}.self_attn.k_norm.weight", (hd,), "norm")]
         for name, shape in (("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))):

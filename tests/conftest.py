@@ -6,6 +6,7 @@ artifact is exported once (tree of 16 nodes, fp32) and shared by every test that
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -24,6 +25,7 @@ os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from medusa_export.model.families import FAMILIES as _FAMILY_TABLE  # noqa: E402
 from medusa_runtime.prompts import mt_bench_questions, shared_dir  # noqa: E402
 
 #: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
@@ -123,20 +125,12 @@ def make_tiny_medusa(*, vocab=1001, hidden=64, layers=2, heads=4, kv_heads=2, me
     return hf, model.eval()
 
 
-# One tiny random model per family, made with transformers' own config class (hidden 64, GQA 4/2),
-# its distinguishing feature switched on: RoPE scaling, a sliding window smaller than the test
-# context (8 tokens), biases, q/k norms, an explicit head_dim, tied embeddings.
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}  # all three bands of inv_freq exercised at D = 16
-FAMILIES = {
-    "llama3": ("LlamaConfig", dict(num_hidden_layers=2, rope_theta=1e4, rope_scaling=_LLAMA3_ROPE)),
-    "llama-linear-bias": ("LlamaConfig", dict(num_hidden_layers=2, rope_scaling={"type": "linear", "factor": 2.0},
-                                              attention_bias=True, mlp_bias=True)),
-    "mistral": ("MistralConfig", dict(num_hidden_layers=2, sliding_window=8)),
-    "qwen2": ("Qwen2Config", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=8,
-                                  max_window_layers=1, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, attention_bias=True)),
-}
+# One tiny random model per family fixture (medusa_export.model.families: each Family's ``fixtures``), made with
+# transformers' own config class (hidden 64, GQA 4/2), its distinguishing feature switched on: RoPE scaling, a
+# sliding window smaller than the test context (8 tokens), biases, q/k norms, an explicit head_dim, tied
+# embeddings. fixture name -> (the family's transformers model_type, config keyword arguments).
+FAMILIES = {name: (fam.hf_model_type, copy.deepcopy(dict(kw)))
+            for fam in _FAMILY_TABLE.values() for name, kw in fam.fixtures.items()}
 
 
 def make_family_hf(family: str, *, vocab=320, seed=0):
@@ -146,10 +140,11 @@ def make_family_hf(family: str, *, vocab=320, seed=0):
     leave the biases and q/k norms untested: they are randomised here."""
     import transformers
 
-    cls_name, kw = FAMILIES[family]
-    cfg = getattr(transformers, cls_name)(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                                          num_attention_heads=4, num_key_value_heads=2,
-                                          max_position_embeddings=512, initializer_range=0.2, **kw)
+    model_type, kw = FAMILIES[family]
+    kw = copy.deepcopy(kw)  # transformers adds "rope_type" to a rope_scaling dict it is given
+    cfg = transformers.AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=512, initializer_range=0.2, **kw)
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     with torch.no_grad():

@@ -146,7 +146,7 @@ def test_families_load_strictly(tmp_path, family):
     mrc.make_checkpoint("tiny", out, family=family, heads=2, heads_layout="none", dtype="bf16", progress=False)
     assert not (tmp_path / f"{family}-heads").exists()
     model, info = _load_hf(out)
-    assert type(model).__name__ == mrc._ARCH[family]
+    assert type(model).__name__ == mrc.FAMILY_TABLE[family].hf_class
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.dtype == torch.bfloat16
     cfg = json.loads((out / "config.json").read_text())

@@ -610,12 +610,13 @@ def _add_models_parser(sub) -> None:
 def cmd_models(args) -> int:
     """Print the registry: name, architecture (model_type and family), heads format, default tree, description;
     the default model is marked."""
-    from ..loading.architectures import ARCHITECTURES
     from ..loading.registry import DEFAULT_MODEL, load_registry
+    from ..model.families import FAMILIES
 
     print(f"{'name':24s} {'architecture':26s} {'heads':14s} {'tree':5s} description")
     for name, e in sorted(load_registry().items()):
-        arch = f"{e.architecture} ({ARCHITECTURES.get(e.architecture, 'unsupported')})"
+        fam = FAMILIES.get(e.architecture)
+        arch = f"{e.architecture} ({fam.name if fam else 'unsupported'})"
         heads = e.heads.get("format", e.heads["source"])
         mark = " [default]" if name == DEFAULT_MODEL else ""
         print(f"{name:24s} {arch:26s} {heads:14s} {e.default_tree:5s} {e.description}{mark}")

@@ -1,8 +1,9 @@
 """Checkpoint ``config.json`` <-> :class:`~medusa_export.model.config.BackboneConfig`, per family.
 
-Each supported ``model_type`` maps its transformers config fields onto the backbone's feature
-switches (see the table in :mod:`medusa_export.model.config`); anything the reference and the
-graphs do not implement is refused by name, with the supported choices in the message.
+Each supported ``model_type`` has an entry in :data:`~medusa_export.model.families.FAMILIES` that maps its
+transformers config fields onto the backbone's feature switches (see the table in
+:mod:`medusa_export.model.config`); this module reads that entry, and refuses by name, with the supported
+choices in the message, whatever the reference and the graphs do not implement.
 Field semantics: transformers 4.57 ``models/{llama,mistral,qwen2,qwen3}/configuration_*.py``.
 
 A ``config.json`` is first read through the family's transformers config class, so a field the
@@ -16,9 +17,7 @@ from __future__ import annotations
 
 from ..errors import UnsupportedModelError
 from ..model.config import ROPE_TYPES, BackboneConfig, RopeScaling
-
-#: model_type -> family name (what ``medusa-export models`` and docs/models.md call it).
-ARCHITECTURES = {"llama": "Llama 1/2/3.x", "mistral": "Mistral", "qwen2": "Qwen2 / Qwen2.5", "qwen3": "Qwen3"}
+from ..model.families import SWITCHES, Family, family_of
 
 
 def _rope_scaling(cfg: dict) -> RopeScaling | None:
@@ -40,8 +39,9 @@ def _rope_scaling(cfg: dict) -> RopeScaling | None:
         raise UnsupportedModelError(f"rope_scaling 'llama3' lacks the field {exc.args[0]!r}") from None
 
 
-def _with_family_defaults(cfg: dict) -> dict:
-    """``cfg`` read through its family's transformers config class (its defaults filled in).
+def _with_family_defaults(cfg: dict, fam: Family) -> dict:
+    """``cfg`` read through its family's transformers config class (its defaults filled in; the
+    ``model_type`` becomes ``fam.hf_model_type``).
 
     Raises:
         UnsupportedModelError: transformers rejects the config (e.g. a rope_scaling without
@@ -50,7 +50,7 @@ def _with_family_defaults(cfg: dict) -> dict:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.for_model(**cfg).to_dict()
+        return AutoConfig.for_model(fam.hf_model_type, **{k: v for k, v in cfg.items() if k != "model_type"}).to_dict()
     except (KeyError, ValueError, TypeError) as exc:
         reason = exc.args[0] if exc.args else exc
         raise UnsupportedModelError(f"{cfg['model_type']} config rejected: {reason}") from None
@@ -79,11 +79,10 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 
 def _backbone_config(cfg: dict) -> BackboneConfig:
-    mt = cfg.get("model_type")
-    if mt not in ARCHITECTURES:
-        raise UnsupportedModelError(f"model_type {mt!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    fam = family_of(cfg.get("model_type"))
+    mt = fam.model_type
     rope_scaling = _rope_scaling(cfg)  # our message names the RoPE type before transformers' validation does
-    cfg = _with_family_defaults(cfg)
+    cfg = _with_family_defaults(cfg, fam)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported; supported: silu")
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
@@ -108,24 +107,8 @@ def _backbone_config(cfg: dict) -> BackboneConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), model_type=mt,
         rope_scaling=rope_scaling,
     )
-    if mt == "llama":
-        bias = bool(cfg.get("attention_bias", False))
-        return BackboneConfig(**common, qkv_bias=bias, o_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
-    if mt == "mistral":
-        return BackboneConfig(**common, sliding_window=cfg.get("sliding_window"))
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
-    layer_types = tuple(cfg.get("layer_types") or ())
-    if window is None:
-        layer_types = ()
-    elif not layer_types:  # configs written before transformers had layer_types: layers >= max_window_layers slide
-        first = int(cfg.get("max_window_layers", cfg["num_hidden_layers"]))
-        layer_types = tuple("sliding_attention" if i >= first else "full_attention"
-                            for i in range(cfg["num_hidden_layers"]))
-    if mt == "qwen2":
-        return BackboneConfig(**common, qkv_bias=True, sliding_window=window, layer_types=layer_types)
-    bias = bool(cfg.get("attention_bias", False))
-    return BackboneConfig(**common, qkv_bias=bias, o_bias=bias, qk_norm=True, sliding_window=window,
-                          layer_types=layer_types)
+    window, layer_types = fam.window_layers(cfg)
+    return BackboneConfig(**common, **fam.switches(cfg), sliding_window=window, layer_types=layer_types)
 
 
 def transformers_config(cfg: BackboneConfig):
@@ -138,7 +121,8 @@ def transformers_config(cfg: BackboneConfig):
     """
     from transformers import AutoConfig
 
-    mt = cfg.model_type
+    fam = family_of(cfg.model_type)
+    mt = fam.model_type
     rs = cfg.rope_scaling
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -151,30 +135,28 @@ def transformers_config(cfg: BackboneConfig):
             ("original_max_position_embeddings", rs.original_max_position_embeddings))
             if rs.rope_type == "llama3" or k in ("rope_type", "factor")},
     )
-    switches = {"qkv_bias": cfg.qkv_bias, "o_bias": cfg.o_bias, "mlp_bias": cfg.mlp_bias, "qk_norm": cfg.qk_norm}
-    expressible = {
-        "llama": dict(qkv_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, qk_norm=False),
-        "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
-        "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
-        "qwen3": dict(qkv_bias=cfg.o_bias, mlp_bias=False, qk_norm=True),
-    }[mt]
+    switches = {s: getattr(cfg, s) for s in SWITCHES}
+    # what the family's fields can express: a fixed switch its value, a field's switches the field's value
+    # (taken from the last of them), every other switch off
+    fields = {name: switches[group[-1]] for name, group in fam.switch_fields.items()}
+    expressible = {s: bool(fam.fixed_switches.get(s, False)) for s in SWITCHES}
+    for name, group in fam.switch_fields.items():
+        expressible.update(dict.fromkeys(group, fields[name]))
     bad = [f"{k}={switches[k]}" for k, v in expressible.items() if switches[k] != v]
     if bad:
         raise UnsupportedModelError(f"a {mt} model has no transformers field for {', '.join(bad)}")
     sliding = [cfg.window(i) is not None for i in range(cfg.num_hidden_layers)]
-    if mt == "llama":
+    extra: dict = dict(fields)
+    if fam.window == "none":
         if any(sliding):
-            raise UnsupportedModelError("a llama model has no transformers field for a sliding window")
-        extra = dict(attention_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, head_dim=cfg.head_dim)
-    elif mt == "mistral":
+            raise UnsupportedModelError(f"a {mt} model has no transformers field for a sliding window")
+    elif fam.window == "every_layer":
         if any(sliding) and not all(sliding):
-            raise UnsupportedModelError("a mistral model slides on every layer or none")
-        extra = dict(sliding_window=cfg.sliding_window if any(sliding) else None, head_dim=cfg.head_dim)
+            raise UnsupportedModelError(f"a {mt} model slides on every layer or none")
+        extra["sliding_window"] = cfg.sliding_window if any(sliding) else None
     else:
-        extra = dict(use_sliding_window=any(sliding), sliding_window=cfg.sliding_window if any(sliding) else None,
+        extra.update(use_sliding_window=any(sliding), sliding_window=cfg.sliding_window if any(sliding) else None,
                      layer_types=["sliding_attention" if s else "full_attention" for s in sliding])
-        if mt == "qwen3":
-            extra.update(attention_bias=cfg.o_bias, head_dim=cfg.head_dim)
-        elif cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
-            extra["head_dim"] = cfg.head_dim  # Qwen2Config has no field; the model reads the attribute
-    return AutoConfig.for_model(mt, **common, **extra)
+    if fam.head_dim_field or cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        extra["head_dim"] = cfg.head_dim  # Qwen2Config has no field; the model reads the attribute
+    return AutoConfig.for_model(fam.hf_model_type, **common, **extra)

@@ -28,6 +28,7 @@ import torch
 from ..errors import MedusaError, UnsupportedModelError, WeightsNotFoundError
 from ..model.backbone import Backbone
 from ..model.config import BackboneConfig
+from ..model.families import FAMILIES
 from . import fp8, hf_folder
 from .architectures import backbone_config
 from .checkpoint import quiet_transformers
@@ -260,12 +261,12 @@ def gguf_notes(header, model_type: str) -> list[str]:
         Notes for the user (empty when nothing is lost).
     """
     name = (header.strings.get("general.name", "") + " " + header.strings.get("general.basename", "")).lower()
-    if model_type == "mistral":
-        return ["GGUF has no sliding-window field: transformers' Mistral default sliding_window=4096 (Mistral 7B "
-                "v0.1) is applied; load the Hugging Face checkpoint if the model has another window or none"]
-    if "mistral" in name:
-        return ["this Mistral GGUF loads as a llama model without a sliding window (GGUF has no field for it): "
-                "exact up to the model's window (4096 tokens for Mistral 7B v0.1; later versions have none)"]
+    loaded = FAMILIES.get(model_type)
+    if loaded is not None and loaded.gguf_load_note:
+        return [loaded.gguf_load_note]
+    for fam in FAMILIES.values():
+        if fam.gguf_name_note and fam.model_type in name:
+            return [fam.gguf_name_note]
     return []
 
 

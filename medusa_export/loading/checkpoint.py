@@ -48,6 +48,7 @@ import torch
 
 from ..errors import CheckpointError, InsufficientDiskError, UnsupportedModelError, WeightsNotFoundError
 from ..model.config import BackboneConfig
+from ..model.families import FAMILIES, gguf_family
 from . import fp8
 from .heads_formats import HEAD_PREFIXES
 
@@ -388,12 +389,14 @@ class GGUFSource(TensorSource):
 
     Args:
         path: the ``.gguf`` file.
-        num_attention_heads, num_key_value_heads: for the Q/K reverse permutation of ``llama`` GGUFs.
+        num_attention_heads, num_key_value_heads: for the Q/K reverse permutation of the GGUFs whose family
+            has ``gguf_permuted_qk`` (``llama``).
 
     Raises:
         CheckpointError: the file is truncated or not a GGUF file.
         UnsupportedModelError: a tensor without an HF name (``rope_freqs.weight``: Llama 3.1 RoPE scaling that
-            transformers' GGUF loader drops too), or an architecture other than llama / qwen2 / qwen3.
+            transformers' GGUF loader drops too), or an architecture no family's ``gguf_architecture`` names
+            (:func:`~medusa_export.model.families.gguf_family`).
     """
 
     def __init__(self, path: Path, num_attention_heads: int, num_key_value_heads: int):
@@ -410,9 +413,10 @@ class GGUFSource(TensorSource):
             raise CheckpointError(f"{path}: not a readable GGUF file (truncated?): {exc}") from None
         arch_field = self._reader.fields.get("general.architecture")
         self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else "?"
-        if self.arch not in ("llama", "qwen2", "qwen3"):
-            raise UnsupportedModelError(f"{path}: GGUF architecture {self.arch!r} is not supported; supported: "
-                                        "llama (Llama, Mistral), qwen2, qwen3")
+        try:
+            self._permuted_qk = gguf_family(self.arch).gguf_permuted_qk
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{path}: {exc}") from None
         self._heads = (num_attention_heads, num_key_value_heads)
         self._tensors = {}
         for t in self._reader.tensors:
@@ -436,7 +440,7 @@ class GGUFSource(TensorSource):
         except (ValueError, NotImplementedError) as exc:
             raise CheckpointError(f"{self.path}: cannot dequantize {t.name!r} ({t.tensor_type.name}): {exc}") from None
         w = w.reshape(self._infos[key].shape)
-        if self.arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+        if self._permuted_qk and (".attn_q." in t.name or ".attn_k." in t.name):
             n_head = self._heads[0] if ".attn_q." in t.name else self._heads[1]
             w = _reverse_permute(w, n_head)
         out = torch.from_numpy(np.array(w, dtype=w.dtype, copy=True))
@@ -507,7 +511,9 @@ def find_weights(path: Path) -> tuple[str, list[Path], dict | None]:
 def hf_config_dict(path: Path, kind: str, files: list[Path], trust_remote_code: bool = False) -> dict:
     """The checkpoint's transformers config as a dict (defaults filled in by its config class).
 
-    ``config.json`` beside the weights, or a GGUF file's metadata (transformers' own GGUF mapping).
+    ``config.json`` beside the weights, or a GGUF file's metadata (transformers' own GGUF mapping). A family
+    whose ``model_type`` transformers does not know (its table entry names another ``hf_model_type``) is read
+    through that type's config class, its own ``model_type`` kept.
 
     Raises:
         WeightsNotFoundError: no ``config.json`` beside safetensors / .bin weights.
@@ -523,6 +529,11 @@ def hf_config_dict(path: Path, kind: str, files: list[Path], trust_remote_code: 
             else:
                 if not (folder / "config.json").is_file():
                     raise WeightsNotFoundError(f"no config.json in {folder} (needed beside the weights)")
+                raw = json.loads((folder / "config.json").read_text())
+                fam = FAMILIES.get(raw.get("model_type")) if isinstance(raw, dict) else None
+                if fam is not None and fam.hf_model_type != fam.model_type:
+                    rest = {k: v for k, v in raw.items() if k != "model_type"}
+                    return {**AutoConfig.for_model(fam.hf_model_type, **rest).to_dict(), "model_type": fam.model_type}
                 cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if kind == "gguf" and not isinstance(exc, OSError):  # the metadata and tensor table are parsed together

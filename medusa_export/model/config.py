@@ -2,8 +2,9 @@
 
 One model code path (the PyTorch reference in :mod:`.backbone` and both exported graphs) with
 named switches per feature, in the manner of transformers' ``modeling_rope_utils.py`` and
-TensorRT-LLM's ``PretrainedConfig``. :mod:`medusa_export.loading.architectures` maps a
-checkpoint's ``config.json`` to it and refuses, by name, whatever is not covered.
+TensorRT-LLM's ``PretrainedConfig``. Each family's mapping is one entry of
+:data:`medusa_export.model.families.FAMILIES`; :mod:`medusa_export.loading.architectures` maps a
+checkpoint's ``config.json`` to it through that entry and refuses, by name, whatever is not covered.
 
 =============  ==========  ========================================================================
 family         model_type  switches

@@ -38,7 +38,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import MedusaError, UnsupportedModelError
-from ..loading.architectures import ARCHITECTURES
+from ..model.families import FAMILIES
 
 #: The KV buffers grow and shrink in steps of this many slots (a whole-buffer copy each time).
 SLOT_CHUNK = 64
@@ -89,12 +89,12 @@ def check_decodable(hf_model) -> None:
 
     Raises:
         UnsupportedModelError: a ``model_type`` outside the supported families
-            (:data:`~medusa_export.loading.architectures.ARCHITECTURES`), or a model of one without the
+            (:data:`~medusa_export.model.families.FAMILIES`, by their transformers ``hf_model_type``), or a model of one without the
             Llama-style modules the loop reads (``model.rotary_emb``, ``model.layers[i].self_attn.q_proj``...).
     """
     kind = getattr(hf_model.config, "model_type", None)
-    families = ", ".join(f"{v} ({k})" for k, v in ARCHITECTURES.items())
-    if kind not in ARCHITECTURES:
+    families = ", ".join(f"{f.name} ({f.hf_model_type})" for f in FAMILIES.values())
+    if kind not in {f.hf_model_type for f in FAMILIES.values()}:
         raise UnsupportedModelError(f"batched decoding runs the {families} families; this model is "
                                     f"{kind!r} ({type(hf_model).__name__})")
     inner = getattr(hf_model, "model", None)
