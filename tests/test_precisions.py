@@ -28,16 +28,22 @@ def test_the_rows_are_consistent():
         PRECISION_TABLE["fp32"].dtype = "float16"
 
 
-def test_every_stage_reads_the_table():
-    table = PRECISION_TABLE.items()
-    assert config.PRECISIONS == tuple(PRECISION_TABLE) == precisions()
-    assert config.FUSED_PRECISIONS == tuple(n for n, p in table if p.fused)
-    assert config.BACKBONE_ACCURACY == {n: p.accuracy_level for n, p in table if p.weight_only}
-    assert quantize.WEIGHT_ONLY_BITS == {n: p.weight_bits for n, p in table if p.weight_only}
-    assert validate.TOLERANCES == {n: p.tolerance for n, p in table}
-    assert validate.tolerance("fp16") is PRECISION_TABLE["fp16"].tolerance
-    assert plan.ORT_FACTORS == {n: p.ort_factor for n, p in table}
-    assert readiness.TENSORRT_PRECISIONS == " or ".join(n for n, p in table if p.tensorrt)
+def test_every_stage_reads_the_table(monkeypatch):
+    """Each stage's view of the table is read at use, not copied at import: a row added to the table (as
+    docs/house.md says to add a precision) appears in every one of them, each filtered by the row's fields."""
+    row = dataclasses.replace(PRECISION_TABLE["int8"], name="int8-acc1", accuracy_level=1, ort_factor=1.3)
+    monkeypatch.setitem(PRECISION_TABLE, "int8-acc1", row)
+    assert list(config.PRECISIONS) == ["fp32", "fp16", "int8", "int4", "int8-acc1"] == list(precisions())
+    assert list(config.FUSED_PRECISIONS) == ["fp32", "int8", "int4", "int8-acc1"]
+    assert dict(config.BACKBONE_ACCURACY) == {"int8": 4, "int4": 1, "int8-acc1": 1}
+    assert dict(quantize.WEIGHT_ONLY_BITS) == {"int8": 8, "int4": 4, "int8-acc1": 8}
+    assert list(config.HEADS_PRECISIONS) == ["auto", "same", "int8", "int4", "int8-acc1"]
+    assert "int8-acc1" in config.HEADS_PRECISIONS and "fp16" not in config.HEADS_PRECISIONS
+    assert validate.tolerance("int8-acc1") is row.tolerance and plan.ORT_FACTORS["int8-acc1"] == 1.3
+    assert list(readiness.TENSORRT_PRECISIONS) == ["fp32", "fp16"]
+    with pytest.raises(KeyError):
+        quantize.WEIGHT_ONLY_BITS["fp32"]  # a row that does not match the view's filter
+    assert quantize.WeightOnlyConfig.for_precision("int8-acc1").bits == 8
     assert config.ExportConfig(precision="fp16").spec is PRECISION_TABLE["fp16"]
     with pytest.raises(config.UnknownPrecisionError, match="needs an fp32 or weight-only backbone"):
         config.ExportConfig(precision="fp16", heads_precision="int8")

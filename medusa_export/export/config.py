@@ -7,6 +7,7 @@ The CLI reads its choices and defaults from here; :mod:`.writer`, :mod:`.build` 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from medusa_runtime.artifact import step_batch
@@ -14,15 +15,28 @@ from medusa_runtime.manifest import Manifest
 
 from ..errors import MedusaError
 from ..loading.draft_vocab import HeadsVocabError
-from .precisions import PRECISION_TABLE, PrecisionSpec, precisions
+from .precisions import PRECISION_TABLE, Column, PrecisionSpec
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig
 
 #: Backbone precisions (:data:`.precisions.PRECISION_TABLE`): fp32 / fp16 are portable (standard ONNX ops,
 #: the TensorRT path); int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
-PRECISIONS = precisions()
+PRECISIONS = Column("name")
+class _HeadsPrecisions(Collection):
+    """"auto", "same", then the table's weight-only precisions (read live, as :class:`.precisions.Column`)."""
+
+    def __iter__(self):
+        yield from ("auto", "same", *WEIGHT_ONLY_BITS)
+
+    def __contains__(self, name: object) -> bool:
+        return name in ("auto", "same") or name in WEIGHT_ONLY_BITS
+
+    def __len__(self) -> int:
+        return 2 + len(WEIGHT_ONLY_BITS)
+
+
 #: Heads-graph precisions: "auto" (portable backbones: same; weight-only ones:
 #: :data:`QUANTIZED_HEADS_DEFAULT`), "same" as the backbone, or a weight-only precision.
-HEADS_PRECISIONS = ("auto", "same", *WEIGHT_ONLY_BITS)
+HEADS_PRECISIONS = _HeadsPrecisions()
 #: The heads of a weight-only artifact under "auto": on SmolLM2-135M int8 heads cost 1.6 ms per step
 #: against fp32's 4.3 ms on an idle machine, with 0.96 top-1 agreement (int4 0.65; see quantize.py).
 QUANTIZED_HEADS_DEFAULT = "int8"
@@ -33,11 +47,11 @@ GRAPHS = ("portable", "fused")
 #: fused graph's; every other flavour (portable, ort-contrib) is a portable graph's.
 FLAVOUR_GRAPHS = {"ort-fused": "fused"}
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
-FUSED_PRECISIONS = precisions(fused=True)
+FUSED_PRECISIONS = Column("name", fused=True)
 
 
 #: MatMulNBits accuracy level of a weight-only backbone by precision (see ExportConfig.accuracy_level).
-BACKBONE_ACCURACY = {n: p.accuracy_level for n, p in PRECISION_TABLE.items() if p.weight_only}
+BACKBONE_ACCURACY = Column("accuracy_level", weight_only=True)
 
 
 class UnknownPrecisionError(MedusaError, ValueError):

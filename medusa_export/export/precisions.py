@@ -10,6 +10,7 @@ TensorRT can run it (:mod:`medusa_export.trt.readiness`, ``doctor``), the valida
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 
@@ -95,3 +96,40 @@ def precisions(**where: bool) -> tuple[str, ...]:
     E.g. ``precisions(weight_only=True)`` -> ``("int8", "int4")``; ``precisions()``: all of them.
     """
     return tuple(n for n, p in PRECISION_TABLE.items() if all(getattr(p, k) == v for k, v in where.items()))
+
+
+class Column(Mapping):
+    """A live, read-only view of one field of :data:`PRECISION_TABLE`: precision name -> ``field`` of the rows
+    that have every attribute value in ``where``, in table order.
+
+    Every stage reads the table through views like this one instead of a dict or tuple copied at import, so a
+    row added to the table (the one step of adding a precision, docs/house.md) is seen by the CLI's choices,
+    the export's checks, quantization, validation and the memory plan alike.
+
+    E.g. ``Column("weight_bits", weight_only=True)`` -> ``{"int8": 8, "int4": 4}`` (as a Mapping; ``in``,
+    ``[]``, iteration over names and ``", ".join(...)`` work as on a dict, argparse ``choices=`` too).
+
+    Raises:
+        KeyError: ``[name]`` of a precision not in the table or not matching ``where``.
+    """
+
+    def __init__(self, field: str, **where: bool) -> None:
+        self._field, self._where = field, where
+
+    def _rows(self) -> Iterator[PrecisionSpec]:
+        return (p for p in PRECISION_TABLE.values() if all(getattr(p, k) == v for k, v in self._where.items()))
+
+    def __getitem__(self, name: str):
+        p = PRECISION_TABLE.get(name) if isinstance(name, str) else None
+        if p is None or not all(getattr(p, k) == v for k, v in self._where.items()):
+            raise KeyError(name)
+        return getattr(p, self._field)
+
+    def __iter__(self) -> Iterator[str]:
+        return (p.name for p in self._rows())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._rows())
+
+    def __repr__(self) -> str:
+        return f"Column({self._field!r}, {dict(self)!r})"

@@ -47,10 +47,10 @@ import numpy as np
 import onnx
 
 from ..errors import MedusaError
-from .precisions import PRECISION_TABLE
+from .precisions import Column
 
 #: weight-only precision name -> bits per weight (MatMulNBits), from :data:`.precisions.PRECISION_TABLE`.
-WEIGHT_ONLY_BITS = {n: p.weight_bits for n, p in PRECISION_TABLE.items() if p.weight_only}
+WEIGHT_ONLY_BITS = Column("weight_bits", weight_only=True)
 CONTRIB_DOMAIN = "com.microsoft"
 
 

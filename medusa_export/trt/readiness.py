@@ -34,11 +34,11 @@ from onnx import shape_inference
 
 from medusa_runtime.manifest import MANIFEST, Manifest, as_manifest
 
-from ..export.precisions import precisions
+from ..export.precisions import Column
 
 TARGET = "10.15"
 #: The precisions whose artifacts TensorRT can run (the table's portable ones), for the flavour errors.
-TENSORRT_PRECISIONS = " or ".join(precisions(tensorrt=True))
+TENSORRT_PRECISIONS = Column("name", tensorrt=True)
 #: ONNX elem type -> the type names the op table uses.
 _TRT_TYPE = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
@@ -366,7 +366,7 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
             f"this artifact's flavour is 'ort-contrib' (precision {name}, heads "
             f"{manifest.precision.heads or name}): its graphs use ONNX Runtime "
             "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
-            f"on ONNX Runtime only. For TensorRT build the portable flavour: --precision {TENSORRT_PRECISIONS} with "
+            f"on ONNX Runtime only. For TensorRT build the portable flavour: --precision {' or '.join(TENSORRT_PRECISIONS)} with "
             "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
     elif manifest.flavour == "ort-fused":
         report.findings.append(Finding("error", "manifest.json", (
@@ -374,7 +374,7 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
             "built from ONNX Runtime's own ops (com.microsoft::GroupQueryAttention, QuickGelu, "
             "SimplifiedLayerNormalization) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
             "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
-            f"{TENSORRT_PRECISIONS}")))
+            f"{' or '.join(TENSORRT_PRECISIONS)}")))
     tree_size = manifest.tree.size
     for key in ["model", *(k for k in manifest.graphs if k.startswith("heads"))]:
         rel = manifest.graphs[key].file

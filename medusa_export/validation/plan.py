@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..errors import InsufficientMemoryError, MedusaError
-from ..export.precisions import PRECISION_TABLE
+from ..export.precisions import Column
 from ..loading.checkpoint import backbone_shapes
 from ..loading.sources import ModelSources
 
@@ -56,7 +56,7 @@ EXPORT_WORKING_BYTES = 256 << 20
 #: three 100-token prefill steps, resident growth / weights): fp32 1.26 (the mapped weights file's pages, 1.68
 #: with pre-packing), fp16 3.1 (ONNX Runtime's CPU casts keep float32 copies of the fp16 weights), int8 1.45,
 #: int4 1.23; rounded up.
-ORT_FACTORS = {n: p.ort_factor for n, p in PRECISION_TABLE.items()}
+ORT_FACTORS = Column("ort_factor")
 #: The share of available memory a plan may use (the rest is headroom for the OS and other processes).
 HEADROOM = 0.9
 #: Above this many bytes of weights, the ``self`` check decodes :data:`SELF_CHECK_TOKENS` tokens of the

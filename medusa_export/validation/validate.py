@@ -40,7 +40,7 @@ from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 
 from ..errors import MedusaError
-from ..export.precisions import PRECISION_TABLE, Tolerance
+from ..export.precisions import Column, Tolerance
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
 
@@ -52,7 +52,7 @@ class ValidationError(MedusaError):
 
 
 #: precision name -> its validation rule (:class:`~medusa_export.export.precisions.Tolerance`), from the table.
-TOLERANCES = {n: p.tolerance for n, p in PRECISION_TABLE.items()}
+TOLERANCES = Column("tolerance")
 
 
 def tolerance(precision: str) -> Tolerance:
