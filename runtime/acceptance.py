@@ -70,6 +70,23 @@ class TypicalConfig:
             raise InvalidSettingError(f"posterior_alpha (delta) must be > 0, got {self.posterior_alpha}")
 
 
+#: Wire dtypes a sampling setting may have (numpy / Triton names): how a request's value is parsed.
+SETTING_DTYPES = ("float32", "int32", "int64", "string")
+
+
+def _setting(default, dtype: str, help: str, choices: Callable[[], tuple[str, ...]] | None = None):
+    """A :class:`SamplingConfig` field with what every entry point needs to offer it.
+
+    Args:
+        default: the setting's default (the one place it is written).
+        dtype: its wire dtype, one of :data:`SETTING_DTYPES` (the Triton input's type, the request parser).
+        help: the CLI help text; ``{default}`` is replaced by the default.
+        choices: the valid values of a string setting, looked up when asked (e.g. the acceptance rules).
+    """
+    assert dtype in SETTING_DTYPES, dtype
+    return dataclasses.field(default=default, metadata={"dtype": dtype, "help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a generation picks its tokens; the one place the defaults of every sampling setting live
@@ -90,18 +107,31 @@ class SamplingConfig:
         posterior_alpha: typical acceptance's delta (default: :class:`TypicalConfig`'s).
         seed: seeds the generation's one random stream (reproducible).
 
+    Every field is a setting of every entry point, declared once here with :func:`_setting`: the
+    CLI's ``--name-with-dashes`` option (``add_sampling_args``), the serving request field of the
+    same name (``medusa_runtime.serving``) and the Triton model's input (``medusa-export triton``)
+    are made from :data:`SAMPLING_SETTINGS`, so a setting added here (e.g. a new rule's parameter)
+    reaches all of them.
+
     Raises:
         InvalidSettingError: a value out of its range, or an acceptance rule that contradicts the
             temperature; the message names the setting and the valid range.
     """
 
-    temperature: float = 0.0
-    acceptance: str | None = None
-    top_k: int = 10
-    top_p: float = 1.0
-    posterior_threshold: float = TypicalConfig.posterior_threshold
-    posterior_alpha: float = TypicalConfig.posterior_alpha
-    seed: int = 0
+    temperature: float = _setting(0.0, "float32", "0 = greedy decoding (lossless); > 0 = sample at this temperature "
+                                  "(default: {default:g})")
+    acceptance: str | None = _setting(None, "string", "how tree candidates are accepted: greedy (temperature 0), sample "
+                                      "(exact: the output is distributed as plain sampling) or typical (Medusa paper "
+                                      "§2.3.1, lossy) (default: greedy at --temperature 0, sample above)",
+                                      choices=lambda: tuple(ACCEPTANCE_RULES))
+    top_k: int = _setting(10, "int32", "sample among the k most likely tokens; 0 = the whole vocabulary, which needs an "
+                          "artifact with the in-graph sampler (default: {default}, the step graphs' k: exact everywhere)")
+    top_p: float = _setting(1.0, "float32", "nucleus sampling inside the top-k, in (0, 1] (default: {default:g} = off)")
+    posterior_threshold: float = _setting(TypicalConfig.posterior_threshold, "float32",
+                                          "typical acceptance epsilon, in (0, 1] (default: {default})")
+    posterior_alpha: float = _setting(TypicalConfig.posterior_alpha, "float32",
+                                      "typical acceptance delta, > 0 (default: {default})")
+    seed: int = _setting(0, "int64", "seed of the sampling, >= 0 (reproducible) (default: {default})")
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -167,6 +197,41 @@ def sampling_config(base: SamplingConfig | None = None, **overrides) -> Sampling
     """
     given = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(base or SamplingConfig(), **given) if given else (base or SamplingConfig())
+
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    """One :class:`SamplingConfig` field as the entry points offer it (CLI option, request field, Triton input).
+
+    Attributes:
+        name: the field's name (the request field and Triton input; the CLI option is ``--`` + it with dashes).
+        dtype: its wire dtype, one of :data:`SETTING_DTYPES`.
+        default: :class:`SamplingConfig`'s default.
+        help: the CLI help text, the default written in.
+    """
+
+    name: str
+    dtype: str
+    default: object
+    help: str
+    _choices: Callable[[], tuple[str, ...]] | None = None
+
+    @property
+    def option(self) -> str:
+        """The CLI option: ``--top-k`` for ``top_k``."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The valid values of a string setting now (e.g. the acceptance rules' names), or None: any value."""
+        return self._choices() if self._choices is not None else None
+
+
+#: Every :class:`SamplingConfig` setting, in its field order: what the CLI, serving and Triton offer.
+SAMPLING_SETTINGS: tuple[SamplingSetting, ...] = tuple(
+    SamplingSetting(f.name, f.metadata["dtype"], f.default, f.metadata["help"].format(default=f.default),
+                    f.metadata["choices"])
+    for f in dataclasses.fields(SamplingConfig))
 
 
 def sampling_route(config: SamplingConfig, *, step_topk: int, vocab_size: int | None, graph_sampler: bool) -> str:

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import TextIO
 
-from .acceptance import ACCEPTANCES, SamplingConfig
+from .acceptance import SAMPLING_SETTINGS, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
 from .batch import DEFAULT_BATCH_SIZE
 from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
@@ -24,32 +24,20 @@ from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, Conte
 from .prompts import PROMPT_FILE_FORMAT, read_prompt_file
 from .tokenizer import NO_TEMPLATE_MESSAGE
 
-_S = SamplingConfig  # every default below is read from it
+#: The argparse type of each sampling setting's wire dtype (runtime.acceptance.SETTING_DTYPES).
+_CLI_TYPES = {"float32": float, "int32": int, "int64": int, "string": str}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """--max-new-tokens and the sampling settings (:class:`SamplingConfig`; defaults read from it)."""
+    """--max-new-tokens and one option per sampling setting (:data:`SAMPLING_SETTINGS`: names, types, defaults
+    and help read from :class:`SamplingConfig`)."""
     from .session import DEFAULT_MAX_NEW_TOKENS
 
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
                    help=f"maximum new tokens, >= 0 (default: {DEFAULT_MAX_NEW_TOKENS})")
-    p.add_argument("--temperature", type=float, default=_S.temperature,
-                   help=f"0 = greedy decoding (lossless); > 0 = sample at this temperature (default: {_S.temperature:g})")
-    p.add_argument("--acceptance", choices=ACCEPTANCES, default=_S.acceptance,
-                   help="how tree candidates are accepted: greedy (temperature 0), sample (exact: the output is "
-                        "distributed as plain sampling) or typical (Medusa paper §2.3.1, lossy) "
-                        "(default: greedy at --temperature 0, sample above)")
-    p.add_argument("--top-k", type=int, default=_S.top_k,
-                   help="sample among the k most likely tokens; 0 = the whole vocabulary, which needs an artifact "
-                        f"with the in-graph sampler (default: {_S.top_k}, the step graphs' k: exact everywhere)")
-    p.add_argument("--top-p", type=float, default=_S.top_p,
-                   help=f"nucleus sampling inside the top-k, in (0, 1] (default: {_S.top_p:g} = off)")
-    p.add_argument("--posterior-threshold", type=float, default=_S.posterior_threshold,
-                   help=f"typical acceptance epsilon, in (0, 1] (default: {_S.posterior_threshold})")
-    p.add_argument("--posterior-alpha", type=float, default=_S.posterior_alpha,
-                   help=f"typical acceptance delta, > 0 (default: {_S.posterior_alpha})")
-    p.add_argument("--seed", type=int, default=_S.seed,
-                   help=f"seed of the sampling, >= 0 (reproducible) (default: {_S.seed})")
+    for setting in SAMPLING_SETTINGS:
+        p.add_argument(setting.option, type=_CLI_TYPES[setting.dtype], choices=setting.choices,
+                       default=setting.default, help=setting.help)
 
 
 def sampling_from_args(args) -> SamplingConfig:
@@ -63,9 +51,7 @@ def sampling_from_args(args) -> SamplingConfig:
 
     if args.max_new_tokens < 0:
         raise InvalidSettingError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    return SamplingConfig(temperature=args.temperature, acceptance=args.acceptance, top_k=args.top_k,
-                          top_p=args.top_p, posterior_threshold=args.posterior_threshold,
-                          posterior_alpha=args.posterior_alpha, seed=args.seed)
+    return SamplingConfig(**{setting.name: getattr(args, setting.name) for setting in SAMPLING_SETTINGS})
 
 
 def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> None:

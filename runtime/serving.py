@@ -52,15 +52,15 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .acceptance import SamplingConfig
+from .acceptance import SAMPLING_SETTINGS, SamplingConfig
 from .errors import ChatTemplateError, InvalidSettingError, MedusaError
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest
 from .loop import generate
 from .session import DEFAULT_MAX_NEW_TOKENS, Completion, MedusaSession, ReplyText
 
 PROMPT_FIELDS = ("text_input", "messages", "input_ids")
-#: The request fields that are :class:`SamplingConfig` settings (same names).
-SAMPLING_FIELDS = ("temperature", "acceptance", "top_k", "top_p", "posterior_threshold", "posterior_alpha", "seed")
+#: The request fields that are :class:`SamplingConfig` settings (same names, read from :data:`SAMPLING_SETTINGS`).
+SAMPLING_FIELDS = tuple(setting.name for setting in SAMPLING_SETTINGS)
 FIELDS = PROMPT_FIELDS + ("max_new_tokens",) + SAMPLING_FIELDS + ("stop", "stream", "raw")
 #: Request parameters with this prefix belong to the server or client library, not to us.
 RESERVED_PREFIX = "triton_"
@@ -201,20 +201,19 @@ def _input_ids(value, vocab_size: int) -> tuple[int, ...]:
     return ids
 
 
+#: How a sampling setting's value is read from a request, by its wire dtype (runtime.acceptance.SETTING_DTYPES):
+#: the type here, the range by :class:`SamplingConfig` (integers: >= 0 here; an int64 fits its dtype).
+_SETTING_PARSERS = {
+    "float32": _float,
+    "int32": lambda name, value: _int(name, value, 0),
+    "int64": lambda name, value: _int(name, value, 0, 2**63 - 1),
+    "string": _text,
+}
+
+
 def _sampling(fields: Mapping[str, object], session: MedusaSession) -> SamplingConfig:
     """The request's :class:`SamplingConfig` (types checked here, ranges by the dataclass, exactness by the session)."""
-    given = {}
-    if "temperature" in fields:
-        given["temperature"] = _float("temperature", fields["temperature"])
-    if "acceptance" in fields:
-        given["acceptance"] = _text("acceptance", fields["acceptance"])
-    if "top_k" in fields:
-        given["top_k"] = _int("top_k", fields["top_k"], 0)
-    for name in ("top_p", "posterior_threshold", "posterior_alpha"):
-        if name in fields:
-            given[name] = _float(name, fields[name])
-    if "seed" in fields:
-        given["seed"] = _int("seed", fields["seed"], 0, 2**63 - 1)
+    given = {s.name: _SETTING_PARSERS[s.dtype](s.name, fields[s.name]) for s in SAMPLING_SETTINGS if s.name in fields}
     try:
         return session.sampling(**given)
     except InvalidSettingError as exc:

@@ -3,6 +3,7 @@ the sampling settings and their truncation against transformers' own logits warp
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -314,7 +315,7 @@ def test_sampling_route_says_which_settings_are_exact():
             route(cfg)
 
 
-def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch):
+def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch, capsys):
     """Worked example (docs "where to add": an acceptance rule): a rule that accepts the root alone, added
     to ACCEPTANCE_RULES only, runs end to end through the session; nothing else knows its name."""
     from medusa_runtime.acceptance import ACCEPTANCE_RULES, Acceptance, AcceptanceRule, SamplingConfig
@@ -338,3 +339,44 @@ def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch
     assert calls == [(16, 3)] * 5  # called on every tree step with its parameters from the config
     with pytest.raises(InvalidSettingError, match="root-only acceptance decodes the argmax"):
         SamplingConfig(acceptance="root-only", temperature=0.5)
+    # the entry points offer it too: the CLI's --acceptance choices and the serving request's field
+    from medusa_runtime.cli import add_sampling_args, sampling_from_args
+    from medusa_runtime.serving import parse_request
+
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    assert sampling_from_args(parser.parse_args(["--acceptance", "root-only", "--seed", "3"])) == \
+        SamplingConfig(acceptance="root-only", seed=3)
+    req = parse_request({"input_ids": prompt, "max_new_tokens": 6, "acceptance": "root-only", "seed": 3}, session)
+    assert req.sampling == SamplingConfig(acceptance="root-only", seed=3)
+    # and the runtime CLI decodes with it end to end: the session's reply (plain greedy decoding's)
+    from medusa_runtime.cli import main as runtime_main
+
+    calls.clear()
+    argv = ["generate", "--artifact", str(tiny_trt_artifact), "--tree", "16", "--prompt", "hi", "--raw",
+            "--max-new-tokens", "6", "--acceptance", "root-only", "--seed", "3", "--threads", "1"]
+    assert runtime_main(argv) == 0
+    out, _ = capsys.readouterr()
+    want = session.generate("hi", max_new_tokens=6, raw=True, vanilla=True)
+    assert len(want.token_ids) == 6 and out == want.text + "\n"
+    assert calls == [(16, 3)] * 5
+
+
+def test_every_sampling_setting_is_a_cli_option(capsys):
+    """add_sampling_args offers one option per SamplingConfig field (its name with dashes), typed and
+    defaulted by the field; sampling_from_args gives back the config."""
+    from medusa_runtime.cli import add_sampling_args, sampling_from_args
+
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    args = parser.parse_args(["--temperature", "0.5", "--acceptance", "typical", "--top-k", "7", "--top-p", "0.8",
+                              "--posterior-threshold", "0.2", "--posterior-alpha", "0.4", "--seed", "9"])
+    assert sampling_from_args(args) == SamplingConfig(0.5, "typical", 7, 0.8, 0.2, 0.4, 9)
+    assert sampling_from_args(parser.parse_args([])) == SamplingConfig()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--acceptance", "rejection"])
+    assert "invalid choice: 'rejection' (choose from" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--top-k", "1.5"])
+    assert "--top-k: invalid int value: '1.5'" in capsys.readouterr().err
+

@@ -92,6 +92,10 @@ def test_generation_inputs_are_the_request_fields():
     """The config's inputs are exactly the fields the parser knows (sampling settings included)."""
     assert sorted(n for n, _, _ in GENERATION_INPUTS) == sorted(FIELDS)
     assert set(SAMPLING_FIELDS) == {f.name for f in dataclasses.fields(SamplingConfig)}
+    types = {n: t for n, t, _ in GENERATION_INPUTS}
+    assert {n: types[n] for n in SAMPLING_FIELDS} == {
+        "temperature": "TYPE_FP32", "acceptance": "TYPE_STRING", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
+        "posterior_threshold": "TYPE_FP32", "posterior_alpha": "TYPE_FP32", "seed": "TYPE_INT64"}
 
 
 def test_merge_fields_rejects_unknown_and_doubled_fields():

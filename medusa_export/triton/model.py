@@ -17,9 +17,11 @@ returns; the responses are sent from that thread. More instances (``instance_gro
 serve side by side, each with its own batch.
 
 Inputs (all optional but one prompt; also accepted as request parameters, see
-medusa_runtime/serving.py): text_input, messages, input_ids, max_new_tokens, temperature,
-acceptance, top_k, top_p, posterior_threshold, posterior_alpha, seed, stop, stream, raw. Outputs: output_ids, text_output, finish_reason,
-num_input_tokens, tokens_per_step.
+medusa_runtime/serving.py's FIELDS): text_input, messages, input_ids, max_new_tokens, one per sampling
+setting (medusa_runtime.acceptance.SAMPLING_SETTINGS, SamplingConfig's fields: temperature, acceptance,
+top_k, top_p, posterior_threshold, posterior_alpha, seed), stop, stream, raw; the request parser
+turns them into one SamplingConfig. Outputs: output_ids, text_output, finish_reason, num_input_tokens,
+tokens_per_step.
 
 Model parameters (config.pbtxt): artifact_dir (absolute, or relative to this file's
 folder), backend (medusa_runtime engine backend), precision (for tensorrt), threads,

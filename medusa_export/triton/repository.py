@@ -37,6 +37,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_runtime.acceptance import SAMPLING_SETTINGS
 from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
 from medusa_runtime.batch import DEFAULT_BATCH_SIZE
 from medusa_runtime.manifest import Graph
@@ -47,22 +48,17 @@ from ..files import partial_dir, replace_dir
 
 MARKER = "medusa_repository.json"
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int64": "TYPE_INT64",
-                 "int32": "TYPE_INT32", "int8": "TYPE_INT8", "bool": "TYPE_BOOL"}
+                 "int32": "TYPE_INT32", "int8": "TYPE_INT8", "bool": "TYPE_BOOL", "string": "TYPE_STRING"}
 _TEMPLATE = Path(__file__).with_name("model.py")
 
 #: The ``medusa`` model's inputs: (name, Triton type, dims); every one is optional (see medusa_runtime.serving).
+#: The sampling settings are SamplingConfig's fields (medusa_runtime.acceptance.SAMPLING_SETTINGS), one value each.
 GENERATION_INPUTS = (
     ("text_input", "TYPE_STRING", [1]),
     ("messages", "TYPE_STRING", [1]),
     ("input_ids", "TYPE_INT64", [-1]),
     ("max_new_tokens", "TYPE_INT32", [1]),
-    ("temperature", "TYPE_FP32", [1]),
-    ("acceptance", "TYPE_STRING", [1]),
-    ("top_k", "TYPE_INT32", [1]),
-    ("top_p", "TYPE_FP32", [1]),
-    ("posterior_threshold", "TYPE_FP32", [1]),
-    ("posterior_alpha", "TYPE_FP32", [1]),
-    ("seed", "TYPE_INT64", [1]),
+    *((s.name, TRITON_DTYPES[s.dtype], [1]) for s in SAMPLING_SETTINGS),
     ("stop", "TYPE_STRING", [-1]),
     ("stream", "TYPE_BOOL", [1]),
     ("raw", "TYPE_BOOL", [1]),
