@@ -193,8 +193,15 @@ def sampling_config(base: SamplingConfig | None = None, **overrides) -> Sampling
     """``base`` (default: :class:`SamplingConfig`'s defaults) with the overrides that are not None.
 
     Raises:
-        InvalidSettingError: a resulting value out of its range; TypeError: an unknown setting.
+        InvalidSettingError: a resulting value out of its range.
+        TypeError: an override that is not a :class:`SamplingConfig` field (None or not; the message
+            names the fields).
     """
+    names = [f.name for f in dataclasses.fields(SamplingConfig)]
+    unknown = [k for k in overrides if k not in names]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {', '.join(map(repr, unknown))}: not a sampling setting "
+                        f"(SamplingConfig's fields: {', '.join(names)})")
     given = {k: v for k, v in overrides.items() if v is not None}
     return dataclasses.replace(base or SamplingConfig(), **given) if given else (base or SamplingConfig())
 

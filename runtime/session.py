@@ -303,14 +303,17 @@ class MedusaSession:
 
         Args:
             sampling: a base (default: :class:`SamplingConfig`'s defaults).
-            **overrides: :class:`SamplingConfig` fields (temperature, acceptance, top_k, top_p,
-                posterior_threshold, posterior_alpha, seed); None keeps the base's.
+            **overrides: :class:`SamplingConfig` fields by name (e.g. ``seed=``); None keeps the base's.
 
         Raises:
             InvalidSettingError: a value out of its range.
             UnsupportedSamplingError: settings this artifact cannot sample exactly (the message
                 names the exact ones: top-k up to its step_topk, or its in-graph sampler).
+            TypeError: ``sampling`` is not a :class:`SamplingConfig`, or an override that is not one
+                of its fields (the message names them).
         """
+        if sampling is not None and not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig (or None: greedy), got {type(sampling).__name__}")
         cfg = sampling_config(sampling, **overrides)
         engine_sampling_route(self.engine, cfg)
         return cfg
@@ -322,18 +325,12 @@ class MedusaSession:
         prompt_ids: Sequence[int] | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         sampling: SamplingConfig | None = None,
-        temperature: float | None = None,
-        acceptance: str | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        posterior_threshold: float | None = None,
-        posterior_alpha: float | None = None,
-        seed: int | None = None,
         stop: Sequence[str] = (),
         vanilla: bool = False,
         raw: bool = False,
         stream: Callable[[str], None] | None = None,
         cache: KVCache | None = None,
+        **settings,
     ) -> Completion:
         """Generate one reply.
 
@@ -342,21 +339,17 @@ class MedusaSession:
                 ``{"role", "content"}`` messages; or None with ``prompt_ids``.
             prompt_ids: token ids to use as is (after ``cache``'s valid prefix, if given).
             max_new_tokens: reply budget, exact ("length" when reached), >= 0.
-            sampling: the sampling settings (default: :class:`SamplingConfig`'s: greedy);
-                the keyword arguments below override its fields one by one.
-            temperature: 0 for greedy acceptance (output identical to greedy decoding); > 0 to
-                sample at this temperature.
-            acceptance: "greedy", "sample" (exact: distributed as plain sampling; the default
-                at temperature > 0) or "typical" (Medusa paper §2.3.1, lossy).
-            top_k, top_p: truncation as plain sampling applies it (transformers' order).
-            posterior_threshold, posterior_alpha: typical acceptance epsilon and delta.
-            seed: seeds the sampling (reproducible; same tokens as ``vanilla`` with this seed
-                under "sample").
+            sampling: the sampling settings (default: :class:`SamplingConfig`'s: greedy): temperature
+                (0: output identical to greedy decoding), acceptance rule ("sample" is exact: the same
+                tokens as ``vanilla`` with the same seed; "typical", Medusa paper §2.3.1, is lossy),
+                top-k/top-p truncation as plain sampling applies it, each rule's parameters, seed.
             stop: stop strings; the text is cut where the first one starts ("stop").
             vanilla: one token per step (root-only tree) through the same engine.
             raw: encode a string prompt without the chat template.
             stream: called with each newly printable piece of text.
             cache: continue from this cache (its valid prefix precedes ``prompt_ids``).
+            **settings: :class:`SamplingConfig` fields by name (``temperature=0.7, seed=3``), each
+                overriding ``sampling``'s; None keeps it (docs/sampling.md's shorthand).
 
         Raises:
             ContextOverflowError: the prompt does not fit the context.
@@ -364,11 +357,11 @@ class MedusaSession:
             InvalidSettingError: a sampling value or max_new_tokens out of range.
             UnsupportedSamplingError: settings this artifact cannot sample exactly.
             ValueError: neither or both of ``prompt`` and ``prompt_ids``.
+            TypeError: a keyword that is none of these arguments nor a :class:`SamplingConfig` field.
         """
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("give exactly one of prompt and prompt_ids")
-        cfg = self.sampling(sampling, temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
-                            posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
+        cfg = self.sampling(sampling, **settings)
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, raw=raw)
         text = ReplyText(self.tokenizer, stop, _text_stream(stream))
         reused = cache.length if cache is not None else 0
@@ -386,19 +379,13 @@ class MedusaSession:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         max_new_tokens: int | Sequence[int] = DEFAULT_MAX_NEW_TOKENS,
         sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
-        temperature: float | None = None,
-        acceptance: str | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        posterior_threshold: float | None = None,
-        posterior_alpha: float | None = None,
-        seed: int | None = None,
         stop: Sequence[str] = (),
         vanilla: bool = False,
         raw: bool = False,
         batch_size: int = DEFAULT_BATCH_SIZE,
         stream: Callable[[int, str], None] | None = None,
         on_done: Callable[[int, Completion], None] | None = None,
+        **settings,
     ) -> list[Completion]:
         """Generate replies to many prompts, up to ``batch_size`` sequences sharing each step.
 
@@ -413,15 +400,15 @@ class MedusaSession:
             prompt_ids: token id lists, used as they are.
             max_new_tokens: one budget for all, or one per prompt.
             sampling: one :class:`SamplingConfig` for all, or one per prompt (e.g. per-prompt
-                seeds); the keyword arguments below override fields of each.
-            temperature, acceptance, top_k, top_p, posterior_threshold, posterior_alpha, seed:
-                as :meth:`generate`.
+                seeds); default: its defaults (greedy).
             stop: stop strings (every prompt).
             vanilla: one token per step (root-only tree) through the same engine.
             raw: encode string prompts without the chat template.
             batch_size: at most this many sequences run at once (>= 1).
             stream: called with (prompt index, newly printable text).
             on_done: called with (prompt index, its :class:`Completion`) as each one finishes.
+            **settings: :class:`SamplingConfig` fields by name, overriding each prompt's ``sampling``
+                (as :meth:`generate`).
 
         Returns:
             One :class:`Completion` per prompt, in the prompts' order (``seconds``: from the
@@ -432,6 +419,8 @@ class MedusaSession:
                 a bad prompt or setting (the message names the prompt's index), before any work.
             ValueError: neither or both of ``prompts`` and ``prompt_ids``, or a per-prompt list of
                 the wrong length.
+            TypeError: a keyword that is none of these arguments nor a :class:`SamplingConfig` field,
+                or a per-prompt ``sampling`` that is not a :class:`SamplingConfig`.
             Exception: whatever a callback (``stream``, ``on_done``) raised.
         """
         if (prompts is None) == (prompt_ids is None):
@@ -439,14 +428,12 @@ class MedusaSession:
         n = len(prompts if prompts is not None else prompt_ids)
         budgets = _per_prompt(max_new_tokens, n, "max_new_tokens", numbers.Integral)
         bases = _per_prompt(sampling, n, "sampling", SamplingConfig)
-        overrides = dict(temperature=temperature, acceptance=acceptance, top_k=top_k, top_p=top_p,
-                         posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha, seed=seed)
         sched = Scheduler(self.batch_engine, self.tree, max_batch=batch_size, capacity=self.max_context,
                           eos_token_ids=self.eos_token_ids)
         texts, states = [], []
         for i in range(n):
             try:
-                cfg = self.sampling(bases[i], **overrides)
+                cfg = self.sampling(bases[i], **settings)
                 ids = list(prompt_ids[i]) if prompt_ids is not None else self.encode(prompts[i], raw=raw)
                 text = ReplyText(self.tokenizer, stop, _text_stream(stream and (lambda piece, i=i: stream(i, piece))))
                 states.append(sched.submit(SequenceRequest(ids, budgets[i], cfg, text.on_tokens,

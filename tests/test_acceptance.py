@@ -380,3 +380,25 @@ def test_every_sampling_setting_is_a_cli_option(capsys):
         parser.parse_args(["--top-k", "1.5"])
     assert "--top-k: invalid int value: '1.5'" in capsys.readouterr().err
 
+
+def test_generate_takes_the_sampling_settings_by_name(tiny_trt_artifact):
+    """docs/sampling.md's shorthand: ``generate(temperature=, seed=, ...)`` is ``generate(sampling=
+    SamplingConfig(...))``, a keyword overriding the given config's field (None keeps it), in generate and
+    generate_batch alike; a keyword that is no setting is a TypeError naming the settings."""
+    from medusa_runtime.session import MedusaSession
+
+    session = MedusaSession(tiny_trt_artifact, tree="16", notice=None)
+    prompt, n = [5, 17, 42, 9], 8
+    cfg = SamplingConfig(temperature=0.9, seed=4)
+    want = session.generate(prompt_ids=prompt, max_new_tokens=n, sampling=cfg).token_ids
+    assert len(want) == n
+    assert session.generate(prompt_ids=prompt, max_new_tokens=n, temperature=0.9, seed=4).token_ids == want
+    assert session.generate(prompt_ids=prompt, max_new_tokens=n, sampling=cfg, seed=None).token_ids == want
+    other = session.generate(prompt_ids=prompt, max_new_tokens=n, sampling=cfg, seed=5).token_ids
+    assert other != want  # the keyword took effect over the config's seed
+    batch = session.generate_batch(prompt_ids=[prompt, prompt], max_new_tokens=n,
+                                   sampling=[cfg, SamplingConfig(temperature=0.9, seed=1)], seed=4)
+    assert [c.token_ids for c in batch] == [want, want]  # the keyword overrides every prompt's seed
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'temprature': not a sampling setting "
+                                        r"\(SamplingConfig's fields: temperature, acceptance, top_k"):
+        session.generate(prompt_ids=prompt, temprature=0.9)

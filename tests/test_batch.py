@@ -410,6 +410,10 @@ def test_generate_batch_refuses_bad_input_before_any_work(counter):
         counter.generate_batch(prompt_ids=[[], [2]])
     with pytest.raises(InvalidSettingError, match="top_p must be in"):
         counter.generate_batch(["a"], temperature=0.5, top_p=2.0)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig .*, got dict"):
+        counter.generate_batch(["a", "b"], sampling=[SamplingConfig(), {"temperature": 0.5}])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature': not a sampling setting"):
+        counter.generate_batch(["a"], temprature=0.5)
     with pytest.raises(InvalidSettingError, match="batch size must be an integer >= 1"):
         counter.generate_batch(["a"], batch_size=0)
 
