@@ -184,8 +184,8 @@ class SamplingConfig:
             return self.mode
         s = f"{self.mode} T={self.temperature:g} top-k {self.top_k or 'off'}" + (
             f" top-p {self.top_p:g}" if self.top_p < 1 else "")
-        if self.mode == "typical":
-            s += f" epsilon {self.posterior_threshold:g} delta {self.posterior_alpha:g}"
+        if self.rule.describe is not None:
+            s += self.rule.describe(self)
         return s + f" seed {self.seed}"
 
 
@@ -565,19 +565,23 @@ class AcceptanceRule:
         needs: the step outputs it reads besides the draws (StepResult field names).
         sampled: True when the rule samples (temperature > 0, tokens drawn by inverse CDF); False when it
             runs at temperature 0 on the argmax.
+        describe: the rule's own parameters for :meth:`SamplingConfig.describe` (e.g. " epsilon 0.09
+            delta 0.3"), written after the sampling settings; None: none.
     """
 
     accept: Callable[..., Acceptance]
     params: Callable[[SamplingConfig], object] | None = None
     needs: tuple[str, ...] = ()
     sampled: bool = True
+    describe: Callable[[SamplingConfig], str] | None = None
 
 
 #: Acceptance rules by name (``--acceptance``, ``SamplingConfig.acceptance``): adding a rule is one entry here.
 ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
     "greedy": AcceptanceRule(_greedy, sampled=False),
     "sample": AcceptanceRule(_sample),
-    "typical": AcceptanceRule(_typical, params=lambda cfg: cfg.typical, needs=("token_logprobs", "entropy")),
+    "typical": AcceptanceRule(_typical, params=lambda cfg: cfg.typical, needs=("token_logprobs", "entropy"),
+                              describe=lambda cfg: f" epsilon {cfg.posterior_threshold:g} delta {cfg.posterior_alpha:g}"),
 }
 #: Their names, in table order.
 ACCEPTANCES = tuple(ACCEPTANCE_RULES)

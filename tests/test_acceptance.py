@@ -302,6 +302,14 @@ def test_sampling_settings_out_of_range_are_typed_errors(kwargs, message):
         SamplingConfig(**kwargs)
 
 
+def test_describe_writes_the_rules_parameters():
+    """The log line of each rule (the CLI's notice): typical's epsilon and delta come from its table entry."""
+    assert SamplingConfig().describe() == "greedy"
+    assert SamplingConfig(temperature=0.7, top_p=0.9).describe() == "sample T=0.7 top-k 10 top-p 0.9 seed 0"
+    assert SamplingConfig(temperature=2.0, acceptance="typical", top_k=0, posterior_threshold=0.2, seed=3).describe() \
+        == "typical T=2 top-k off epsilon 0.2 delta 0.3 seed 3"
+
+
 def test_sampling_route_says_which_settings_are_exact():
     route = lambda cfg, **kw: sampling_route(cfg, **{"step_topk": 10, "vocab_size": 1000, "graph_sampler": False, **kw})  # noqa: E731
     assert route(SamplingConfig()) == "greedy"
