@@ -302,6 +302,26 @@ def test_sampling_settings_out_of_range_are_typed_errors(kwargs, message):
         SamplingConfig(**kwargs)
 
 
+def test_every_rule_reads_only_the_step_outputs_it_declares():
+    """Each table entry's ``needs`` is true: its accept runs on a step that has only those StepResult fields
+    (any other read is an AttributeError), and accepts what the rule itself accepts (the FORK tree above)."""
+    import types
+
+    from medusa_runtime.acceptance import ACCEPTANCE_RULES
+    from medusa_runtime.engines.base import StepResult
+
+    token_logprobs = np.full((3, 3), -30.0)
+    token_logprobs[0, 1] = math.log(0.8)  # node 1's candidate (3) is likely at the root: typical accepts it
+    outputs = {"token_logprobs": token_logprobs, "entropy": np.array([0.5, 0.0, 0.0])}
+    drawn = np.array([3, 8, 7])  # the root draws node 1's token (3): greedy and sample accept node 1
+    for name, rule in ACCEPTANCE_RULES.items():
+        assert set(rule.needs) <= set(StepResult._fields), name
+        step = types.SimpleNamespace(**{n: outputs[n] for n in rule.needs})
+        cfg = SamplingConfig(temperature=1.0 if rule.sampled else 0.0, acceptance=name)
+        acc = rule.accept(FORK, FORK_TOKENS, drawn, step, rule.params(cfg) if rule.params else None)
+        assert (acc.accepted.tolist(), acc.next_token) == ([0, 1], 8), name
+
+
 def test_describe_writes_the_rules_parameters():
     """The log line of each rule (the CLI's notice): typical's epsilon and delta come from its table entry."""
     assert SamplingConfig().describe() == "greedy"
