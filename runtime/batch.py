@@ -136,7 +136,9 @@ class LoopedBatchEngine:
         return KVCache.for_engine(self.engine, capacity)
 
     def release(self, cache) -> None:
-        """Nothing to do: each row's cache is its own object (the device caches free their memory when dropped)."""
+        """Free the row's cache (:meth:`~medusa_runtime.engines.kvcache.CacheState.free`: device memory now,
+        nothing for numpy caches)."""
+        cache.free()
 
     def step_rows(self, caches: Sequence, inputs: Sequence[RowInputs]) -> list[StepResult]:
         """``engine.step`` once per row, in order."""
@@ -331,6 +333,19 @@ class Scheduler:
         if s.result is not None and s.started:
             s.result.host_seconds = max(0.0, s.finished - s.started - s.result.engine_seconds)
         finished.append(s)
+
+    def abort(self) -> list[SequenceState]:
+        """Drop every running and waiting sequence, releasing the running ones' KV rows; returns them (running
+        first) for the caller to answer."""
+        dropped = list(self.running) + list(self.waiting)
+        for s in self.running:
+            if s._cache is not None:
+                self.engine.release(s._cache)
+                s._cache = None
+            s._decoding = None
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
 
     def _fail(self, s: SequenceState, exc: BaseException, finished: list[SequenceState]) -> None:
         s.error = exc

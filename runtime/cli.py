@@ -55,13 +55,15 @@ def sampling_from_args(args) -> SamplingConfig:
 
 
 def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> None:
-    """--artifact, --backend, --threads, --stop, --vanilla (the runtime's own options)."""
+    """--artifact, --backend, --threads, --device-id, --stop, --vanilla (the runtime's own options)."""
     p.add_argument("--artifact", required=artifact_required, metavar="DIR",
                    help="run an artifact (medusa-export build output) with the torch-free runtime")
     p.add_argument("--backend", choices=sorted(BACKENDS), default=DEFAULT_BACKEND,
                    help=f"engine backend for --artifact (default: {DEFAULT_BACKEND})")
     p.add_argument("--threads", type=int, metavar="N",
                    help=f"CPU threads for --artifact, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
+    p.add_argument("--device-id", type=int, metavar="N",
+                   help="GPU for the onnxruntime-cuda and tensorrt backends (default: 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
@@ -113,8 +115,9 @@ def _session(args):
     auto = is_auto(tree)
     if auto:
         print("--tree auto: timing the tree step at several sizes on this engine ...", file=sys.stderr, flush=True)
+    device = {} if getattr(args, "device_id", None) is None else {"device_id": args.device_id}
     session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
-                            max_context=getattr(args, "max_context", None), tree=tree)
+                            max_context=getattr(args, "max_context", None), tree=tree, **device)
     if auto:
         print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
         print(f"--tree auto chose {session.tree.size} nodes (* above: most expected tokens/s)", file=sys.stderr)
@@ -200,33 +203,36 @@ def run_generate_batch(args, out: TextIO, err: TextIO) -> int:
     records = read_prompt_file(args.prompt_file)
     base = sampling_from_args(args)
     session = _session(args)
-    samplings = [session.sampling(base, seed=r.seed) for r in records]  # before any work
-    budgets = [args.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records]
-    ready: dict[int, dict] = {}
-    printed = 0
+    try:
+        samplings = [session.sampling(base, seed=r.seed) for r in records]  # before any work
+        budgets = [args.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records]
+        ready: dict[int, dict] = {}
+        printed = 0
 
-    def on_done(i: int, c) -> None:
-        nonlocal printed
-        ready[i] = {"index": i, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-                    "tokens_per_step": round(c.tokens_per_step, 4), "prompt_tokens": c.prompt_tokens,
-                    "steps": c.result.steps}
-        while printed in ready:  # in the file's order, each line as soon as the ones before it are out
-            out.write(json.dumps(ready.pop(printed), ensure_ascii=False) + "\n")
-            out.flush()
-            printed += 1
+        def on_done(i: int, c) -> None:
+            nonlocal printed
+            ready[i] = {"index": i, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
+                        "tokens_per_step": round(c.tokens_per_step, 4), "prompt_tokens": c.prompt_tokens,
+                        "steps": c.result.steps}
+            while printed in ready:  # in the file's order, each line as soon as the ones before it are out
+                out.write(json.dumps(ready.pop(printed), ensure_ascii=False) + "\n")
+                out.flush()
+                printed += 1
 
-    t = time.perf_counter()
-    done = session.generate_batch([r.prompt for r in records], max_new_tokens=budgets, sampling=samplings,
-                                  stop=args.stop, vanilla=args.vanilla, raw=getattr(args, "raw", False),
-                                  batch_size=batch, on_done=on_done)
-    wall = time.perf_counter() - t
-    tokens = sum(len(c.token_ids) for c in done)
-    steps = [n for c in done for n in c.result.step_tokens]
-    per_seq = [c.tokens_per_second for c in done if c.seconds > 0]
-    print(f"[{len(done)} prompts, batch size {batch}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tokens/s "
-          f"in all, {sum(per_seq) / max(len(per_seq), 1):.1f} tokens/s per sequence; "
-          f"{(sum(steps) / len(steps)) if steps else 0.0:.2f} tokens/step ({_mode(session, args)})]", file=err)
-    return 0
+        t = time.perf_counter()
+        done = session.generate_batch([r.prompt for r in records], max_new_tokens=budgets, sampling=samplings,
+                                      stop=args.stop, vanilla=args.vanilla, raw=getattr(args, "raw", False),
+                                      batch_size=batch, on_done=on_done)
+        wall = time.perf_counter() - t
+        tokens = sum(len(c.token_ids) for c in done)
+        steps = [n for c in done for n in c.result.step_tokens]
+        per_seq = [c.tokens_per_second for c in done if c.seconds > 0]
+        print(f"[{len(done)} prompts, batch size {batch}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tokens/s "
+              f"in all, {sum(per_seq) / max(len(per_seq), 1):.1f} tokens/s per sequence; "
+              f"{(sum(steps) / len(steps)) if steps else 0.0:.2f} tokens/step ({_mode(session, args)})]", file=err)
+        return 0
+    finally:
+        session.close()  # frees a device backend's memory
 
 
 def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -244,22 +250,25 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
     if getattr(args, "batch_size", None) is not None:
         raise InvalidSettingError("--batch-size needs --prompt-file (a single --prompt runs alone)")
     session = _session(args)
-    if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
-        print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
-              "the model continues it; it is not answered as a chat message]", file=err)
-    kwargs = _gen_kwargs(args, session)  # and settings this artifact cannot sample exactly, before any work
-    if session.artifact.model.heads_source.startswith("init"):
-        print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
-              "guess), so few candidates are accepted]", file=err)
+    try:
+        if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
+            print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
+                  "the model continues it; it is not answered as a chat message]", file=err)
+        kwargs = _gen_kwargs(args, session)  # and settings this artifact cannot sample exactly, before any work
+        if session.artifact.model.heads_source.startswith("init"):
+            print("[note: this artifact's Medusa heads are untrained (they repeat the base model's next-token "
+                  "guess), so few candidates are accepted]", file=err)
 
-    def write(text: str) -> None:
-        out.write(text)
-        out.flush()
+        def write(text: str) -> None:
+            out.write(text)
+            out.flush()
 
-    c = session.generate(args.prompt, raw=getattr(args, "raw", False), stream=write, **kwargs)
-    out.write("\n")
-    print(summary(c, _mode(session, args)), file=err)
-    return 0
+        c = session.generate(args.prompt, raw=getattr(args, "raw", False), stream=write, **kwargs)
+        out.write("\n")
+        print(summary(c, _mode(session, args)), file=err)
+        return 0
+    finally:
+        session.close()  # frees a device backend's memory
 
 
 def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -272,41 +281,44 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
     check_stops(args.stop)
     check_utf8(args.system, "--system")
     session = _session(args)
-    if not session.tokenizer.has_chat_template:
-        raise ChatTemplateError(f"{NO_TEMPLATE_MESSAGE}; chat needs one: use `generate --artifact "
-                                f"{args.artifact} --prompt TEXT` to continue a text")
-    kwargs = _gen_kwargs(args, session)
-    session.reset(args.system)
-    interactive = inp.isatty()
-    print(f"chat with {session.artifact.model.name} ({_mode(session, args)}); /reset starts over, "
-          "/exit or Ctrl-D quits", file=err)
+    try:
+        if not session.tokenizer.has_chat_template:
+            raise ChatTemplateError(f"{NO_TEMPLATE_MESSAGE}; chat needs one: use `generate --artifact "
+                                    f"{args.artifact} --prompt TEXT` to continue a text")
+        kwargs = _gen_kwargs(args, session)
+        session.reset(args.system)
+        interactive = inp.isatty()
+        print(f"chat with {session.artifact.model.name} ({_mode(session, args)}); /reset starts over, "
+              "/exit or Ctrl-D quits", file=err)
 
-    def write(text: str) -> None:
-        out.write(text)
-        out.flush()
+        def write(text: str) -> None:
+            out.write(text)
+            out.flush()
 
-    while True:
-        if interactive:
-            err.write("\n> ")
-            err.flush()
-        line = inp.readline()
-        if not line or line.strip() == "/exit":
-            return 0
-        message = line.rstrip("\n")
-        if message.strip() == "/reset":
-            session.reset(args.system)
-            print("[new conversation]", file=err)
-            continue
-        if not message.strip():
-            continue
-        try:
-            c = session.chat(message, stream=write, **kwargs)
-        except ContextOverflowError as exc:
-            print(f"[{exc}; the conversation is full: /reset to start a new one]", file=err)
-            continue
-        out.write("\n")
-        out.flush()
-        print(summary(c, _mode(session, args)), file=err)
+        while True:
+            if interactive:
+                err.write("\n> ")
+                err.flush()
+            line = inp.readline()
+            if not line or line.strip() == "/exit":
+                return 0
+            message = line.rstrip("\n")
+            if message.strip() == "/reset":
+                session.reset(args.system)
+                print("[new conversation]", file=err)
+                continue
+            if not message.strip():
+                continue
+            try:
+                c = session.chat(message, stream=write, **kwargs)
+            except ContextOverflowError as exc:
+                print(f"[{exc}; the conversation is full: /reset to start a new one]", file=err)
+                continue
+            out.write("\n")
+            out.flush()
+            print(summary(c, _mode(session, args)), file=err)
+    finally:
+        session.close()  # frees a device backend's memory
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -464,7 +464,8 @@ def generate(
         on_tokens: called with each step's emitted tokens (streaming). Returning True stops
             generation after them (finish_reason "stop"; used for stop strings); returning an
             int n stops after the first n of them; None or False continues.
-        cache: a cache to continue from (multi-turn chat); a new one when None.
+        cache: a cache to continue from (multi-turn chat; the caller frees it); a new one when None, freed
+            (:meth:`~.engines.kvcache.CacheState.free`) when the generation ends, even by an exception.
 
     Raises:
         InvalidSettingError: empty prompt, max_new_tokens < 0, a bad max_context.
@@ -473,23 +474,28 @@ def generate(
         ContextOverflowError: the prompt does not fit the context, or ``max_context`` exceeds the engine's.
     """
     check_request(engine, prompt_ids, tree, max_new_tokens)
-    if cache is None:
+    own = cache is None  # a cache made here is freed here (device caches hold GPU memory until freed)
+    if own:
         cache = KVCache.for_engine(engine, context_capacity(engine, max_context))
-    dec = Decoding(engine, prompt_ids, tree, max_new_tokens=max_new_tokens, cache=cache, eos_token_ids=eos_token_ids,
-                   sampling=sampling, on_tokens=on_tokens)
-    result = dec.result
-    t_start = time.perf_counter()
-    while (inputs := dec.inputs()) is not None:
-        t = time.perf_counter()
-        out = engine_step(engine, inputs, cache.past())
-        result.engine_seconds += time.perf_counter() - t
-        if not dec.prefilled:
-            result.prefill_seconds = result.engine_seconds
-        dec.advance(out)
-        while dec.heads_row is not None:
+    try:
+        dec = Decoding(engine, prompt_ids, tree, max_new_tokens=max_new_tokens, cache=cache,
+                       eos_token_ids=eos_token_ids, sampling=sampling, on_tokens=on_tokens)
+        result = dec.result
+        t_start = time.perf_counter()
+        while (inputs := dec.inputs()) is not None:
             t = time.perf_counter()
-            dec.set_heads(run_heads(engine, dec.heads_row, dec.heads_call))
+            out = engine_step(engine, inputs, cache.past())
             result.engine_seconds += time.perf_counter() - t
+            if not dec.prefilled:
+                result.prefill_seconds = result.engine_seconds
+            dec.advance(out)
+            while dec.heads_row is not None:
+                t = time.perf_counter()
+                dec.set_heads(run_heads(engine, dec.heads_row, dec.heads_call))
+                result.engine_seconds += time.perf_counter() - t
+    finally:
+        if own:
+            cache.free()
     if max_new_tokens > 0:
         result.host_seconds = time.perf_counter() - t_start - result.engine_seconds
     return result

@@ -434,7 +434,6 @@ class BatchServer:
             return True
 
     def _abort(self, jobs: list[_Job]) -> None:
-        sched = self.scheduler
-        pending = jobs + [s.request.tag for s in list(sched.running) + list(sched.waiting)]
+        pending = jobs + [s.request.tag for s in self.scheduler.abort()]  # their KV rows are released
         for job in pending:
             self._done(job, None, RuntimeError("the server is shutting down"))

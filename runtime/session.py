@@ -216,6 +216,7 @@ class MedusaSession:
         self.vanilla_tree = make_tree([], num_heads=self.engine.num_heads, topk=self.tree.topk)
         self._chat = _Chat()
         self._batch_engine = None
+        self._closed = False
 
     def _resolve_tree(self, tree: Tree | DynamicTree | str | None, threads: int | None,
                       notice: Callable[[str], None] | None) -> Tree | DynamicTree:
@@ -468,8 +469,30 @@ class MedusaSession:
         return list(self._chat.messages)
 
     def reset(self, system: str | None = None) -> None:
-        """Start a new conversation (optionally with a system message); the cache is dropped."""
+        """Start a new conversation (optionally with a system message); the cache is freed."""
+        self._free_chat_cache()
         self._chat = _Chat([{"role": "system", "content": system}] if system else [])
+
+    def _free_chat_cache(self) -> None:
+        if self._chat.cache is not None:
+            self._chat.cache.free()
+            self._chat.cache = None
+
+    def close(self) -> None:
+        """Free what the session holds: the chat's KV cache, then the engine's memory (a device backend's
+        buffers and any cache still live). Generations free their own caches when they end. The session is
+        unusable afterwards; closing twice does nothing. Also on leaving a ``with`` block."""
+        if self._closed:
+            return
+        self._closed = True
+        self._free_chat_cache()
+        self.engine.close()
+
+    def __enter__(self) -> "MedusaSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, message: str, **kwargs) -> Completion:
         """Add a user message, generate the assistant's reply, add it to the conversation.

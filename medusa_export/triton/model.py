@@ -129,4 +129,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.server.close()
+        self.session.close()  # a device backend's KV caches and buffers (issue 24)
         self.session = None

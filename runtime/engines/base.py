@@ -72,6 +72,10 @@ class Engine(Protocol):
         engine returned there, e.g. a device buffer).
         """
 
+    def close(self) -> None:
+        """Free what the engine holds outside the garbage collector's reach (device memory); the engine is
+        unusable afterwards. Host engines: nothing."""
+
     # Optional, by head type and tree policy (see :func:`run_heads`, :func:`check_heads`):
     # * ``head_type``: "medusa" (default when absent) or "hydra" (path-conditioned heads);
     # * ``heads_logprobs(hidden [R, d], topk) -> (ids int64 [R, K, topk], logprobs float32 [R, K, topk])``:

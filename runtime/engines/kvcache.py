@@ -143,6 +143,12 @@ class CacheState:
         self.length += len(accepted)
         self.tokens.extend([int(t) for t in token_ids] if token_ids is not None else [-1] * len(accepted))
 
+    def free(self) -> None:
+        """Return the cache's memory now. Host caches have nothing to do (the garbage collector frees numpy
+        buffers); device caches (:class:`~.trt.TrtKVCache`) free their allocation. Whoever made a cache frees
+        it: the loop for the cache of a generation, the batch scheduler's ``release`` for a row,
+        ``MedusaSession.close`` for the chat cache."""
+
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` slots (no copy; later steps overwrite the rest).
 

@@ -200,6 +200,9 @@ class OrtEngine:
         sampled = outs[len(_STEP_OUTPUTS)].numpy()[0] if sampling is not None else None
         return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, cache.new_kv(p, s), sampled)
 
+    def close(self) -> None:
+        """Nothing to free: the sessions and caches are host memory (the garbage collector's)."""
+
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         """hidden [R, d] -> int64 [R, K, topk] (topk fixed by the artifact's heads graph)."""
         self._medusa_heads()
