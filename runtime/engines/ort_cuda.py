@@ -1,10 +1,12 @@
 """ONNX Runtime on a GPU: CUDA execution provider with I/O binding, KV cache on the device.
 
-NOT EXECUTED in this project's CI or development machines (CPU only, and onnxruntime
-without the CUDA provider): written against ONNX Runtime's documented Python I/O-binding
-API (``InferenceSession.io_binding``, ``IOBinding.bind_input/bind_output/bind_cpu_input``,
-``OrtValue.ortvalue_from_shape_and_type``) and the CUDA runtime's ``cudaMemcpy2D``.
-Construction fails with :class:`BackendUnavailableError` where the provider is missing.
+Written against ONNX Runtime's documented Python I/O-binding API (``InferenceSession.io_binding``,
+``IOBinding.bind_input/bind_output/bind_cpu_input``, ``OrtValue.ortvalue_from_shape_and_type``) and
+the CUDA runtime's ``cudaMemcpy2D``. Construction fails with :class:`BackendUnavailableError` where
+the provider is missing. No GPU has run it: CI runs the same code with ``io_device="cpu"`` (every
+binding on ONNX Runtime's CPU device, the strided copies as host ``memmove``s; tests/test_ort_cuda.py),
+token-exact against the CPU backend, which checks the binding offsets and the compaction, not the CUDA
+provider.
 
 Layout: one device buffer per K and V, ``[L, capacity, H_kv, D]``. Layer ``l``'s valid
 past ``[1, P, H_kv, D]`` is the contiguous block at slot 0 of layer ``l``, bound as the
@@ -27,13 +29,15 @@ from typing import NamedTuple
 import numpy as np
 
 from ..artifact import Artifact, kv_layout, step_limits
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, InvalidSettingError
 from .base import StepResult, sampler_feed
 from .kvcache import CacheState, compaction_slots, in_place_moves
 from .ort import KV_DTYPES, session_options
 
 _HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
 _D2D = 3  # cudaMemcpyDeviceToDevice
+#: Where the KV cache and the hidden states are bound: ONNX Runtime's device names (OrtDevice).
+IO_DEVICES = ("cuda", "cpu")
 
 
 def _load_cudart() -> ctypes.CDLL:
@@ -55,6 +59,34 @@ def _load_cudart() -> ctypes.CDLL:
         return lib
     raise BackendUnavailableError("the CUDA runtime library (libcudart) was not found; install onnxruntime-gpu "
                                   "with its CUDA 12 dependencies")
+
+
+class _CudaCopies:
+    """Strided device-to-device copies with libcudart's ``cudaMemcpy2D`` (``io_device="cuda"``)."""
+
+    def __init__(self):
+        self.lib = _load_cudart()
+
+    def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        err = self.lib.cudaMemcpy2D(dst, dpitch, src, spitch, width, height, _D2D)
+        if err:
+            raise RuntimeError(f"cudaMemcpy2D failed with CUDA error {err}")
+
+    def sync(self) -> None:
+        self.lib.cudaDeviceSynchronize()
+
+
+class _HostCopies:
+    """The same copies on host memory (``io_device="cpu"``): ``height`` ``memmove``s of ``width`` bytes."""
+
+    @staticmethod
+    def copy_2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+    @staticmethod
+    def sync() -> None:
+        """Nothing queued: host copies are done when they return."""
 
 
 class DeviceRows(NamedTuple):
@@ -97,12 +129,12 @@ class DeviceKVCache(CacheState):
         super().__init__(capacity)
         shape = [engine.num_layers, capacity, engine.num_kv_heads, engine.head_dim]
         dtype = engine.kv_dtype.type
-        self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", engine.device_id)
-        self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", engine.device_id)
+        self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, engine.io_device, engine.device_id)
+        self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, engine.io_device, engine.device_id)
         self.num_layers = engine.num_layers
         self.row_bytes = engine.num_kv_heads * engine.head_dim * engine.kv_dtype.itemsize
         self.layer_bytes = capacity * self.row_bytes
-        self._cudart = engine.cudart
+        self._copies = engine.copies
 
     def ptr(self, which: str, layer: int, slot: int) -> int:
         """Device address of ``which`` ("key"/"value") at (layer, slot)."""
@@ -119,13 +151,11 @@ class DeviceKVCache(CacheState):
         for src, dst in moves:
             for buf in (self.keys, self.values):
                 base = buf.data_ptr()
-                err = self._cudart.cudaMemcpy2D(base + (self.length + dst) * self.row_bytes, self.layer_bytes,
-                                                 base + (self.length + src) * self.row_bytes, self.layer_bytes,
-                                                 self.row_bytes, self.num_layers, _D2D)
-                if err:
-                    raise RuntimeError(f"cudaMemcpy2D failed with CUDA error {err}")
+                self._copies.copy_2d(base + (self.length + dst) * self.row_bytes, self.layer_bytes,
+                                     base + (self.length + src) * self.row_bytes, self.layer_bytes,
+                                     self.row_bytes, self.num_layers)
         if moves:
-            self._cudart.cudaDeviceSynchronize()
+            self._copies.sync()
         self._advance(accepted, token_ids)
 
 
@@ -136,15 +166,20 @@ class OrtCudaEngine:
         artifact: a loaded artifact.
         device_id: the CUDA device.
         threads: intra-op threads for the CPU parts.
+        io_device: "cuda" (deployment), or "cpu": the same bindings on ONNX Runtime's CPU device and provider,
+            so that CI runs this code (:data:`IO_DEVICES`).
 
     Raises:
         BackendUnavailableError: onnxruntime has no CUDA provider here, or libcudart is missing.
+        InvalidSettingError: an unknown ``io_device``.
     """
 
-    def __init__(self, artifact: Artifact, device_id: int = 0, threads: int | None = None):
+    def __init__(self, artifact: Artifact, device_id: int = 0, threads: int | None = None, io_device: str = "cuda"):
         import onnxruntime as ort
 
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
+        if io_device not in IO_DEVICES:
+            raise InvalidSettingError(f"io_device must be one of {', '.join(IO_DEVICES)}, got {io_device!r}")
+        if io_device == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendUnavailableError(
                 "onnxruntime has no CUDAExecutionProvider here (available: "
                 f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu on a machine with an NVIDIA GPU"
@@ -162,9 +197,11 @@ class OrtCudaEngine:
         self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(artifact.manifest)
         self.has_sampler = False
         self.hidden_size = m.hidden_size
-        self.device_id = device_id
-        self.cudart = _load_cudart()
-        providers = [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
+        self.io_device = io_device
+        self.device_id = device_id if io_device == "cuda" else 0
+        self.copies = _CudaCopies() if io_device == "cuda" else _HostCopies()
+        providers = ([("CUDAExecutionProvider", {"device_id": device_id})] if io_device == "cuda" else []) + [
+            "CPUExecutionProvider"]
         opts = session_options(threads)
         self.step_session = ort.InferenceSession(str(artifact.file("model")), opts, providers=providers)
         if artifact.head_type != "medusa":
@@ -174,6 +211,9 @@ class OrtCudaEngine:
 
     def make_cache(self, capacity: int) -> DeviceKVCache:
         return DeviceKVCache(self, capacity)
+
+    def close(self) -> None:
+        """Nothing to free explicitly: the caches' OrtValues free their device memory when dropped."""
 
     def step(self, input_ids, position_ids, mask, temperature, past: DevicePast) -> StepResult:
         cache, p = past
@@ -187,14 +227,14 @@ class OrtCudaEngine:
             io.bind_cpu_input(name, value)
         for name in _HOST_OUTPUTS:
             io.bind_output(name, "cpu")
-        io.bind_output("hidden_states", "cuda", self.device_id)
+        io.bind_output("hidden_states", self.io_device, self.device_id)
         shape = lambda n: [1, n, self.num_kv_heads, self.head_dim]  # noqa: E731
         for i in range(self.num_layers):
             for which in ("key", "value"):
-                io.bind_input(f"past_key_values.{i}.{which}", "cuda", self.device_id, self.kv_dtype.type, shape(p),
-                              cache.ptr(which, i, 0))
-                io.bind_output(f"new_key_values.{i}.{which}", "cuda", self.device_id, self.kv_dtype.type, shape(s),
-                               cache.ptr(which, i, p))
+                io.bind_input(f"past_key_values.{i}.{which}", self.io_device, self.device_id, self.kv_dtype.type,
+                              shape(p), cache.ptr(which, i, 0))
+                io.bind_output(f"new_key_values.{i}.{which}", self.io_device, self.device_id, self.kv_dtype.type,
+                               shape(s), cache.ptr(which, i, p))
         self.step_session.run_with_iobinding(io)
         outs = io.get_outputs()  # in binding order
         topk_ids, topk_lp, entropy, token_lp = (outs[j].numpy()[0] for j in range(4))
@@ -203,7 +243,8 @@ class OrtCudaEngine:
 
     def heads(self, hidden: DeviceSlice, topk: int) -> np.ndarray:
         io = self.heads_session.io_binding()
-        io.bind_input("hidden_states", "cuda", self.device_id, self.kv_dtype.type, list(hidden.shape), hidden.ptr)
+        io.bind_input("hidden_states", self.io_device, self.device_id, self.kv_dtype.type, list(hidden.shape),
+                      hidden.ptr)
         io.bind_output("medusa_topk_ids", "cpu")
         self.heads_session.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()
