@@ -1,8 +1,9 @@
 """TensorRT stage: readiness check, trtexec commands and build script, profile/shape planning,
 device KV compaction plan, `engine` without TensorRT, `doctor`.
 
-TensorRT cannot be installed in this project's CI; the tests that need it (engine build,
-TrtEngine parity) are skipped with the reason printed. Everything else runs here.
+TensorRT cannot be installed in this project's CI: the engine build and the TrtEngine backend run
+end to end against the EMULATED TensorRT in tests/test_trt_emulated.py (token-exact against ONNX
+Runtime there). Everything here runs without TensorRT.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from medusa_runtime.engines.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileE
                                      model_profiles, profile_shapes, select_profile)
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
-NO_TRT = "TensorRT is not installed here (its libraries are not on the reachable registries); needs TensorRT 10.x and a GPU"
 
 
 @pytest.fixture
@@ -145,7 +145,8 @@ def test_profiles_follow_the_manifest(tiny_trt_artifact):
     t, ctx = m["tree"]["size"], m["model"]["max_context"]
     prefill, tree_step, decode = model_profiles(m)
     # the prefill profile admits a past (a later turn's prompt after an existing cache)
-    assert prefill.dims == {"S": (1, ctx // 2, ctx), "P": (0, (ctx - 1) // 2, ctx - 1)}
+    # ... and is tuned (opt) for a real prefill: no past (P = 0)
+    assert prefill.dims == {"S": (1, ctx // 2, ctx), "P": (0, 0, ctx - 1)}
     assert tree_step.dims["S"] == (t, t, t) and tree_step.dims["P"][::2] == (0, ctx - t)
     assert decode.dims["S"] == (1, 1, 1)
     profiles = [prefill, tree_step, decode]
@@ -242,7 +243,9 @@ def _expected_shapes(m: dict, graph: str) -> list[dict]:
     if graph == "heads":
         ranges = [{"R": (1, 1, m["tree"]["size"])}]
     else:
-        ranges = [{s: (lo, lo + (hi - lo) // 2, hi) for s, (lo, hi) in m["graphs"]["model"]["profiles"][n].items()}
+        # opt is the middle of each range, but the prefill's past: a real prefill has none (P = 0)
+        ranges = [{s: (lo, lo if (n, s) == ("prefill", "P") else lo + (hi - lo) // 2, hi)
+                   for s, (lo, hi) in m["graphs"]["model"]["profiles"][n].items()}
                   for n in ("prefill", "tree_step", "decode")]
     out = []
     for r in ranges:
@@ -396,27 +399,6 @@ def test_trt_backend_says_what_is_missing(tiny_trt_artifact):
 
     with pytest.raises(BackendUnavailableError, match="TensorRT"):
         TrtEngine(load_artifact(tiny_trt_artifact))
-
-
-def test_trt_engine_matches_onnxruntime(art):
-    """Build fp32 engines and compare greedy Medusa output with ONNX Runtime (needs TensorRT + GPU)."""
-    pytest.importorskip("tensorrt", reason=NO_TRT)
-    pytest.importorskip("cuda", reason="cuda-python is not installed (pip install cuda-python)")
-    from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.engines.trt import TrtEngine
-    from medusa_runtime.loop import generate
-
-    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
-    a = load_artifact(art)
-    assert a.manifest.engines["fp32"]["status"] == "built"
-    trt_engine = TrtEngine(a, precision="fp32")
-    try:
-        for prompt in ([5, 6, 7], list(range(10, 40))):
-            ref = generate(OrtEngine(a), prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
-            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
-            assert got.tokens == ref.tokens
-    finally:
-        trt_engine.close()
 
 
 def test_readiness_line_says_not_applicable_for_ort_only_flavours():

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
-from medusa_runtime.errors import ArtifactError
+from medusa_runtime.engines.cuda import device_key, import_cudart
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_sources, profile_shapes
+from medusa_runtime.errors import ArtifactError, BackendUnavailableError
 from medusa_runtime.manifest import Manifest, as_manifest
 
 from .commands import fp32_node_names, strongly_typed
@@ -37,14 +38,11 @@ class EngineBuildError(ArtifactError):
 
 
 def _cudart():
+    """cuda-python's runtime module, or None when it is not installed."""
     try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart
-        except ImportError:
-            return None
-    return cudart
+        return import_cudart("tensorrt")
+    except BackendUnavailableError:
+        return None
 
 
 def tensorrt_version() -> str | None:
@@ -62,12 +60,7 @@ def gpu_key(device: int = 0) -> dict:
     cudart = _cudart()
     if cudart is None:
         return {"gpu": "unknown", "compute_capability": "unknown"}
-    err, props = cudart.cudaGetDeviceProperties(device)
-    if int(err) != 0:
-        return {"gpu": "unknown", "compute_capability": "unknown"}
-    name = props.name
-    name = (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).rstrip("\x00")
-    return {"gpu": name, "compute_capability": f"{props.major}.{props.minor}"}
+    return device_key(cudart, device)
 
 
 def _pin_fp32(network, names: set[str]) -> None:
@@ -278,10 +271,11 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
     record = {
         "status": "built",
         "backend": "tensorrt",
-        # The plan's key (checked when the runtime loads it: medusa_runtime.engines.trt_plan.check_plan_key).
+        # The plan's key (checked when the runtime loads it: medusa_runtime.engines.trt_plan.plan_key_mismatches).
         "tensorrt": tensorrt_version(),
         **gpu_key(cfg.device_id),
         "precision": cfg.precision,
+        "sources": plan_sources(manifest),
         "model_plan": graphs["model"]["plan"],
         "heads_plan": graphs["heads"]["plan"],
         "build_seconds": round(sum(g["build_seconds"] for g in graphs.values()), 1),

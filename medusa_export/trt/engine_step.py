@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_runtime.artifact import load_artifact
-from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, plan_files, profiles_json
 from medusa_runtime.manifest import Manifest
 
 from ..validation.manifest_update import update_manifest
@@ -42,8 +42,7 @@ def _pending_record(manifest: Manifest, cfg: EngineConfig, files: list[str]) -> 
         "precision": cfg.precision,
         "model_plan": plans["model"],
         "heads_plan": plans["heads"],
-        "profiles": {g: [{"name": p.name, "dims": {s: list(r) for s, r in p.dims.items()}}
-                         for p in graph_profiles(manifest, g)] for g in ("model", "heads")},
+        "profiles": profiles_json(manifest),
         "trtexec": files[0],
         "script": BUILD_SCRIPT,
         "build": f"bash {BUILD_SCRIPT} {cfg.precision}",

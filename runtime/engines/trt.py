@@ -1,13 +1,13 @@
 """TensorRT backend: the artifact's engine plans behind the loop's Engine interface.
 
-NOT EXECUTED in this project's CI or development machines (no TensorRT there, and no
-GPU for this backend's development): written against TensorRT 10's Python API
-(``Runtime.deserialize_cuda_engine``, ``create_execution_context(USER_MANAGED)``,
-``set_optimization_profile_async``, ``set_input_shape``, ``set_tensor_address``,
-``execute_async_v3``) and cuda-python's CUDA runtime bindings (``cudaMalloc``,
-``cudaMemcpyAsync``, ``cudaMemcpy2DAsync``, streams). The pure parts (profile selection,
-shapes, buffer layout, compaction copies) live in :mod:`medusa_runtime.engines.trt_plan` and are
-tested without TensorRT.
+Written against TensorRT 10's Python API (``Runtime.deserialize_cuda_engine``,
+``create_execution_context(USER_MANAGED)``, ``set_optimization_profile_async``, ``set_input_shape``,
+``set_tensor_address``, ``infer_shapes``, ``execute_async_v3``) and cuda-python's CUDA runtime
+bindings (:mod:`.cuda`). CI executes it against the EMULATED TensorRT and CUDA runtime under
+``tests/emulated`` (a test double on host memory running the ONNX with ONNX Runtime:
+tests/test_trt_emulated.py), never against TensorRT itself; no GPU has run it. The pure parts
+(profile selection, shapes, buffer layout, compaction copies, the plan key) live in
+:mod:`medusa_runtime.engines.trt_plan`.
 
 Device memory: cuda-python (NVIDIA's own bindings, used by TensorRT's samples) rather than
 a tensor library: the backend needs only malloc, async copies (including the strided 2-D
@@ -22,12 +22,21 @@ Layout and data flow per step:
   planes 256-byte aligned as TensorRT requires): a layer's past ``[1, P, H_kv, D]`` is the
   plane's start, bound without a copy;
 * a prefill (P = 0) writes its new K/V straight into the cache planes; a tree or decode
-  step writes into a separate buffer of T rows (TensorRT needs aligned output addresses,
+  step writes into a separate buffer of S rows (the step's own size, grown on demand) (TensorRT needs aligned output addresses,
   and slot P of a plane is not), and the accepted nodes are then copied into slots
   [P, P + n) with one ``cudaMemcpy2DAsync`` per run of consecutive nodes, all planes at once;
-* inputs (tokens, positions, mask, temperature) go host -> device; the acceptance outputs
-  (top-k ids and log-probs, entropy, token log-probs: a few KB) come back to the host;
-  the hidden states stay on the device and the heads engine reads the accepted row.
+* inputs (tokens, positions, mask, temperature) go host -> device from pinned host buffers; the
+  acceptance outputs (top-k ids and log-probs, entropy; token log-probs [S, S] only after a past,
+  where a tree step's typical acceptance reads them, never for a prefill) come back into pinned
+  host buffers; every other output (``sampled_ids``) gets a device address, as ``enqueueV3``
+  requires, and stays there; the hidden states stay on the device and the heads engine reads
+  the accepted row.
+
+Ownership: a :class:`TrtKVCache` owns its device allocation until :meth:`TrtKVCache.free`
+(called by the loop when a generation it started ends, by :meth:`TrtEngine.release` for the
+batch scheduler's rows, by ``MedusaSession.close`` for the chat cache); :meth:`TrtEngine.close`
+frees what is still live. Every entry point sets the engine's device in the calling thread
+(:meth:`.cuda.Cuda.use`), so a batch server's or Triton's thread works on the engine's GPU.
 """
 
 from __future__ import annotations
@@ -40,9 +49,14 @@ import numpy as np
 from ..artifact import Artifact, step_limits
 from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError
 from .base import StepResult, sampler_feed
-from .trt_plan import (KVLayout, align, compaction_copies, heads_profiles, kv_bindings, model_profiles, plan_files,
-                       select_profile)
+from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
+from .kvcache import CacheState
+from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, heads_profiles, kv_bindings, model_profiles,
+                       plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
 
+__all__ = ["TrtEngine", "TrtKVCache", "DeviceRows", "DeviceSlice", "PlanMismatchError"]
+
+#: Step outputs copied to the host; ``token_logprobs`` only after a past (:meth:`TrtEngine.step`).
 _HOST_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs")
 
 
@@ -55,105 +69,6 @@ def _import_tensorrt():
     return trt
 
 
-def _import_cudart():
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
-    except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            raise BackendUnavailableError("the tensorrt backend needs cuda-python for device memory "
-                                          "(pip install cuda-python)") from None
-    return cudart
-
-
-class _Cuda:
-    """The few CUDA runtime calls the backend makes, with errors raised (cuda-python returns codes)."""
-
-    def __init__(self, device: int):
-        self.rt = _import_cudart()
-        self._call(self.rt.cudaSetDevice(device), "cudaSetDevice")
-        self.stream = self._call(self.rt.cudaStreamCreate(), "cudaStreamCreate")
-        self.D2D = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        self.H2D = self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        self.D2H = self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-
-    @staticmethod
-    def _call(result, what: str):
-        err, *rest = result
-        if int(err) != 0:
-            raise RuntimeError(f"{what} failed: CUDA error {getattr(err, 'name', err)}")
-        return rest[0] if len(rest) == 1 else None
-
-    @property
-    def stream_handle(self) -> int:
-        s = self.stream
-        try:
-            return int(s)
-        except TypeError:
-            return int(s.getPtr())
-
-    def malloc(self, nbytes: int) -> int:
-        return int(self._call(self.rt.cudaMalloc(max(int(nbytes), 1)), "cudaMalloc"))
-
-    def free(self, ptr: int) -> None:
-        self._call(self.rt.cudaFree(ptr), "cudaFree")
-
-    def copy(self, dst: int, src: int, nbytes: int, kind) -> None:
-        if nbytes:
-            self._call(self.rt.cudaMemcpyAsync(dst, src, nbytes, kind, self.stream), "cudaMemcpyAsync")
-
-    def copy_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
-        self._call(self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self.D2D, self.stream),
-                   "cudaMemcpy2DAsync")
-
-    def sync(self) -> None:
-        self._call(self.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
-
-    def close(self) -> None:
-        self.rt.cudaStreamDestroy(self.stream)
-
-
-class _Buffers:
-    """Named device buffers that grow on demand (step inputs and outputs of varying S)."""
-
-    def __init__(self, cuda: _Cuda):
-        self.cuda, self.ptrs, self.sizes = cuda, {}, {}
-
-    def get(self, key: str, nbytes: int) -> int:
-        if self.sizes.get(key, -1) < nbytes:
-            if key in self.ptrs:
-                self.cuda.sync()  # the old buffer may still be read by queued work
-                self.cuda.free(self.ptrs[key])
-            self.sizes[key] = align(max(nbytes, 1))
-            self.ptrs[key] = self.cuda.malloc(self.sizes[key])
-        return self.ptrs[key]
-
-    def free(self) -> None:
-        for p in self.ptrs.values():
-            self.cuda.free(p)
-        self.ptrs.clear()
-        self.sizes.clear()
-
-
-class DeviceRows(NamedTuple):
-    """The step's hidden states [S, d] on the device; ``rows[a:b]`` is a [b - a, d] :class:`DeviceSlice`."""
-
-    ptr: int
-    rows: int
-    width: int
-    itemsize: int
-
-    def __getitem__(self, index: slice) -> "DeviceSlice":
-        start, stop, _ = index.indices(self.rows)
-        return DeviceSlice(self.ptr + start * self.width * self.itemsize, (stop - start, self.width))
-
-
-class DeviceSlice(NamedTuple):
-    ptr: int
-    shape: tuple[int, int]
-
-
 class TrtPast(NamedTuple):
     """What :meth:`TrtKVCache.past` hands to the engine: the cache and its valid length."""
 
@@ -162,83 +77,122 @@ class TrtPast(NamedTuple):
 
 
 class TrtNewKV(NamedTuple):
-    """Where a step left its new K/V: in the cache itself (prefill) or the engine's step buffer."""
+    """Where a step left its new K/V: in the cache itself (prefill, ``layout`` None) or the engine's step
+    buffer (laid out as ``layout``: S rows per plane)."""
 
     in_place: bool
     past_len: int
     rows: int
+    layout: KVLayout | None
 
 
-class TrtKVCache:
-    """The KV cache in device memory; same interface as :class:`medusa_runtime.engines.kvcache.KVCache`."""
+class TrtKVCache(CacheState):
+    """The KV cache in device memory (one allocation, :class:`~.trt_plan.KVLayout`), owned until :meth:`free`.
+
+    Same interface as :class:`medusa_runtime.engines.kvcache.KVCache` (a :class:`CacheState` with
+    ``past()`` and ``keep()``). :meth:`free` returns the memory (idempotent); the engine frees the caches
+    still live when it is closed.
+    """
 
     def __init__(self, engine: "TrtEngine", capacity: int):
+        super().__init__(capacity)
         self.engine = engine
         self.layout = KVLayout(engine.num_layers, engine.num_kv_heads, engine.head_dim, engine.kv_dtype.itemsize,
                                capacity)
         self.ptr = engine.cuda.malloc(self.layout.total_bytes)
-        self.capacity = capacity
-        self.length = 0
-        self.tokens: list[int] = []
+        engine._caches.add(self)
 
     def past(self) -> TrtPast:
+        if not self.ptr:
+            raise RuntimeError("this TensorRT KV cache was freed")
         return TrtPast(self, self.length)
 
     def keep(self, new_kv: TrtNewKV, accepted: np.ndarray, token_ids=None) -> None:
-        """KV compaction on the device: accepted node ``accepted[i]`` -> slot ``length + i``."""
+        """KV compaction on the device: accepted node ``accepted[i]`` -> slot ``length + i``.
+
+        Raises:
+            RuntimeError: ``new_kv`` came from a step over another past length.
+            ContextOverflowError: the accepted nodes do not fit.
+        """
         if new_kv.past_len != self.length:
             raise RuntimeError(f"step output was for past length {new_kv.past_len}, the cache holds {self.length}")
         self.engine.compact(self, new_kv, np.asarray(accepted))
-        self.length += len(accepted)
-        self.tokens.extend([int(t) for t in token_ids] if token_ids is not None else [-1] * len(accepted))
-
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
-        self.length = length
-        del self.tokens[length:]
+        self._advance(accepted, token_ids)
 
     def free(self) -> None:
+        """Return the device memory (after the queued work that may read it); the cache is unusable afterwards."""
         if self.ptr:
-            self.engine.cuda.sync()
-            self.engine.cuda.free(self.ptr)
+            cuda = self.engine.cuda
+            cuda.use()
+            cuda.sync()
+            cuda.free(self.ptr)
             self.ptr = 0
+            self.engine._caches.discard(self)
 
 
 class _Graph:
     """One deserialized engine with an execution context per optimization profile."""
 
-    def __init__(self, trt, runtime, cuda: _Cuda, path: Path, profiles):
+    def __init__(self, trt, runtime, cuda: Cuda, path: Path, profiles):
         engine = runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
-            raise ArtifactError(f"TensorRT could not load {path}: a plan only runs with the TensorRT version and GPU "
-                                f"model it was built for; rebuild it with `medusa-export engine`")
+            raise ArtifactError(f"TensorRT could not load {path} (truncated, corrupt, or built by another TensorRT "
+                                f"version or for another GPU model; TensorRT's log above says which): rebuild it "
+                                f"with `medusa-export engine` on this machine")
         if engine.num_optimization_profiles != len(profiles):
             raise ArtifactError(f"{path} has {engine.num_optimization_profiles} optimization profiles, the manifest "
-                                f"describes {len(profiles)} ({', '.join(p.name for p in profiles)})")
+                                f"describes {len(profiles)} ({', '.join(p.name for p in profiles)}): rebuild it "
+                                f"with `medusa-export engine`")
         self.engine, self.profiles = engine, profiles
-        self.dtypes = {}
+        self.dtypes, self.inputs, self.outputs = {}, [], []
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             self.dtypes[name] = np.dtype(trt.nptype(engine.get_tensor_dtype(name)))
+            is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+            (self.inputs if is_input else self.outputs).append(name)
         self.contexts = []
         for i in range(len(profiles)):
             ctx = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-            ctx.set_optimization_profile_async(i, cuda.stream_handle)
+            if not ctx.set_optimization_profile_async(i, cuda.stream_handle):
+                raise ArtifactError(f"{path}: TensorRT refused optimization profile {i} ({profiles[i].name})")
             self.contexts.append(ctx)
 
     def scratch_bytes(self) -> int:
         e = self.engine
-        if hasattr(e, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1
+        if hasattr(e, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1 (device_memory_size: gone in 11)
             return max(e.get_device_memory_size_for_profile_v2(i) for i in range(len(self.profiles)))
-        return getattr(e, "device_memory_size_v2", None) or e.device_memory_size
+        return e.device_memory_size
 
     def share_scratch(self, ptr: int, nbytes: int) -> None:
         for ctx in self.contexts:
-            if hasattr(ctx, "set_device_memory"):  # TensorRT >= 10.1
+            if hasattr(ctx, "set_device_memory"):  # TensorRT >= 10.1 (setDeviceMemoryV2)
                 ctx.set_device_memory(ptr, nbytes)
             else:
                 ctx.device_memory = ptr
+
+    def bind_outputs(self, ctx, buf: Buffers, prefix: str, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
+        """Give every output not in ``skip`` a device buffer of its inferred shape (setTensorAddress: "each
+        output must have a non-null address or an IOutputAllocator" before enqueueV3); name -> (shape, ptr)."""
+        out = {}
+        for name in self.outputs:
+            if name in skip:
+                continue
+            shape = tuple(ctx.get_tensor_shape(name))
+            ptr = buf.get(f"{prefix}.{name}", int(np.prod(shape, dtype=np.int64)) * self.dtypes[name].itemsize)
+            ctx.set_tensor_address(name, ptr)
+            out[name] = (shape, ptr)
+        return out
+
+
+def _check_plan_key(record: dict, current: dict, folder: Path, precision: str) -> None:
+    """Raise :class:`PlanMismatchError` when the plans' build record differs from this machine or artifact."""
+    diffs = plan_key_mismatches(record, current)
+    if diffs:
+        raise PlanMismatchError(
+            f"the {precision} TensorRT plans in {folder / 'engines'} were built for another machine or artifact: "
+            f"{'; '.join(diffs)}. A plan runs only with the TensorRT version, GPU model, precision, profiles and "
+            f"graphs it was built for: rebuild it here with `medusa-export engine --artifact {folder} --precision "
+            f"{precision}` (or `bash engines/build_engine.sh {precision}`)")
 
 
 class TrtEngine:
@@ -246,22 +200,26 @@ class TrtEngine:
 
     Args:
         artifact: a loaded artifact whose engines were built (``medusa-export engine``).
-        precision: which engines ("fp16", "int8", "fp32").
+        precision: which engines ("fp16", "int8", "fp32"; None: the first built, :func:`~.trt_plan.default_precision`).
         device_id: the CUDA device.
         **_: options of other backends (``threads``), ignored.
 
     Raises:
         BackendUnavailableError: TensorRT or cuda-python is missing.
-        ArtifactError: the plans are missing or do not load.
+        InvalidSettingError: ``device_id`` is not a device of this machine.
+        PlanMismatchError: the plans' record names another TensorRT version, GPU, precision, profiles or graph
+            checksums than this machine and artifact (the message says what and how to rebuild).
+        ArtifactError: the plans are missing or do not load (truncated, corrupt).
     """
 
     #: The tree's shape is fixed when the plans are built (their optimization profiles): the runtime's
     #: default runs the artifact's tree instead of timing other sizes (:mod:`medusa_runtime.treecache`).
     fixed_tree = True
 
-    def __init__(self, artifact: Artifact, precision: str = "fp16", device_id: int = 0, **_):
+    def __init__(self, artifact: Artifact, precision: str | None = None, device_id: int = 0, **_):
         trt = _import_tensorrt()
         manifest = artifact.manifest
+        precision = precision or default_precision(manifest)
         plans = {g: artifact.path / rel for g, rel in plan_files(manifest, precision).items()}
         missing = [str(p) for p in plans.values() if not p.is_file()]
         if missing:
@@ -275,90 +233,127 @@ class TrtEngine:
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
         self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(manifest)
         self.has_sampler = False
-        self.cuda = _Cuda(device_id)
-        self._logger = trt.Logger(trt.Logger.WARNING)
-        self._runtime = trt.Runtime(self._logger)
-        self.model = _Graph(trt, self._runtime, self.cuda, plans["model"], model_profiles(manifest))
-        self.heads_graph = _Graph(trt, self._runtime, self.cuda, plans["heads"], heads_profiles(manifest))
-        scratch = max(self.model.scratch_bytes(), self.heads_graph.scratch_bytes())
-        self._scratch = self.cuda.malloc(scratch)
+        self.cuda = Cuda(device_id, "tensorrt")
+        self._caches: set[TrtKVCache] = set()
+        self._buf = Buffers(self.cuda)
+        self._host = Buffers(self.cuda, pinned=True)
+        self._scratch = 0
+        try:  # the stream is destroyed when the plans are refused
+            current = {"tensorrt": trt.__version__, **self.cuda.device_name(), "precision": precision,
+                       "profiles": profiles_json(manifest), "sources": plan_sources(manifest)}
+            _check_plan_key((manifest.engines or {}).get(precision, {}), current, artifact.path, precision)
+            self._logger = trt.Logger(trt.Logger.WARNING)
+            self._runtime = trt.Runtime(self._logger)
+            self.model = _Graph(trt, self._runtime, self.cuda, plans["model"], model_profiles(manifest))
+            self.heads_graph = _Graph(trt, self._runtime, self.cuda, plans["heads"], heads_profiles(manifest))
+            scratch = max(self.model.scratch_bytes(), self.heads_graph.scratch_bytes())
+            self._scratch = self.cuda.malloc(scratch)
+        except BaseException:
+            self.cuda.close()
+            raise
         self.model.share_scratch(self._scratch, scratch)
         self.heads_graph.share_scratch(self._scratch, scratch)
         self.kv_dtype = self.model.dtypes["past_key_values.0.key"]
         self.hidden_dtype = self.model.dtypes["hidden_states"]
-        # Tree / decode steps (P > 0) write new K/V here; a prefill (P = 0) writes into the cache.
-        step_rows = max(p.dims["S"][2] for p in self.model.profiles if p.dims["P"][2] > 0)
-        self.new_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype.itemsize, step_rows)
-        self._new_kv = self.cuda.malloc(self.new_layout.total_bytes)
-        self._buf = _Buffers(self.cuda)
 
     def make_cache(self, capacity: int) -> TrtKVCache:
         """A device KV cache of ``capacity`` tokens (the loop calls this instead of making a numpy one)."""
+        self.cuda.use()
         return TrtKVCache(self, capacity)
 
+    def release(self, cache: TrtKVCache) -> None:
+        """Free a cache of :meth:`make_cache` (its sequence has ended)."""
+        cache.free()
+
+    @property
+    def live_caches(self) -> int:
+        """Caches of :meth:`make_cache` not freed yet."""
+        return len(self._caches)
+
     def _bind_input(self, ctx, key: str, name: str, arr: np.ndarray) -> None:
-        arr = np.ascontiguousarray(arr)
+        """Stage ``arr`` in a pinned host buffer, queue its copy to a device buffer and bind it as ``name``."""
+        host = self._host.host_array(key, arr.shape, arr.dtype)
+        host[...] = arr
         ptr = self._buf.get(key, arr.nbytes)
-        self.cuda.copy(ptr, arr.ctypes.data, arr.nbytes, self.cuda.H2D)
+        self.cuda.copy(ptr, host.ctypes.data, arr.nbytes, self.cuda.H2D)
         ctx.set_input_shape(name, arr.shape)
         ctx.set_tensor_address(name, ptr)
 
     def step(self, input_ids, position_ids, mask, temperature, past: TrtPast) -> StepResult:
+        """One step of S tokens after the cache's P valid slots (see the module docstring for the data flow).
+
+        Returns:
+            :class:`StepResult` with host arrays (topk_ids [S, k], topk_logprobs [S, k], entropy [S];
+            token_logprobs [S, S] after a past, [S, 0] for a prefill (P = 0), which the loop never reads),
+            ``hidden`` a :class:`DeviceRows` [S, d] valid until the next step, ``new_kv`` a :class:`TrtNewKV`.
+
+        Raises:
+            TypeError: ``past`` is not a :class:`TrtKVCache`'s.
+            ContextOverflowError: the step does not fit the cache.
+            ShapeOutOfProfileError: no profile covers (S, P).
+            CudaError: TensorRT refused the step (its log says why) or a CUDA call failed.
+        """
         if not isinstance(past, TrtPast):
             raise TypeError("TrtEngine keeps the KV cache on the device: use the cache from engine.make_cache()")
+        self.cuda.use()
         cache, p = past
         s = int(input_ids.shape[1])
         if p + s > cache.capacity:
             raise ContextOverflowError(f"a step of {s} tokens does not fit after {p} of {cache.capacity} slots")
-        ctx = self.model.contexts[select_profile(self.model.profiles, {"S": s, "P": p})]
-        dt = self.model.dtypes
+        g = self.model
+        ctx = g.contexts[select_profile(g.profiles, {"S": s, "P": p})]
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "new_token_mask": mask,
                  "temperature": np.array([temperature]), **(sampler_feed(s, None) if self._graph_sampler else {})}
         for name, arr in feeds.items():
-            self._bind_input(ctx, f"model.{name}", name, np.asarray(arr, dtype=dt[name]))
-        kv_shape = lambda n: (1, n, self.num_kv_heads, self.head_dim)  # noqa: E731
+            self._bind_input(ctx, f"model.{name}", name, np.asarray(arr, dtype=g.dtypes[name]))
+        kv_shape = (1, p, self.num_kv_heads, self.head_dim)
         in_place = p == 0
-        # An empty past (prefill) is bound to the step buffer, so that no input aliases the
-        # cache planes the prefill writes; zero-volume tensors are never read.
-        past_base = self._new_kv if in_place else cache.ptr
-        for name, off in kv_bindings(cache.layout, "past_key_values").items():
-            ctx.set_input_shape(name, kv_shape(p))
-            ctx.set_tensor_address(name, past_base + (0 if in_place else off))
-        if not in_place and s > self.new_layout.slots:
-            raise ContextOverflowError(f"a step of {s} tokens after a past exceeds the engine's {self.new_layout.slots}-row "
-                                       "K/V output buffer")
-        base, layout = (cache.ptr, cache.layout) if in_place else (self._new_kv, self.new_layout)
-        for name, off in kv_bindings(layout, "new_key_values").items():
+        if in_place:  # new K/V straight into the cache; the empty past is bound to a 1-byte-sized dummy
+            layout, base, past_base = None, cache.ptr, self._buf.get("model.empty_past", 1)
+            past_offsets = dict.fromkeys(kv_bindings(cache.layout, "past_key_values"), 0)
+            new_offsets = kv_bindings(cache.layout, "new_key_values")
+        else:  # new K/V into a step buffer of S rows per plane, then the accepted rows are compacted
+            layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype.itemsize, s)
+            base, past_base = self._buf.get("model.new_kv", layout.total_bytes), cache.ptr
+            past_offsets = kv_bindings(cache.layout, "past_key_values")
+            new_offsets = kv_bindings(layout, "new_key_values")
+        for name, off in past_offsets.items():
+            ctx.set_input_shape(name, kv_shape)
+            ctx.set_tensor_address(name, past_base + off)
+        for name, off in new_offsets.items():
             ctx.set_tensor_address(name, base + off)
         missing = ctx.infer_shapes()
         if missing:
-            raise RuntimeError(f"TensorRT could not infer the shapes of {missing}")
-        host = {}
-        for name in (*_HOST_OUTPUTS, "hidden_states"):
-            shape = tuple(ctx.get_tensor_shape(name))
-            nbytes = int(np.prod(shape)) * dt[name].itemsize
-            ptr = self._buf.get(f"model.{name}", nbytes)
-            ctx.set_tensor_address(name, ptr)
-            if name != "hidden_states":
-                host[name] = (np.empty(shape, dt[name]), ptr)
+            raise CudaError(f"TensorRT could not infer the shapes of {missing}")
+        wanted = _HOST_OUTPUTS if not in_place else _HOST_OUTPUTS[:-1]
+        bound = g.bind_outputs(ctx, self._buf, "model", skip=tuple(new_offsets))
         if not ctx.execute_async_v3(self.cuda.stream_handle):
-            raise RuntimeError("TensorRT failed to enqueue the step")
-        for arr, ptr in host.values():
-            self.cuda.copy(arr.ctypes.data, ptr, arr.nbytes, self.cuda.D2H)
+            raise CudaError(f"TensorRT refused the step (S={s}, P={p}); its log above says why")
+        host = {}
+        for name in wanted:
+            shape, ptr = bound[name]
+            host[name] = self._host.host_array(f"model.out.{name}", shape, g.dtypes[name])
+            self.cuda.copy(host[name].ctypes.data, ptr, host[name].nbytes, self.cuda.D2H)
         self.cuda.sync()
-        out = {k: v[0][0] for k, v in host.items()}
-        hidden = DeviceRows(self._buf.ptrs["model.hidden_states"], s, self.hidden_size, self.hidden_dtype.itemsize)
-        return StepResult(out["topk_ids"], out["topk_logprobs"], out["entropy"], out["token_logprobs"], hidden,
-                          TrtNewKV(in_place, p, s))
+        out = {k: v[0].copy() for k, v in host.items()}  # the pinned buffers are reused by the next step
+        token_lp = out.get("token_logprobs", np.zeros((s, 0), g.dtypes["token_logprobs"]))
+        hidden = DeviceRows(bound["hidden_states"][1], s, self.hidden_size, self.hidden_dtype.itemsize)
+        return StepResult(out["topk_ids"], out["topk_logprobs"], out["entropy"], token_lp, hidden,
+                          TrtNewKV(in_place, p, s, layout))
 
     def compact(self, cache: TrtKVCache, new_kv: TrtNewKV, accepted: np.ndarray) -> None:
         """Queue the device copies of the accepted nodes' K/V into the cache (same stream as the steps)."""
-        src_base, src_layout = (cache.ptr, cache.layout) if new_kv.in_place else (self._new_kv, self.new_layout)
+        self.cuda.use()
+        if new_kv.in_place:
+            src_base, src_layout = cache.ptr, cache.layout
+        else:
+            src_base, src_layout = self._buf.ptrs["model.new_kv"], new_kv.layout
         for c in compaction_copies(src_layout, cache.layout, new_kv.past_len, accepted, in_place=new_kv.in_place):
             self.cuda.copy_2d(cache.ptr + c.dst_offset, c.dpitch, src_base + c.src_offset, c.spitch, c.width, c.height)
 
     def heads(self, hidden, topk: int) -> np.ndarray:
         """hidden: a :class:`DeviceSlice` of a step's hidden states (or a host array [R, d]) -> int64 [R, K, topk]."""
+        self.cuda.use()
         g = self.heads_graph
         r = int(hidden.shape[0])
         ctx = g.contexts[select_profile(g.profiles, {"R": r})]
@@ -370,26 +365,26 @@ class TrtEngine:
             ctx.set_tensor_address("hidden_states", ptr)
         else:
             self._bind_input(ctx, "heads.hidden_states", "hidden_states", np.asarray(hidden, self.hidden_dtype))
-        shape = tuple(ctx.get_tensor_shape("medusa_topk_ids"))
-        out = np.empty(shape, g.dtypes["medusa_topk_ids"])
-        ptr = self._buf.get("heads.medusa_topk_ids", out.nbytes)
-        ctx.set_tensor_address("medusa_topk_ids", ptr)
-        for name in g.dtypes:  # outputs this loop does not read (medusa_topk_logprobs): every output needs an address
-            if name not in ("hidden_states", "medusa_topk_ids"):
-                nbytes = int(np.prod(tuple(ctx.get_tensor_shape(name)))) * g.dtypes[name].itemsize
-                ctx.set_tensor_address(name, self._buf.get(f"heads.{name}", nbytes))
+        bound = g.bind_outputs(ctx, self._buf, "heads")  # medusa_topk_logprobs too: every output needs an address
         if not ctx.execute_async_v3(self.cuda.stream_handle):
-            raise RuntimeError("TensorRT failed to enqueue the heads")
+            raise CudaError(f"TensorRT refused the heads (R={r}); its log above says why")
+        shape, ptr = bound["medusa_topk_ids"]
+        out = self._host.host_array("heads.out.medusa_topk_ids", shape, g.dtypes["medusa_topk_ids"])
         self.cuda.copy(out.ctypes.data, ptr, out.nbytes, self.cuda.D2H)
         self.cuda.sync()
-        return out
+        return out.copy()
 
     def close(self) -> None:
-        """Free the device memory (the engine is unusable afterwards)."""
+        """Free every device and pinned buffer, the caches still live included (the engine is unusable afterwards)."""
+        if self.cuda.stream is None:
+            return
+        self.cuda.use()
         self.cuda.sync()
+        for cache in list(self._caches):
+            cache.free()
         self._buf.free()
-        for ptr in (self._new_kv, self._scratch):
-            self.cuda.free(ptr)
-        self._new_kv = self._scratch = 0
+        self._host.free()
+        self.cuda.free(self._scratch)
+        self._scratch = 0
         del self.model, self.heads_graph
         self.cuda.close()

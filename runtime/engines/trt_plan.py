@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import MedusaError
+from ..errors import ArtifactError, MedusaError
 from ..manifest import Manifest, TensorSpec, as_manifest
 from .kvcache import compaction_slots
 
@@ -31,6 +31,11 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, 
 
 class ShapeOutOfProfileError(MedusaError, ValueError):
     """No optimization profile of the engine covers a step's sizes; the message lists the profiles."""
+
+
+class PlanMismatchError(ArtifactError):
+    """A plan was built for another TensorRT version, GPU model, precision or set of profiles than this
+    machine and manifest: the message says what differs and how to rebuild."""
 
 
 @dataclass(frozen=True)
@@ -60,13 +65,20 @@ def _opt(lo: int, hi: int) -> int:
     return lo + (hi - lo) // 2
 
 
+#: Per profile, symbols whose opt size is the range's minimum instead of its middle: a real prefill (a
+#: first prompt) has no past, so the prefill profile is tuned for P = 0 (TensorRT picks kernels for opt).
+OPT_AT_MIN = {"prefill": ("P",)}
+
+
 def model_profiles(manifest: Manifest | dict) -> list[Profile]:
-    """The backbone step graph's profiles, in :data:`PROFILE_ORDER`."""
+    """The backbone step graph's profiles, in :data:`PROFILE_ORDER` (opt sizes: :data:`OPT_AT_MIN`, else the
+    middle of each range)."""
     spec = as_manifest(manifest).graphs["model"].profiles or {}
     unknown = set(spec) - set(PROFILE_ORDER)
     if unknown:
         raise MedusaError(f"manifest lists unknown profiles {sorted(unknown)}; known: {', '.join(PROFILE_ORDER)}")
-    return [Profile(name, {s: (lo, _opt(lo, hi), hi) for s, (lo, hi) in spec[name].items()})
+    return [Profile(name, {s: (lo, lo if s in OPT_AT_MIN.get(name, ()) else _opt(lo, hi), hi)
+                           for s, (lo, hi) in spec[name].items()})
             for name in PROFILE_ORDER if name in spec]
 
 
@@ -124,6 +136,16 @@ def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
     """Artifact-relative plan paths of ``precision``: the manifest's record, else the default names."""
     rec = (as_manifest(manifest).engines or {}).get(precision, {})
     return {g: rec.get(f"{g}_plan", f"{ENGINE_DIR}/{g}.{precision}.plan") for g in ("model", "heads")}
+
+
+#: The plans' precision when none is asked for and the manifest records no built plans.
+DEFAULT_PRECISION = "fp16"
+
+
+def default_precision(manifest: Manifest | dict) -> str:
+    """The precision of the first built plans in the manifest's engine records, else :data:`DEFAULT_PRECISION`."""
+    built = [p for p, rec in (as_manifest(manifest).engines or {}).items() if rec.get("status") == "built"]
+    return built[0] if built else DEFAULT_PRECISION
 
 
 def nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -242,3 +264,56 @@ def compaction_copies(new: KVLayout, cache: KVLayout, past_len: int, accepted: n
     return [Copy2D(dst_offset=(past_len + dst) * rb, dpitch=cache.plane_bytes, src_offset=src * rb,
                    spitch=new.plane_bytes, width=count * rb, height=new.planes)
             for src, dst, count in runs]
+
+
+def profiles_json(manifest: Manifest | dict) -> dict[str, list[dict]]:
+    """Per graph, the profiles a plan is built with (name and (min, opt, max) per symbol), as the build record
+    keeps them."""
+    return {g: [{"name": p.name, "dims": {s: list(r) for s, r in p.dims.items()}} for p in graph_profiles(manifest, g)]
+            for g in ("model", "heads")}
+
+
+def plan_sources(manifest: Manifest | dict) -> dict[str, str]:
+    """SHA-256 of the files a plan is built from (the model and heads graphs and their external weights), by
+    artifact-relative path, from the manifest's checksum table (files it does not list are left out)."""
+    m = as_manifest(manifest)
+    files = [m.graphs[g].file for g in ("model", "heads") if g in m.graphs]
+    if m.weights is not None:
+        files.append(m.weights.file)
+    return {f: m.checksums[f].sha256 for f in files if f in m.checksums}
+
+
+#: The parts of a plan's key, as (record field, what it is): a plan runs only where each is the same
+#: (TensorRT's developer guide: plans are "specific to the exact GPU model they were built on" and not
+#: portable "across platforms or TensorRT versions"; its profiles and graphs are the manifest's).
+PLAN_KEY = (("tensorrt", "TensorRT"), ("gpu", "GPU"), ("compute_capability", "compute capability"),
+            ("precision", "precision"), ("profiles", "optimization profiles"), ("sources", "graphs"))
+
+
+def plan_key_mismatches(record: dict, current: dict) -> list[str]:
+    """What differs between a plan's build record and this machine / artifact (``current``: the same fields).
+
+    A field the record lacks (a plan built by ``engines/build_engine.sh``, an older record) or that is
+    "unknown" on either side is not compared.
+
+    Args:
+        record: the manifest's ``engines[precision]`` entry (written by ``medusa-export engine``).
+        current: :data:`PLAN_KEY`'s fields for this machine and artifact.
+
+    Returns:
+        One phrase per differing field, e.g. ``"TensorRT 10.3.0 (this machine has 10.15.1)"``.
+    """
+    out = []
+    for field, what in PLAN_KEY:
+        built, here = record.get(field), current.get(field)
+        if built in (None, "unknown") or here in (None, "unknown") or built == here:
+            continue
+        if field == "profiles":
+            out.append(f"{what} (the manifest's profiles changed since the build)")
+        elif field == "sources":
+            changed = sorted(f for f in set(built) | set(here) if built.get(f) != here.get(f))
+            out.append(f"{what} {', '.join(changed)} (the plans were built from other files than this artifact's: "
+                       f"checksums differ)")
+        else:
+            out.append(f"{what} {built} (this machine has {here})")
+    return out

@@ -1,0 +1,352 @@
+"""The TensorRT backend and engine build run end to end against the EMULATED TensorRT and CUDA runtime.
+
+``tests/emulated`` holds a test double of TensorRT's Python API and of cuda-python's runtime module
+(host memory, the ONNX run by ONNX Runtime on the CPU; see its docstrings). It is put first on
+``sys.path`` for this module only (and removed afterwards, so the other test files see no TensorRT).
+What passes here is our use of the API as the emulation enforces it, NOT TensorRT: the emulated
+engine computes what ONNX Runtime does, so "token-exact" means our buffers, bindings, profiles and
+KV compaction are right, not that TensorRT's kernels match.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from medusa_export.cli.main import main
+from medusa_runtime.artifact import load_artifact
+from medusa_runtime.loop import generate
+from medusa_runtime.treespec import tree_from_spec
+
+EMULATED = Path(__file__).parent / "emulated"
+_EMULATED_MODULES = ("tensorrt", "cuda")
+
+
+def _drop_emulated_modules() -> None:
+    for name in [m for m in sys.modules if m.split(".")[0] in _EMULATED_MODULES]:
+        del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """(tensorrt, cuda.bindings.runtime): the emulated modules, importable for this module's tests only."""
+    sys.path.insert(0, str(EMULATED))
+    _drop_emulated_modules()
+    trt = importlib.import_module("tensorrt")
+    cudart = importlib.import_module("cuda.bindings.runtime")
+    assert trt.EMULATED and cudart.EMULATED
+    try:
+        yield trt, cudart
+    finally:
+        sys.path.remove(str(EMULATED))
+        _drop_emulated_modules()
+
+
+@pytest.fixture(scope="module")
+def engine_art(emulated, tiny_trt_artifact, tmp_path_factory):
+    """A copy of the tiny artifact (16-node tree) with fp32 plans built by the emulated builder."""
+    art = Path(shutil.copytree(tiny_trt_artifact, tmp_path_factory.mktemp("emulated") / "art"))
+    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
+    return art
+
+
+_START: dict[int, int] = {}
+
+
+def live_bytes_at_start(cudart) -> int:
+    """The emulated device bytes live when the running test's :func:`live_bytes` fixture started."""
+    return _START[id(cudart)]
+
+
+@pytest.fixture
+def live_bytes(emulated):
+    """The emulated device's live bytes, asserted back to their value at the start of the test."""
+    cudart = emulated[1]
+    before = cudart.emulator_live_device_bytes(), cudart.emulator_live_host_bytes()
+    _START[id(cudart)] = before[0]
+    yield cudart
+    assert (cudart.emulator_live_device_bytes(), cudart.emulator_live_host_bytes()) == before
+
+
+def _engines(art, precision="fp32", **options):
+    from medusa_runtime.engines import create_engine
+
+    a = load_artifact(art)
+    return a, create_engine(a, "onnxruntime"), create_engine(a, "tensorrt", precision=precision, **options)
+
+
+PROMPTS = ([5, 6, 7], list(range(10, 40)), [3] * 61)
+
+
+# ---------------------------------------------------------------- the emulation's own rules
+
+
+def test_emulated_cuda_rejects_what_cuda_would(emulated):
+    """The emulated runtime's strict rules: no device in this thread, a copy past an allocation, freed memory."""
+    _, cudart = emulated
+    err = [None]
+
+    def no_device():
+        err[0] = cudart.cudaMalloc(16)[0]
+
+    t = threading.Thread(target=no_device)
+    t.start()
+    t.join()
+    assert err[0] == cudart.cudaError_t.cudaErrorInvalidDevice  # the thread never called cudaSetDevice
+    assert cudart.cudaSetDevice(0) == (cudart.cudaError_t.cudaSuccess,)
+    assert cudart.cudaSetDevice(cudart.DEVICE_COUNT)[0] == cudart.cudaError_t.cudaErrorInvalidDevice
+    err, ptr = cudart.cudaMalloc(64)
+    assert err == 0 and ptr % 256 == 0
+    host = np.arange(16, dtype=np.float32)
+    H2D, D2H = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+    assert cudart.cudaMemcpy(ptr, host.ctypes.data, 64, H2D)[0] == 0
+    back = np.zeros(16, np.float32)
+    assert cudart.cudaMemcpy(back.ctypes.data, ptr, 64, D2H)[0] == 0 and back.tolist() == host.tolist()
+    assert cudart.cudaMemcpy(ptr + 8, host.ctypes.data, 64, H2D)[0] == cudart.cudaError_t.cudaErrorInvalidValue
+    assert "past the end" in cudart.emulator_last_error()
+    assert cudart.cudaMemcpy(ptr, host.ctypes.data, 64, D2H)[0] == cudart.cudaError_t.cudaErrorInvalidMemcpyDirection
+    assert cudart.cudaFree(ptr)[0] == 0
+    assert cudart.cudaMemcpy(back.ctypes.data, ptr, 4, D2H)[0] == cudart.cudaError_t.cudaErrorIllegalAddress
+    assert "freed" in cudart.emulator_last_error()
+    assert cudart.cudaFree(ptr)[0] == cudart.cudaError_t.cudaErrorInvalidValue  # a double free
+
+
+def test_emulated_execution_needs_every_address_and_an_in_profile_shape(engine_art, emulated):
+    """enqueueV3 without an address for an output is refused, as is a shape outside the selected profile."""
+    trt, cudart = emulated
+    cudart.cudaSetDevice(0)
+    engine = trt.Runtime(trt.Logger()).deserialize_cuda_engine((engine_art / "engines/heads.fp32.plan").read_bytes())
+    ctx = engine.create_execution_context()
+    d = load_artifact(engine_art).model.hidden_size
+    tree_size = load_artifact(engine_art).tree.size
+    assert not ctx.set_input_shape("hidden_states", (tree_size + 1, d))  # R is in [1, T]
+    assert "outside profile 0" in trt.emulator_last_error()
+    assert ctx.set_input_shape("hidden_states", (1, d))
+    ptrs = [cudart.cudaMalloc(4096)[1] for _ in range(2)]
+    try:
+        ctx.set_tensor_address("hidden_states", ptrs[0])
+        ctx.set_tensor_address("medusa_topk_ids", ptrs[1])
+        assert not ctx.execute_async_v3(0)
+        assert "without an address: ['medusa_topk_logprobs']" in trt.emulator_last_error()
+    finally:
+        for p in ptrs:
+            cudart.cudaFree(p)
+
+
+# ---------------------------------------------------------------- engine build and the backend
+
+
+def test_emulated_engine_build_records_the_plan_key(engine_art, emulated):
+    trt, cudart = emulated
+    manifest = load_artifact(engine_art).manifest
+    rec = manifest.engines["fp32"]
+    assert rec["status"] == "built" and rec["tensorrt"] == trt.__version__
+    assert rec["sources"] == {f: manifest.checksums[f].sha256 for f in ("model.onnx", "heads.onnx", "weights.bin")}
+    assert rec["gpu"] == cudart.NAME == "Emulated GPU (host memory)" and rec["compute_capability"] == "9.0"
+    assert [p["name"] for p in rec["profiles"]["model"]] == ["prefill", "tree_step", "decode"]
+    for plan in (rec["model_plan"], rec["heads_plan"]):
+        assert (engine_art / plan).read_bytes().startswith(trt.PLAN_MAGIC)
+    assert not list((engine_art / "engines").glob(".*.tmp-*"))  # nothing half-written
+
+
+def test_emulated_trt_backend_is_token_exact_with_onnxruntime(engine_art, live_bytes):
+    """Greedy Medusa with the artifact's tree: the emulated TensorRT backend gives ONNX Runtime's tokens."""
+    a, ort, trt_engine = _engines(engine_art)
+    try:
+        for prompt in PROMPTS:
+            ref = generate(ort, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
+            assert got.tokens == ref.tokens and len(got.tokens) == 24
+            assert got.steps == ref.steps
+    finally:
+        trt_engine.close()
+
+
+@pytest.mark.parametrize("spec", ["1", "4", "64"])
+def test_emulated_trt_backend_runs_other_trees_through_the_prefill_profile(engine_art, live_bytes, spec):
+    """Trees other than the plans' (16 nodes) select the prefill profile (S in [1, C]) and stay token-exact."""
+    a, ort, trt_engine = _engines(engine_art)
+    tree = tree_from_spec(spec, num_heads=a.model.medusa_heads)
+    try:
+        for prompt in PROMPTS[:2]:
+            ref = generate(ort, prompt, tree, max_new_tokens=20, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, tree, max_new_tokens=20, max_context=a.model.max_context)
+            assert got.tokens == ref.tokens
+    finally:
+        trt_engine.close()
+
+
+def test_emulated_step_buffers_are_sized_to_the_step_and_host_buffers_pinned(engine_art, live_bytes):
+    """After a generation no device memory but the engine's own is live, and that is far below one KV cache of
+    max_context (the new-K/V buffer holds a step's rows, not the context's); a prefill copies no token_logprobs
+    [S, S] to the host; the host staging buffers are page-locked (cudaMallocHost)."""
+    from medusa_runtime.engines.trt_plan import KVLayout
+
+    cudart = live_bytes
+    a, _, trt_engine = _engines(engine_art)
+    m = a.model
+    try:
+        host_before = cudart.emulator_live_host_bytes()
+        generate(trt_engine, PROMPTS[1], a.tree, max_new_tokens=12, max_context=m.max_context)
+        assert trt_engine.live_caches == 0
+        full_kv = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, 4, m.max_context).total_bytes
+        scratch = max(g.scratch_bytes() for g in (trt_engine.model, trt_engine.heads_graph))
+        own = cudart.emulator_live_device_bytes() - live_bytes_at_start(cudart)
+        assert own - scratch < full_kv // 2, (own, scratch, full_kv)
+        step_rows = KVLayout(m.num_layers, m.num_kv_heads, m.head_dim, 4, a.tree.size).total_bytes
+        assert trt_engine._buf.sizes["model.new_kv"] == step_rows
+        assert cudart.emulator_live_host_bytes() > host_before  # pinned staging buffers
+        cache = trt_engine.make_cache(64)
+        n = len(PROMPTS[1])
+        out = trt_engine.step(np.array([PROMPTS[1]]), np.arange(n)[None], np.tril(np.ones((n, n), bool)), 1.0,
+                              cache.past())
+        assert out.token_logprobs.shape == (n, 0) and out.topk_ids.shape[0] == n
+        cache.free()
+    finally:
+        trt_engine.close()
+
+
+def test_emulated_prefill_profile_is_tuned_for_a_real_prefill(engine_art, emulated):
+    """The model plan's prefill profile has opt P = 0 (a first prompt has no past) for every past K/V input."""
+    trt, cudart = emulated
+    cudart.cudaSetDevice(0)
+    engine = trt.Runtime(trt.Logger()).deserialize_cuda_engine((engine_art / "engines/model.fp32.plan").read_bytes())
+    lo, opt, hi = engine.get_tensor_profile_shape("past_key_values.0.key", 0)
+    assert (lo[1], opt[1]) == (0, 0) and hi[1] > 0
+    assert engine.get_tensor_profile_shape("past_key_values.1.value", 0)[1][1] == 0
+
+
+def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emulated, capsys):
+    def reply(backend):
+        assert main(["generate", "--artifact", str(engine_art), "--backend", backend, "--tree", "artifact",
+                     "--prompt", "Hi there", "--max-new-tokens", "16"]) == 0
+        out = capsys.readouterr()
+        assert f"({backend}," in out.err
+        return out.out
+
+    assert reply("tensorrt") == reply("onnxruntime")
+
+
+def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_art, live_bytes):
+    """KV caches are freed when a generation ends; closing the session frees the rest (chat cache, engine)."""
+    from medusa_runtime.session import MedusaSession
+
+    cudart = live_bytes
+    kv_bytes = None
+    with MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp32") as session:
+        session.generate(prompt_ids=[4, 6, 7], max_new_tokens=8)  # sizes the engine's step buffers
+        warm = cudart.emulator_live_device_bytes()
+        for i in range(20):
+            session.generate(prompt_ids=[5 + i, 6, 7], max_new_tokens=8)
+            assert session.engine.live_caches == 0
+            assert cudart.emulator_live_device_bytes() == warm, f"generation {i} left device memory"
+        session.chat("Hello")
+        assert session.engine.live_caches == 1  # the chat's cache lives until close (or reset)
+        kv_bytes = session._chat.cache.layout.total_bytes
+        assert cudart.emulator_live_device_bytes() >= warm + kv_bytes
+    assert kv_bytes > 0
+    # live_bytes asserts the emulated device is back where it started
+
+
+def test_emulated_batch_server_on_device_1(engine_art, live_bytes):
+    """The batch server's own thread sets the engine's device (emulated device 1) before it touches it."""
+    from medusa_runtime.serving import BatchServer, parse_request
+    from medusa_runtime.session import MedusaSession
+
+    cudart = live_bytes
+    with MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp32", device_id=1) as session:
+        ref = [session.generate(prompt_ids=p, max_new_tokens=10).token_ids for p in PROMPTS]
+        assert cudart.emulator_live_device_bytes(1) > 0 == cudart.emulator_live_device_bytes(0)
+        server = BatchServer(session, batch_size=2)
+        done = {}
+        events = [threading.Event() for _ in PROMPTS]
+
+        def finisher(i):
+            def on_done(out, exc):
+                done[i] = exc if exc is not None else out.token_ids
+                events[i].set()
+            return on_done
+
+        try:
+            for i, p in enumerate(PROMPTS):
+                server.submit(parse_request({"input_ids": p, "max_new_tokens": 10}, session), None, finisher(i))
+            assert all(e.wait(60) for e in events)
+        finally:
+            server.close()
+        assert [done[i] for i in range(len(PROMPTS))] == ref
+
+
+def test_emulated_plan_key_mismatch_is_a_typed_error(engine_art, emulated, tmp_path):
+    """A plan recorded for another TensorRT version or GPU is refused at load, naming what differs and the fix."""
+    from medusa_runtime.engines import create_engine
+    from medusa_runtime.errors import ArtifactError
+
+    art = Path(shutil.copytree(engine_art, tmp_path / "art"))
+    m = json.loads((art / "manifest.json").read_text())
+    m["engines"]["fp32"]["tensorrt"] = "10.3.0"
+    m["engines"]["fp32"]["gpu"] = "NVIDIA A100-SXM4-80GB"
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"TensorRT 10\.3\.0.*A100.*medusa-export engine") as e:
+        create_engine(load_artifact(art), "tensorrt", precision="fp32")
+    assert "plan" in str(e.value) and "compute capability" not in str(e.value)  # only what differs
+    (art / "engines/model.fp32.plan").write_bytes((engine_art / "engines/model.fp32.plan").read_bytes()[:40])
+    m["engines"]["fp32"].update(load_artifact(engine_art).manifest.engines["fp32"])
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="model.fp32.plan"):  # a truncated plan names its file
+        create_engine(load_artifact(art), "tensorrt", precision="fp32")
+
+
+def test_emulated_plan_of_another_artifact_or_missing_is_a_typed_error(engine_art, emulated, tmp_path):
+    """Plans whose record names other graph checksums, or a plan file that is gone: typed errors naming the fix."""
+    from medusa_runtime.engines import create_engine
+    from medusa_runtime.engines.trt_plan import PlanMismatchError
+    from medusa_runtime.errors import ArtifactError
+
+    art = Path(shutil.copytree(engine_art, tmp_path / "art"))
+    m = json.loads((art / "manifest.json").read_text())
+    m["engines"]["fp32"]["sources"] = {**m["engines"]["fp32"]["sources"], "model.onnx": "0" * 64}
+    (art / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PlanMismatchError, match=r"graphs model\.onnx .*checksums differ.*medusa-export engine"):
+        create_engine(load_artifact(art), "tensorrt", precision="fp32")
+    art2 = Path(shutil.copytree(engine_art, tmp_path / "art2"))
+    (art2 / "engines/heads.fp32.plan").unlink()
+    with pytest.raises(ArtifactError, match="heads.fp32.plan"):
+        create_engine(load_artifact(art2), "tensorrt", precision="fp32")
+
+
+def test_emulated_device_id_past_the_device_count_is_a_typed_error(engine_art, emulated):
+    from medusa_runtime.engines import create_engine
+    from medusa_runtime.errors import MedusaError
+
+    with pytest.raises(MedusaError, match="device 7.*2 device"):
+        create_engine(load_artifact(engine_art), "tensorrt", precision="fp32", device_id=7)
+
+
+def test_emulated_tensorrt_11_rejects_the_removed_apis(engine_art, tmp_path):
+    """Under the emulated TensorRT 11 (EMULATED_TENSORRT_VERSION=11.1.0): BuilderFlag.FP16 and the calibrators are
+    gone, an fp16 engine of an fp32 artifact is a typed error (exit 2) and fp32 plans build; a 10.x plan is refused."""
+    art = Path(shutil.copytree(engine_art, tmp_path / "art"))
+    env = {**os.environ, "EMULATED_TENSORRT_VERSION": "11.1.0",
+           "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path])}
+    probe = ("import tensorrt as trt; print(hasattr(trt.BuilderFlag, 'FP16'), hasattr(trt.BuilderFlag, 'INT8'), "
+             "hasattr(trt, 'IInt8EntropyCalibrator2'), hasattr(trt.ICudaEngine, 'device_memory_size'))")
+    r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["False", "False", "False", "False"], r.stderr
+    run = lambda *a: subprocess.run([sys.executable, "-m", "medusa_export.cli.main", *a], env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    r = run("engine", "--artifact", str(art), "--precision", "fp16")
+    assert r.returncode == 2 and "strongly typed networks only" in r.stderr and "--precision fp16" in r.stderr
+    r = run("generate", "--artifact", str(art), "--backend", "tensorrt", "--prompt", "Hi", "--max-new-tokens", "4",
+            "--tree", "artifact")
+    assert r.returncode == 2 and "TensorRT 10.15.1" in r.stderr and "11.1.0" in r.stderr, r.stderr
+    r = run("engine", "--artifact", str(art), "--precision", "fp32")
+    assert r.returncode == 0 and "TensorRT 11.1.0" in r.stdout, r.stderr
