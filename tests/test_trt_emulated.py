@@ -185,6 +185,77 @@ def test_emulated_trt_backend_runs_other_trees_through_the_prefill_profile(engin
         trt_engine.close()
 
 
+def test_emulated_trt_backend_is_token_exact_with_a_dynamic_tree(engine_art, live_bytes):
+    """A tree chosen every step (dynamic:16): steps of varying S after a past, through whichever profile covers
+    them; the tokens are ONNX Runtime's."""
+    a, ort, trt_engine = _engines(engine_art)
+    tree = tree_from_spec("dynamic:16", num_heads=a.model.medusa_heads)
+    try:
+        for prompt in PROMPTS[:2]:
+            ref = generate(ort, prompt, tree, max_new_tokens=20, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, tree, max_new_tokens=20, max_context=a.model.max_context)
+            assert got.tokens == ref.tokens and len(got.tokens) == 20
+            assert got.accept_depths == ref.accept_depths
+    finally:
+        trt_engine.close()
+
+
+def _hardlinked_copy(src: Path, dst: Path) -> Path:
+    """A copy of an artifact whose large files (weights, graphs) are hard links: the engine build only reads them
+    and writes its plans and the manifest as new files (atomically), so the shared original is not touched."""
+    def link_or_copy(a, b):
+        if os.path.getsize(a) > (1 << 20):
+            os.link(a, b)
+        else:
+            shutil.copy2(a, b)
+    return Path(shutil.copytree(src, dst, copy_function=link_or_copy))
+
+
+def test_emulated_trt_backend_is_token_exact_on_the_embedded_model(smollm_artifact, emulated, tmp_path):
+    """The embedded SmolLM2-135M artifact (16-node tree): fp32 plans built by the emulated builder give ONNX
+    Runtime's greedy Medusa tokens, and closing the engine leaves no device memory."""
+    cudart = emulated[1]
+    before = cudart.emulator_live_device_bytes()
+    art = _hardlinked_copy(smollm_artifact, tmp_path / "smollm")
+    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
+    a, ort, trt_engine = _engines(art)
+    try:
+        prompt = list(range(100, 140))
+        ref = generate(ort, prompt, a.tree, max_new_tokens=16, max_context=a.model.max_context)
+        got = generate(trt_engine, prompt, a.tree, max_new_tokens=16, max_context=a.model.max_context)
+        assert got.tokens == ref.tokens and len(got.tokens) == 16
+    finally:
+        trt_engine.close()
+    assert cudart.emulator_live_device_bytes() == before
+
+
+def _family_names() -> list[str]:
+    from conftest import FAMILIES
+
+    return sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", _family_names())
+def test_emulated_trt_backend_is_token_exact_for_every_family(family, emulated, tmp_path):
+    """A tiny model of each family (biases, q/k norms, sliding windows, rope scaling, tied embeddings): its
+    emulated fp32 plans give ONNX Runtime's greedy Medusa tokens."""
+    from conftest import make_family_medusa, tiny_loaded
+    from medusa_export.pipeline import BuildConfig, build_artifact
+
+    _, model = make_family_medusa(family)
+    art = build_artifact(tiny_loaded(model, name=family, max_context=128), tree_from_spec("8", num_heads=3),
+                         tmp_path / family, BuildConfig(validate=False), progress=False)
+    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
+    a, ort, trt_engine = _engines(art)
+    try:
+        for prompt in (PROMPTS[0], PROMPTS[1]):
+            ref = generate(ort, prompt, a.tree, max_new_tokens=16, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, a.tree, max_new_tokens=16, max_context=a.model.max_context)
+            assert got.tokens == ref.tokens and len(got.tokens) == 16
+    finally:
+        trt_engine.close()
+
+
 def test_emulated_step_buffers_are_sized_to_the_step_and_host_buffers_pinned(engine_art, live_bytes):
     """After a generation no device memory but the engine's own is live, and that is far below one KV cache of
     max_context (the new-K/V buffer holds a step's rows, not the context's); a prefill copies no token_logprobs

@@ -353,6 +353,23 @@ class TrtEngine:
 
     def heads(self, hidden, topk: int) -> np.ndarray:
         """hidden: a :class:`DeviceSlice` of a step's hidden states (or a host array [R, d]) -> int64 [R, K, topk]."""
+        return self._run_heads(hidden, ("medusa_topk_ids",))[0]
+
+    def heads_logprobs(self, hidden, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """hidden as for :meth:`heads` -> (ids int64 [R, K, topk], log-probabilities float32 [R, K, topk]): what a
+        per-step tree (``--tree dynamic:T``, :func:`~medusa_runtime.candidates.dynamic_medusa`) reads.
+
+        Raises:
+            ArtifactError: the heads plan has no ``medusa_topk_logprobs`` output (its graph was built before it).
+        """
+        if "medusa_topk_logprobs" not in self.heads_graph.outputs:
+            raise ArtifactError("per-step trees need the heads' log-probabilities, and this artifact's heads plan "
+                                "has no medusa_topk_logprobs output: rebuild the artifact (or use a static --tree)")
+        ids, lp = self._run_heads(hidden, ("medusa_topk_ids", "medusa_topk_logprobs"))
+        return ids, lp
+
+    def _run_heads(self, hidden, wanted: tuple[str, ...]) -> list[np.ndarray]:
+        """Run the heads plan on R rows of hidden states; the ``wanted`` outputs as host arrays, in order."""
         self.cuda.use()
         g = self.heads_graph
         r = int(hidden.shape[0])
@@ -365,14 +382,16 @@ class TrtEngine:
             ctx.set_tensor_address("hidden_states", ptr)
         else:
             self._bind_input(ctx, "heads.hidden_states", "hidden_states", np.asarray(hidden, self.hidden_dtype))
-        bound = g.bind_outputs(ctx, self._buf, "heads")  # medusa_topk_logprobs too: every output needs an address
+        bound = g.bind_outputs(ctx, self._buf, "heads")  # every output needs an address, read or not
         if not ctx.execute_async_v3(self.cuda.stream_handle):
             raise CudaError(f"TensorRT refused the heads (R={r}); its log above says why")
-        shape, ptr = bound["medusa_topk_ids"]
-        out = self._host.host_array("heads.out.medusa_topk_ids", shape, g.dtypes["medusa_topk_ids"])
-        self.cuda.copy(out.ctypes.data, ptr, out.nbytes, self.cuda.D2H)
+        host = []
+        for name in wanted:
+            shape, ptr = bound[name]
+            host.append(self._host.host_array(f"heads.out.{name}", shape, g.dtypes[name]))
+            self.cuda.copy(host[-1].ctypes.data, ptr, host[-1].nbytes, self.cuda.D2H)
         self.cuda.sync()
-        return out.copy()
+        return [a.copy() for a in host]  # the pinned buffers are reused by the next call
 
     def close(self) -> None:
         """Free every device and pinned buffer, the caches still live included (the engine is unusable afterwards)."""
