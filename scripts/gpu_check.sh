@@ -19,8 +19,23 @@ ROWS="$OUT/rows.tsv"
 : > "$ROWS"
 row() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$ROWS"; }   # step, result, detail
 skip() { echo "SKIP: $1: $2"; row "$1" "skipped" "$2"; }
+STEP="start"
+# The summary prints however the script ends (a failed step included: set -e stops at it, this trap still runs);
+# the exit code is 1 when a step failed or a row says FAIL.
+summary() {
+  rc=$?
+  trap - EXIT
+  if [ "$rc" -ne 0 ]; then row "$STEP" "FAIL" "the step exited $rc (its output is above)"; fi
+  echo
+  echo "== summary"
+  column -t -s $'\t' "$ROWS" 2>/dev/null || cat "$ROWS"
+  if [ "$rc" -ne 0 ] || grep -q $'\tFAIL' "$ROWS"; then exit 1; fi
+  exit 0
+}
+trap summary EXIT
 
 echo "== doctor"
+STEP="doctor"
 medusa-export doctor || true
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
@@ -35,6 +50,7 @@ if "$PYTHON" -c "import tensorrt" >/dev/null 2>&1; then HAVE_TRT=1; else
 fi
 
 echo "== artifact"
+STEP="artifact"
 if [ -n "${ART:-}" ]; then
   row "artifact" "given" "$ART"
 elif [ -n "${MODEL:-}" ]; then
@@ -53,7 +69,7 @@ from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.backbone import backbone_from_hf_model
 from medusa_export.loading.registry import LoadedMedusa
 from medusa_export.model.medusa import MedusaModel
-from medusa_runtime.tree import tree_from_spec
+from medusa_runtime.treespec import tree_from_spec
 
 class Tok:  # the loop is driven with token ids; no tokenizer is needed
     def save_pretrained(self, d):
@@ -74,6 +90,7 @@ READY="$("$PYTHON" -c "import json,sys; r=json.load(open(sys.argv[1]+'/manifest.
 row "trt readiness" "${READY%%:*}" "${READY#*: }"
 
 echo "== engines"
+STEP="engines"
 BUILT=""
 for p in $PRECISIONS; do
   set +e
@@ -93,6 +110,7 @@ for p in $PRECISIONS; do
 done
 
 echo "== parity and timing"
+STEP="parity and timing"
 set +e  # the summary prints whatever this step does
 "$PYTHON" - "$ART" "$NEW_TOKENS" "$ROWS" $BUILT <<'PY'
 import sys, time
@@ -132,7 +150,9 @@ for p in precisions:
     def make(p=p):
         from medusa_runtime.engines.trt import TrtEngine
         return TrtEngine(art, precision=p)
-    engines.append((f"tensorrt {p}", make))
+    import tensorrt
+    emulated = " (EMULATED: tests/emulated, not TensorRT)" if getattr(tensorrt, "EMULATED", False) else ""
+    engines.append((f"tensorrt {p}{emulated}", make))
 for name, make in engines:
     eng = None
     try:  # the whole run of one engine: a failure anywhere is that engine's row, and the others still run
@@ -153,8 +173,4 @@ PY
 rc=$?
 set -e
 if [ "$rc" -ne 0 ]; then row "parity and timing" "FAIL" "the step exited $rc (its traceback is above)"; fi
-
-echo
-echo "== summary"
-column -t -s $'\t' "$ROWS" 2>/dev/null || cat "$ROWS"
-if grep -q $'\tFAIL' "$ROWS"; then exit 1; fi
+STEP="summary"

@@ -421,3 +421,35 @@ def test_emulated_tensorrt_11_rejects_the_removed_apis(engine_art, tmp_path):
     assert r.returncode == 2 and "TensorRT 10.15.1" in r.stderr and "11.1.0" in r.stderr, r.stderr
     r = run("engine", "--artifact", str(art), "--precision", "fp32")
     assert r.returncode == 0 and "TensorRT 11.1.0" in r.stdout, r.stderr
+
+
+# ---------------------------------------------------------------- scripts/gpu_check.sh
+
+GPU_CHECK = Path(__file__).parent.parent / "scripts" / "gpu_check.sh"
+
+
+def _gpu_check(tmp_path, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "NEW_TOKENS": "8", **env}
+    return subprocess.run(["bash", str(GPU_CHECK)], env=full, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
+    """scripts/gpu_check.sh with tests/emulated first on PYTHONPATH and no GPU: it builds the tiny artifact and
+    EMULATED fp32 plans, finds the emulated backend token-identical to ONNX Runtime, labels that row EMULATED,
+    and prints the summary last (what a GPU run prints is not known: no GPU has run it)."""
+    r = _gpu_check(tmp_path, PRECISIONS="fp32", PYTHONPATH=os.pathsep.join([str(EMULATED), *sys.path]))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = r.stdout.split("== summary\n", 1)[1]
+    assert "engine fp32" in summary and "built" in summary
+    line = next(ln for ln in summary.splitlines() if ln.startswith("tensorrt fp32"))
+    assert "EMULATED" in line and "PASS" in line and "3/3 prompts token-identical" in line
+
+
+def test_gpu_check_prints_its_summary_when_a_step_fails(tmp_path):
+    """A step that stops the script (here: an artifact folder that does not exist) still ends in the summary,
+    with that step's FAIL row, and exit code 1 (before, set -e stopped the script before its summary)."""
+    r = _gpu_check(tmp_path, ART=str(tmp_path / "missing"), PRECISIONS="fp32",
+                   PYTHONPATH=os.pathsep.join(sys.path))
+    assert r.returncode == 1
+    summary = r.stdout.split("== summary\n", 1)[1]
+    assert any(ln.startswith("artifact") and "FAIL" in ln for ln in summary.splitlines()), summary
