@@ -2,6 +2,11 @@
 """Vanilla vs Medusa on the same artifact and runtime, side by side, over MT-Bench first turns.
 
     python scripts/bench.py artifacts/smollm2-135m-t16-fp32 --prompts 5 --threads 2
+    python scripts/bench.py ART --backend tensorrt --device-id 0     # a GPU machine (never run on one yet)
+
+``--backend`` picks the medusa_runtime engine (onnxruntime, onnxruntime-cuda, tensorrt); vanilla and
+Medusa always share it. CI runs ``--backend tensorrt`` only against the EMULATED TensorRT
+(tests/test_trt_emulated.py), whose timings mean nothing. Not done: a ``torch`` (PyTorch CUDA) engine.
 
 For each prompt (chat template applied) the runtime generates ``--max-new-tokens`` greedy
 tokens twice, one token per step (vanilla: the root-only tree) and with the Medusa tree,
@@ -39,6 +44,7 @@ import numpy as np
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.loop import causal_mask, proposer
 from medusa_runtime.prompts import mt_bench_questions, read_first_turns
+from medusa_runtime.engines import BACKENDS, DEFAULT_BACKEND
 from medusa_runtime.session import MedusaSession
 from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
 
@@ -115,14 +121,16 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
             row[f"{name}_ms"] = 1e3 * statistics.median(times[(p, name)])
             row[f"{name}_min_ms"] = 1e3 * min(times[(p, name)])
         rows.append(row)
-    hidden = engine.step(np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64), causal_mask(1), 1.0,
-                         KVCache.for_engine(engine, 1).past()).hidden
+    one = KVCache.for_engine(engine, 1)
+    hidden = engine.step(np.ones((1, 1), np.int64), np.zeros((1, 1), np.int64), causal_mask(1), 1.0, one.past()).hidden
     heads = []
     propose = proposer(engine, tree)  # the heads as the loop runs them, with the per-step tree choice
     for _ in range(repeats + 1):
         start = time.perf_counter()
         propose(hidden[0:1], 0)
         heads.append(time.perf_counter() - start)
+    for c in (one, cache):  # a device backend's caches hold device memory until freed
+        c.free()
     return {"tree_size": tree.size, "by_past_length": rows, "heads_ms": 1e3 * statistics.median(heads[1:])}
 
 
@@ -204,7 +212,16 @@ def chart(report: dict, path: Path) -> None:
 
 
 def run(args) -> dict:
-    session = MedusaSession(args.artifact, threads=args.threads, tree=args.tree, spin=args.spin)
+    device = {} if args.device_id is None else {"device_id": args.device_id}
+    session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads, tree=args.tree,
+                            spin=args.spin, **device)
+    try:
+        return _run(session, args)
+    finally:
+        session.close()  # frees a device backend's memory
+
+
+def _run(session: MedusaSession, args) -> dict:
     texts = read_first_turns(Path(args.questions), args.prompts)
     prompt_ids = [session.encode(t) for t in texts]
     session.generate(prompt_ids=prompt_ids[0], max_new_tokens=8)  # warm-up
@@ -275,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="MT-Bench question.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--threads", type=int, help="CPU threads (default: ONNX Runtime's choice)")
+    p.add_argument("--backend", choices=sorted(BACKENDS), default=DEFAULT_BACKEND,
+                   help=f"medusa_runtime backend, vanilla and Medusa on the same engine (default: {DEFAULT_BACKEND})")
+    p.add_argument("--device-id", type=int, metavar="N", help="GPU of the onnxruntime-cuda and tensorrt backends")
     p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, dynamic:6, a JSON file)")
     p.add_argument("--spin", action="store_true", help="let ONNX Runtime's idle threads busy-wait (dedicated machines)")
     p.add_argument("--past-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 256, 512, 1024],

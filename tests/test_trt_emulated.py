@@ -453,3 +453,20 @@ def test_gpu_check_prints_its_summary_when_a_step_fails(tmp_path):
     assert r.returncode == 1
     summary = r.stdout.split("== summary\n", 1)[1]
     assert any(ln.startswith("artifact") and "FAIL" in ln for ln in summary.splitlines()), summary
+
+
+def test_bench_runs_vanilla_and_medusa_on_the_emulated_tensorrt_engine(engine_art, tmp_path):
+    """scripts/bench.py --backend tensorrt --device-id 1 (EMULATED, so its timings mean nothing): vanilla and Medusa
+    on the same engine give the same greedy tokens, the step-time scan covers the asked past lengths, and the
+    report names the backend."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path])}
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "bench.py"), str(engine_art),
+                        "--backend", "tensorrt", "--device-id", "1", "--prompts", "2", "--max-new-tokens", "8",
+                        "--repeats", "1", "--past-lengths", "0,32", "--no-transformers", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["backend"] == "tensorrt" and report["identical_outputs"] == 2
+    assert [row["past_length"] for row in report["step_time"]["by_past_length"]] == [0, 32]
+    assert report["medusa"]["mean_tokens_per_step"] >= report["vanilla"]["mean_tokens_per_step"] == 1.0
