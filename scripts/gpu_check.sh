@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: build an artifact, build TensorRT engines (where TensorRT is installed), check parity against
-# ONNX Runtime, time the decode loop, and print a short table last. Prints what it skips and why.
+# ONNX Runtime, time the decode loop, time one tree step at T = 1..64 nodes (scripts/step_time.py: the
+# artifact's engines, and a 7B-shaped fp16 PyTorch Llama where PyTorch has CUDA) beside the expected Medusa
+# speedup, and print a short table last. Prints what it skips and why. NEVER RUN ON A GPU so far.
 #
 #   bash scripts/gpu_check.sh                  # tiny random model (fast), fp32 artifact
 #   MODEL=smollm2-135m TREE=16 bash scripts/gpu_check.sh
@@ -173,4 +175,26 @@ PY
 rc=$?
 set -e
 if [ "$rc" -ne 0 ]; then row "parity and timing" "FAIL" "the step exited $rc (its traceback is above)"; fi
+
+echo "== step time (T = 1..64 nodes) and expected speedup"
+STEP="step time"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+steptime() {  # name, step_time.py arguments...: a row with T = 16's step-time ratio and expected speedup
+  local name="$1"; shift
+  if "$PYTHON" "$HERE/step_time.py" --json "$OUT/step_time.json" "$@"; then
+    row "step time $name" "ok" "$("$PYTHON" -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if x['tree_size']==16][0]; print(f\"T=16: step {r['step_ratio']:.2f}x a 1-token step, {r['expected_tokens_per_step']:.2f} expected tokens/step, expected speedup {r['expected_speedup']:.2f}x\" + (' [EMULATED]' if 'EMULATED' in json.load(open(sys.argv[1]))['what'] else ''))" "$OUT/step_time.json")"
+  else
+    row "step time $name" "FAIL" "scripts/step_time.py $* exited non-zero (its output is above)"
+  fi
+}
+steptime "onnxruntime cpu" --artifact "$ART" --backend onnxruntime
+for p in $BUILT; do steptime "tensorrt $p" --artifact "$ART" --backend tensorrt --precision "$p"; done
+if [ -n "$GPU" ] && "$PYTHON" -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" 2>/dev/null; then
+  steptime "onnxruntime cuda" --artifact "$ART" --backend onnxruntime-cuda
+fi
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  steptime "pytorch 7b fp16" --torch 7b --device cuda --dtype fp16 --accuracies-from "$ART"
+else
+  skip "step time pytorch 7b fp16" "no PyTorch with CUDA here"
+fi
 STEP="summary"

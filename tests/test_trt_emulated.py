@@ -443,6 +443,31 @@ def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
     assert "engine fp32" in summary and "built" in summary
     line = next(ln for ln in summary.splitlines() if ln.startswith("tensorrt fp32"))
     assert "EMULATED" in line and "PASS" in line and "3/3 prompts token-identical" in line
+    steps = {ln.split("  ")[0]: ln for ln in summary.splitlines() if ln.startswith("step time")}
+    assert set(steps) == {"step time onnxruntime cpu", "step time tensorrt fp32", "step time pytorch 7b fp16"}
+    assert "expected speedup" in steps["step time tensorrt fp32"] and "[EMULATED]" in steps["step time tensorrt fp32"]
+    assert "skipped" in steps["step time pytorch 7b fp16"]  # no PyTorch with CUDA here
+
+
+def test_step_time_torch_rows_and_expected_speedup(tmp_path):
+    """scripts/step_time.py --torch tiny --device cpu: one row per tree size 1..64, ratios to the 1-token step,
+    and expected speedup = expected tokens per step (the greedy tree under default_accuracies) / that ratio."""
+    from medusa_runtime.autotree import expected_tokens
+    from medusa_runtime.tree import default_accuracies, greedy_tree
+
+    out = tmp_path / "st.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "step_time.py"), "--torch",
+                        "tiny", "--device", "cpu", "--dtype", "fp32", "--past", "8", "--repeats", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["tree_size"] for x in rows] == [1, 2, 4, 8, 16, 32, 64] and rows[0]["step_ratio"] == 1.0
+    acc = default_accuracies(3)
+    for x in rows:
+        tokens = expected_tokens(greedy_tree(x["tree_size"], acc, topk=acc.shape[1]), acc)
+        assert x["expected_tokens_per_step"] == round(tokens, 3)
+        assert x["expected_speedup"] == pytest.approx(tokens / x["step_ratio"], rel=2e-3)
 
 
 def test_gpu_check_prints_its_summary_when_a_step_fails(tmp_path):
