@@ -495,3 +495,61 @@ def test_bench_runs_vanilla_and_medusa_on_the_emulated_tensorrt_engine(engine_ar
     assert report["backend"] == "tensorrt" and report["identical_outputs"] == 2
     assert [row["past_length"] for row in report["step_time"]["by_past_length"]] == [0, 32]
     assert report["medusa"]["mean_tokens_per_step"] >= report["vanilla"]["mean_tokens_per_step"] == 1.0
+
+
+# ---------------------------------------------------------------- Triton: the tensorrt backend in a real tritonserver
+
+
+def test_triton_serves_the_emulated_tensorrt_engine(engine_art, tmp_path, monkeypatch):
+    """The Triton repository of an artifact with built plans runs its generation model on the tensorrt backend in
+    the bundled tritonserver, the EMULATED TensorRT and CUDA runtime on the stub's path (its first sys.path entry,
+    medusa_export.triton.local): greedy ids equal to the runtime's ONNX Runtime session. This machine has no GPU,
+    so the instance group is made KIND_CPU (device 0); a KIND_GPU instance's device id is not exercised here."""
+    from conftest import import_or_fail_in_ci, skip_or_fail_in_ci
+    from medusa_export.triton.local import STUB_SITE_ENV, LocalTritonServer, TritonUnavailableError, find_bundled
+    from medusa_export.triton.local import stub_site
+    from medusa_export.triton.repository import TritonConfig, write_repository
+    from medusa_runtime.session import MedusaSession
+
+    grpc = import_or_fail_in_ci("tritonclient.grpc", "tritonclient[grpc,http] is in the dev extra")
+    try:
+        find_bundled()
+    except TritonUnavailableError as exc:
+        skip_or_fail_in_ci(f"no tritonserver binary: {exc}")
+    site = tmp_path / "stub-site"  # the numpy < 2 the stub needs (if any), and the emulated modules
+    site.mkdir()
+    base = stub_site()
+    for entry in (base.iterdir() if base is not None else ()):
+        (site / entry.name).symlink_to(entry)
+    for name in ("tensorrt", "cuda"):
+        shutil.copytree(EMULATED / name, site / name)
+    monkeypatch.setenv(STUB_SITE_ENV, str(site))
+    repo = write_repository(engine_art, tmp_path / "repo", TritonConfig(threads=1, instances=1, engine_models=False,
+                                                                       tree="artifact"))
+    config = repo / "medusa" / "config.pbtxt"
+    text = config.read_text()
+    assert 'string_value: "tensorrt"' in text and "KIND_GPU" in text
+    config.write_text(text.replace("KIND_GPU", "KIND_CPU"))
+    srv = LocalTritonServer(repo, tmp_path / "server", models=["medusa"])
+    srv.start()
+    try:
+        client = grpc.InferenceServerClient(srv.grpc_url)
+        with MedusaSession(engine_art, tree="artifact") as session:
+            for ids in PROMPTS[:2]:
+                ref = session.generate(prompt_ids=ids, max_new_tokens=12)
+                got = []
+                client.start_stream(callback=lambda result, error: got.append((result, error)))
+                x = grpc.InferInput("input_ids", [len(ids)], "INT64")
+                x.set_data_from_numpy(np.asarray(ids, np.int64))
+                n = grpc.InferInput("max_new_tokens", [1], "INT32")
+                n.set_data_from_numpy(np.array([12], np.int32))
+                client.async_stream_infer("medusa", [x, n])
+                client.stop_stream()  # waits for the responses
+                (result, error), = got
+                assert error is None, error
+                assert result.as_numpy("output_ids").tolist() == ref.token_ids and len(ref.token_ids) == 12
+        client.close()
+    finally:
+        log = srv.log_path.read_text(errors="replace") if srv.log_path.is_file() else ""
+        assert srv.stop() == 0, log[-3000:]
+    assert " on tensorrt, tree of " in log, log[-3000:]  # the instance log line names the backend it runs
