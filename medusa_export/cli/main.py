@@ -294,43 +294,16 @@ def _print_summary(path, seconds: float, lm=None) -> None:
         print(line)
 
 
-#: The artifact's geometry (manifest ``model`` field) -> the checkpoint config's field that must equal it.
-GEOMETRY = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-            "num_attention_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
-
-
-def check_same_geometry(model, config, where: str) -> None:
-    """``verify``: the reference model must have the artifact's geometry (another vocabulary failed inside
-    ONNX Runtime's Gather with INVALID_ARGUMENT).
-
-    Args:
-        model: the artifact's :class:`medusa_runtime.manifest.ModelInfo`.
-        config: the checkpoint's :class:`~medusa_export.model.config.BackboneConfig`.
-        where: the checkpoint, for the message.
-
-    Raises:
-        ArtifactError: a field differs; the message names each with both values.
-    """
-    from medusa_runtime.errors import ArtifactError
-
-    diff = [f"{ours} {getattr(model, ours)} vs {getattr(config, theirs)}" for ours, theirs in GEOMETRY.items()
-            if getattr(model, ours) != getattr(config, theirs)]
-    if diff:
-        raise ArtifactError(f"{where} is not the model this artifact was built from ({', '.join(diff)}; artifact vs "
-                            f"checkpoint): give the weights of {model.backbone_source} with --model-path")
-
-
 def cmd_verify(args) -> int:
     """Validate an existing artifact with the checks that fit (or those asked for); exit 1
     (:data:`EXIT_MISMATCH`) on a failure."""
     from medusa_runtime.artifact import load_artifact
 
     from ..export.config import ExportConfig
-    from ..loading.registry import load_registry
-    from ..loading.sources import open_model
     from ..validation.checks import run_checks
     from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
+    from ..validation.source import open_source
     from ..validation.validate import ValidationReport, default_prompts, read_prompts
 
     check_int(args.limit, "--limit", low=1)  # bad options fail before anything is loaded or run
@@ -339,16 +312,8 @@ def cmd_verify(args) -> int:
     texts = read_prompts(args.prompt_file, args.limit) if args.prompt_file else default_prompts()[: args.limit]
     art = load_artifact(args.artifact)  # the big files' hashes below, once
     m = art.manifest
-    name = m.model.name
-    if name in load_registry():
-        lm = open_model(name, model_path=args.model_path, heads_path=args.heads)
-    elif args.model_path:  # a model built from a local path: that path is the model
-        lm = open_model(args.model_path, heads_path=args.heads)
-    else:
-        raise MedusaError(f"the artifact's model {name!r} is not a registered model: give its weights with "
-                          "--model-path (an HF model dir or .gguf file)")
+    lm = open_source(m, args.model_path, args.heads)
     print_notes(lm)
-    check_same_geometry(m.model, lm.sources.config, args.model_path or name)
     built = ExportConfig.of_manifest(m)  # what the artifact was exported with (the pre-flight's sizes)
     cfg = ValidationConfig(new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers)
     plan = plan_validation(lm.sources, built.precision, m.weights.bytes, graph=built.graph, checks=cfg.checks,
