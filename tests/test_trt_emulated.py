@@ -416,6 +416,8 @@ def test_emulated_tensorrt_11_rejects_the_removed_apis(engine_art, tmp_path):
                                     capture_output=True, text=True, timeout=120)
     r = run("engine", "--artifact", str(art), "--precision", "fp16")
     assert r.returncode == 2 and "strongly typed networks only" in r.stderr and "--precision fp16" in r.stderr
+    engines = art / "engines"
+    assert not list(engines.glob("*.fp16.plan")) and not list(engines.glob(".*tmp*"))  # nothing half-written
     r = run("generate", "--artifact", str(art), "--backend", "tensorrt", "--prompt", "Hi", "--max-new-tokens", "4",
             "--tree", "artifact")
     assert r.returncode == 2 and "TensorRT 10.15.1" in r.stderr and "11.1.0" in r.stderr, r.stderr

@@ -22,8 +22,9 @@ Layout and data flow per step:
   planes 256-byte aligned as TensorRT requires): a layer's past ``[1, P, H_kv, D]`` is the
   plane's start, bound without a copy;
 * a prefill (P = 0) writes its new K/V straight into the cache planes; a tree or decode
-  step writes into a separate buffer of S rows (the step's own size, grown on demand) (TensorRT needs aligned output addresses,
-  and slot P of a plane is not), and the accepted nodes are then copied into slots
+  step writes into a separate buffer of S rows (the step's own size, grown on demand;
+  TensorRT needs aligned output addresses, and slot P of a plane is not), and the accepted
+  nodes are then copied into slots
   [P, P + n) with one ``cudaMemcpy2DAsync`` per run of consecutive nodes, all planes at once;
 * inputs (tokens, positions, mask, temperature) go host -> device from pinned host buffers; the
   acceptance outputs (top-k ids and log-probs, entropy; token log-probs [S, S] only after a past,
@@ -51,8 +52,8 @@ from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowErro
 from .base import StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
 from .kvcache import CacheState
-from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, heads_profiles, kv_bindings, model_profiles,
-                       plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
+from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, heads_profiles, kv_bindings,
+                       model_profiles, plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
 
 __all__ = ["TrtEngine", "TrtKVCache", "DeviceRows", "DeviceSlice", "PlanMismatchError"]
 
@@ -224,8 +225,8 @@ class TrtEngine:
         missing = [str(p) for p in plans.values() if not p.is_file()]
         if missing:
             raise ArtifactError(f"no {precision} TensorRT engine in {artifact.path} ({', '.join(missing)} missing): "
-                                f"build it with `medusa-export engine --artifact {artifact.path} --precision {precision}` or "
-                                f"`bash engines/build_engine.sh {precision}` on this GPU machine")
+                                f"build it with `medusa-export engine --artifact {artifact.path} --precision "
+                                f"{precision}` or `bash engines/build_engine.sh {precision}` on this GPU machine")
         m = artifact.model
         self.num_layers, self.num_kv_heads, self.head_dim = m.num_layers, m.num_kv_heads, m.head_dim
         self.num_heads, self.hidden_size = m.medusa_heads, m.hidden_size
