@@ -234,10 +234,11 @@ def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEF
     from .loop import generate
 
     capacity = past_length + 1 + new_tokens + tree.size
-    if capacity > int(engine.max_context):
+    caps = engine.capabilities
+    if caps.max_context is not None and capacity > caps.max_context:
         raise InvalidTreeError(f"timing the decode loop needs {capacity} tokens of context; the engine has "
-                               f"{engine.max_context}")
-    vocab = int(getattr(engine, "vocab_size", 0) or 1000)
+                               f"{caps.max_context}")
+    vocab = int(caps.vocab_size or 1000)
     token = int(np.random.default_rng(seed).integers(0, vocab))
     cache, best = None, float("inf")
     for _ in range(max(1, repeats)):
@@ -376,7 +377,7 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
         if not sizes:
             raise InvalidTreeError(f"no tree size fits half of a {capacity}-token context")
         past_length = min(past_length, capacity - max(sizes))
-    loop_past = max(0, min(past_length, int(capacity or engine.max_context) - LOOP_TOKENS - 1 - max(sizes)))
+    loop_past = max(0, min(past_length, int(capacity or engine.capabilities.max_context) - LOOP_TOKENS - 1 - max(sizes)))
     trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk, policy=policy,
                             calibration=calibration)
     step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)

@@ -9,8 +9,8 @@ only decides who runs when:
 * at each step boundary, finished sequences leave (their KV rows are released), waiting ones
   join up to ``max_batch`` (each is prefilled by a call over its own row: prompts of
   different lengths never share a call), then every running sequence takes one tree step;
-* a tree step over B sequences is one :meth:`BatchEngine.step_rows` call, or B calls when
-  the engine says ``row_by_row`` (the looped reference below); the heads of the sequences that
+* a tree step over B sequences is one :meth:`BatchEngine.step_rows` call when the engine declares
+  ``capabilities.batched``, else B calls (the looped reference below); the heads of the sequences that
   need them run after it (one call over the B rows, or one per row likewise): Medusa heads in
   one call, path-conditioned heads one call per tree level, each over the paths every sequence
   chose at the level before (:class:`~medusa_runtime.candidates.HeadsCall`).
@@ -29,9 +29,9 @@ Batched engine interface (:class:`BatchEngine`): the geometry and limits of
   new tokens, temperature, in-graph sampler inputs) after the valid past of ``caches[b]``
   (per-row past lengths); returns per-row results (batch dimension dropped) whose K/V the
   rows' ``keep`` compacts;
-* ``row_by_row``: True when ``step_rows`` runs one call per row, so that the scheduler runs
-  each row's heads before the next row's step (engines whose outputs live in reused
-  device buffers stay correct);
+* ``capabilities.batched`` (:class:`~medusa_runtime.engines.base.Capabilities`): False when
+  ``step_rows`` runs one call per row, so that the scheduler runs each row's heads before the
+  next row's step (engines whose outputs live in reused device buffers stay correct);
 * ``heads(hidden [R, d], topk)``: the heads over R rows; by head type and tree policy also
   ``heads_logprobs`` and ``heads_level`` (:class:`~medusa_runtime.engines.base.Engine`), where
   ``heads_level`` takes one hidden row per path (``[R, d]``) when paths of several sequences share a call.
@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from .acceptance import SamplingConfig
 from .candidates import HeadsCall
-from .engines.base import Engine, RowInputs, StepResult
+from .engines.base import Capabilities, Engine, RowInputs, StepResult
 from .engines.kvcache import KVCache
 from .errors import ContextOverflowError, InvalidSettingError
 from .loop import (Decoding, GenerationResult, check_request, context_capacity, engine_sampling_route, engine_step,
@@ -72,7 +72,7 @@ class BatchEngine(Protocol):
     head_dim: int
     num_heads: int
     kv_dtype: np.dtype
-    row_by_row: bool
+    capabilities: Capabilities
 
     def row_cache(self, capacity: int):
         """A KV row for one sequence (``capacity`` slots)."""
@@ -116,20 +116,22 @@ class LoopedBatchEngine:
     """The reference :class:`BatchEngine`: one batch-1 call of ``engine`` per row.
 
     Works with every artifact (their step graphs take one sequence); each row's tokens are
-    those of :func:`~medusa_runtime.loop.generate` by construction. Attributes it does not
-    define (geometry, ``max_context``, ``step_topk``, ``has_sampler``, ...) are the engine's.
+    those of :func:`~medusa_runtime.loop.generate` by construction. Its geometry and capabilities
+    are the engine's, ``batched`` False (one call per row); the heads methods are the engine's.
 
     Args:
         engine: a batch-1 :class:`~medusa_runtime.engines.base.Engine`.
     """
 
-    row_by_row = True
-
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.num_layers, self.num_kv_heads, self.head_dim = engine.num_layers, engine.num_kv_heads, engine.head_dim
+        self.num_heads, self.kv_dtype = engine.num_heads, engine.kv_dtype
 
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
+    @property
+    def capabilities(self) -> Capabilities:
+        """The engine's, ``batched`` False (read at each use: they are the engine's own)."""
+        return replace(self.engine.capabilities, batched=False)
 
     def row_cache(self, capacity: int):
         """The engine's own cache type (:meth:`~medusa_runtime.engines.kvcache.KVCache.for_engine`) of ``capacity`` slots."""
@@ -145,12 +147,22 @@ class LoopedBatchEngine:
         return [engine_step(self.engine, inp, cache.past()) for cache, inp in zip(caches, inputs)]
 
     def heads(self, hidden, topk: int) -> np.ndarray:
+        """The engine's ``heads``."""
         return self.engine.heads(hidden, topk)
+
+    def heads_logprobs(self, hidden, topk: int):
+        """The engine's ``heads_logprobs`` (when its capabilities declare them)."""
+        return self.engine.heads_logprobs(hidden, topk)
+
+    def heads_level(self, depth: int, hidden, path_ids, topk: int):
+        """The engine's ``heads_level`` (path-conditioned heads)."""
+        return self.engine.heads_level(depth, hidden, path_ids, topk)
 
 
 def batch_engine(engine) -> BatchEngine:
-    """``engine`` itself when it is a :class:`BatchEngine` (has ``step_rows``), else a :class:`LoopedBatchEngine`."""
-    return engine if hasattr(engine, "step_rows") else LoopedBatchEngine(engine)
+    """``engine`` itself when it declares ``capabilities.batched`` (a :class:`BatchEngine`, or a
+    :class:`LoopedBatchEngine` already), else a :class:`LoopedBatchEngine` over it."""
+    return engine if engine.capabilities.batched or isinstance(engine, LoopedBatchEngine) else LoopedBatchEngine(engine)
 
 
 @dataclass
@@ -267,7 +279,7 @@ class Scheduler:
         if prompt.size > self.capacity:
             raise ContextOverflowError(f"the prompt has {prompt.size} tokens but a sequence's context holds "
                                        f"{self.capacity}")
-        if request.sampling is not None and getattr(self.engine, "step_topk", None):
+        if request.sampling is not None and self.engine.capabilities.step_topk:
             engine_sampling_route(self.engine, request.sampling)
         state = SequenceState(request, submitted=time.perf_counter())
         self.waiting.append(state)
@@ -368,7 +380,7 @@ class Scheduler:
         if not prefill:
             for s, _ in ready:
                 s.max_batch_seen = max(s.max_batch_seen, len(ready))
-        groups = [[r] for r in ready] if self.engine.row_by_row else ([ready] if ready else [])
+        groups = ([ready] if ready else []) if self.engine.capabilities.batched else [[r] for r in ready]
         for group in groups:
             t = time.perf_counter()
             try:

@@ -21,38 +21,31 @@ import numpy as np
 
 from .acceptance import PositionUniforms, SamplingConfig, draw_tokens, sampling_route
 from .candidates import HeadsCall, Plan, Proposal, plan_for, run_plan
-from .engines.base import Engine, RowInputs, SamplerInputs, StepResult
+from .engines.base import Capabilities, Engine, RowInputs, SamplerInputs, StepResult
 from .engines.kvcache import KVCache, fits
 from .errors import ContextOverflowError, InvalidPromptError, InvalidSettingError, InvalidTreeError
-from .manifest import HEAD_TYPES
 from .stops import apply_stops
 from .tree import Tree, make_tree
 from .treespec import DynamicTree
 
 
-def engine_head_type(engine: Engine) -> str:
-    """The engine's head type (``head_type``; "medusa" when it does not say)."""
-    return getattr(engine, "head_type", HEAD_TYPES[0])
+def runs_dynamic_trees(caps: Capabilities) -> bool:
+    """Whether an engine of these capabilities runs per-step trees (``--tree dynamic:T``): path-conditioned
+    heads always do (each level returns its log-probabilities), Medusa heads when ``heads_logprobs``
+    returns them (the heads graph has ``medusa_topk_logprobs``)."""
+    return caps.head_type == "hydra" or caps.heads_logprobs
 
 
 def check_heads(engine: Engine, tree: Tree | DynamicTree) -> None:
-    """Refuse a head type / tree policy the engine's heads cannot run (before any work).
+    """Refuse a tree policy the engine's heads cannot run (before any work), from its declared
+    :class:`~.engines.base.Capabilities`.
 
     Raises:
-        InvalidTreeError: an unknown head type, path-conditioned heads without ``heads_level``, or a
-            per-step tree of Medusa heads whose graph returns no log-probabilities (the message says
-            to rebuild the artifact or use a static tree).
+        InvalidTreeError: a per-step tree on an engine that cannot run one (:func:`runs_dynamic_trees`:
+            Medusa heads whose graph returns no log-probabilities; the message says to rebuild the
+            artifact or use a static tree).
     """
-    if tree.size <= 1:
-        return
-    head_type = engine_head_type(engine)
-    if head_type not in HEAD_TYPES:
-        raise InvalidTreeError(f"unknown head type {head_type!r}; the runtime runs {', '.join(HEAD_TYPES)} heads")
-    if head_type == "hydra" and not hasattr(engine, "heads_level"):
-        raise InvalidTreeError("the heads are path-conditioned (hydra) but this engine cannot run them level by "
-                               "level (no heads_level)")
-    if head_type == "medusa" and isinstance(tree, DynamicTree) and not getattr(
-            engine, "has_heads_logprobs", hasattr(engine, "heads_logprobs")):
+    if tree.size > 1 and isinstance(tree, DynamicTree) and not runs_dynamic_trees(engine.capabilities):
         raise InvalidTreeError("per-step trees (--tree dynamic:T) need the heads' log-probabilities, which this "
                                "artifact's heads graph does not return: rebuild it, or use a static --tree")
 
@@ -83,7 +76,7 @@ def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda 
     (benchmarks and ``--tree auto`` time it; the decode loop runs the same plan through :class:`Decoding`).
 
     Args:
-        engine: the backend (``head_type`` and the heads methods, see :class:`Engine`).
+        engine: the backend (``capabilities.head_type`` and the heads methods, see :class:`Engine`).
         tree: a static :class:`Tree`, or a :class:`~medusa_runtime.treespec.DynamicTree` (per-step
             trees of fixed size).
         timed: ``timed(fn, *args)`` calls ``fn(*args)`` (e.g. adding its time to a total).
@@ -96,7 +89,7 @@ def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda 
         InvalidTreeError: see :func:`check_heads`.
     """
     check_heads(engine, tree)
-    plan = plan_for(engine_head_type(engine), tree)
+    plan = plan_for(engine.capabilities.head_type, tree)
     return lambda hidden_row, root: run_plan(plan(root), lambda call: timed(run_heads, engine, hidden_row, call))
 
 
@@ -147,7 +140,7 @@ def context_capacity(engine: Engine, max_context: int | None) -> int:
     """The KV capacity of a generation: ``max_context``, or the engine's own when None.
 
     Args:
-        engine: the backend (its ``max_context`` attribute, when it has one, is the artifact's
+        engine: the backend (its ``capabilities.max_context``, when it says one, is the artifact's
             ``model.max_context``: the graphs' rotary tables and optimization profiles end there).
         max_context: the capacity asked for, or None.
 
@@ -155,11 +148,11 @@ def context_capacity(engine: Engine, max_context: int | None) -> int:
         InvalidSettingError: ``max_context`` < 1, or None for an engine that does not say its context.
         ContextOverflowError: ``max_context`` exceeds the engine's.
     """
-    limit = getattr(engine, "max_context", None)
+    limit = engine.capabilities.max_context
     if max_context is None:
         if limit is None:
-            raise InvalidSettingError("this engine does not say its context length (no max_context attribute): "
-                                      "pass max_context")
+            raise InvalidSettingError("this engine does not say its context length (capabilities.max_context is "
+                                      "None): pass max_context")
         return int(limit)
     if isinstance(max_context, bool) or not isinstance(max_context, (int, np.integer)) or max_context < 1:
         raise InvalidSettingError(f"max_context must be an integer >= 1, got {max_context!r}")
@@ -173,16 +166,16 @@ def engine_sampling_route(engine: Engine, sampling: SamplingConfig, step_topk: i
     """:func:`~medusa_runtime.acceptance.sampling_route` for an engine ("greedy", "host" or "graph").
 
     Args:
-        engine: the backend (reads ``step_topk``, ``vocab_size``, ``has_sampler`` when present).
+        engine: the backend (its ``capabilities``: ``step_topk``, ``vocab_size``, ``sampler``).
         sampling: the settings.
         step_topk: k of the step's top-k outputs when the engine does not say it.
 
     Raises:
         UnsupportedSamplingError: the settings are not exact on this engine.
     """
-    k = getattr(engine, "step_topk", None) or step_topk
-    return sampling_route(sampling, step_topk=int(k), vocab_size=getattr(engine, "vocab_size", None),
-                          graph_sampler=bool(getattr(engine, "has_sampler", False)))
+    caps = engine.capabilities
+    k = caps.step_topk or step_topk
+    return sampling_route(sampling, step_topk=int(k), vocab_size=caps.vocab_size, graph_sampler=caps.sampler)
 
 
 def engine_step(engine: Engine, inputs: RowInputs, past) -> StepResult:
@@ -227,10 +220,10 @@ def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree | Dynami
     Raises:
         InvalidSettingError: empty prompt, max_new_tokens not an integer >= 0.
         InvalidPromptError: a prompt id that is not a token id (:func:`check_prompt_ids`, against the engine's
-            ``vocab_size`` when it has one).
+            ``capabilities.vocab_size`` when it says one).
         InvalidTreeError: a tree deeper than the engine's heads, or one its heads cannot run (:func:`check_heads`).
     """
-    prompt = check_prompt_ids(prompt_ids, getattr(engine, "vocab_size", None))
+    prompt = check_prompt_ids(prompt_ids, engine.capabilities.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise InvalidSettingError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if tree.max_depth > engine.num_heads:
@@ -279,7 +272,7 @@ class Decoding:
             )
         self.engine, self.tree, self.cache = engine, tree, cache
         self.max_new_tokens, self.eos_token_ids, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
-        self.route = engine_sampling_route(engine, self.sampling) if getattr(engine, "step_topk", None) else None
+        self.route = engine_sampling_route(engine, self.sampling) if engine.capabilities.step_topk else None
         self.result = GenerationResult([], "length", prompt_tokens=int(self.prompt.size))
         self.done = max_new_tokens == 0
         self.root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
@@ -291,7 +284,7 @@ class Decoding:
         self.heads_row = None  # the [1, d] hidden row whose heads the next step needs (set by advance)
         self.heads_call: HeadsCall | None = None  # what to run on heads_row (set with it)
         self._root: int | None = None  # the next step's root (None: not prefilled yet)
-        self._plan_for = plan_for(engine_head_type(engine), tree) if tree.size > 1 else None
+        self._plan_for = plan_for(engine.capabilities.head_type, tree) if tree.size > 1 else None
         self._plan: Plan | None = None
         self._proposal: Proposal | None = None  # the next step's tree and candidates
         self._pending: tuple | None = None  # (step tree or None for the prefill, tokens, draw positions)

@@ -92,14 +92,14 @@ def bench_artifact(path: str, past: int, repeats: int, threads: int) -> list[dic
 
     art = load_artifact(path)
     eng = OrtEngine(art, threads=threads)
-    if not eng.has_sampler:
+    if not eng.capabilities.sampler:
         raise SystemExit(f"{path}: no step_sampler in the manifest (built before the in-graph sampler)")
     rng = np.random.default_rng(0)
     fns, meta = {}, {}
     for s in sorted({1, int(art.manifest.tree.size)}):
         cache = KVCache.for_engine(eng, past + s)
         cache.length = past
-        ids = rng.integers(0, eng.vocab_size, (1, s), dtype=np.int64)
+        ids = rng.integers(0, eng.capabilities.vocab_size, (1, s), dtype=np.int64)
         pos = past + np.arange(s, dtype=np.int64)[None]
         mask = causal_mask(s)
         for label, k, p in SETTINGS:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from medusa_runtime.autotree import TreeTiming, candidate_trees, choose_tree, pick, time_tree_steps
-from medusa_runtime.engines.base import StepResult
+from medusa_runtime.engines.base import Capabilities, StepResult
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.treespec import tree_from_spec
 
@@ -63,6 +63,7 @@ class RecordingEngine:
 
     num_layers, num_kv_heads, head_dim, num_heads = 2, 1, 4, 2
     kv_dtype = np.dtype(np.float32)
+    capabilities = Capabilities()  # Medusa heads, the loop's numpy KV cache, no limits said
 
     def __init__(self):
         self.calls, self.heads_calls = [], 0

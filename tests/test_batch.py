@@ -11,6 +11,7 @@ lengths in the same step.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -341,7 +342,7 @@ def test_bad_requests_are_refused_at_submit(counter, monkeypatch):
     with pytest.raises(InvalidTreeError, match="exceeds the engine's 3 Medusa heads"):
         sched.submit(SequenceRequest([1], 4, tree=make_tree([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)], num_heads=4)))
     with monkeypatch.context() as m:  # an engine that cannot bind the in-graph sampler (CUDA / TensorRT engines)
-        m.setattr(counter.engine, "has_sampler", False)
+        m.setattr(counter.engine, "capabilities", replace(counter.engine.capabilities, sampler=False))
         with pytest.raises(InvalidSettingError, match="Exact here: top_k 1..10"):
             sched.submit(SequenceRequest([1], 4, SamplingConfig(temperature=0.5, top_k=0)))
     with pytest.raises(InvalidSettingError, match="batch size must be an integer >= 1, got 0"):
@@ -364,13 +365,13 @@ def test_rows_fill_their_context_independently(counter):
 
 def test_batch_engine_wraps_batch1_engines(counter):
     if counter.engine.max_batch:  # a batched artifact's engine is its own batch engine
-        assert batch_engine(counter.engine) is counter.engine and not counter.engine.row_by_row
+        assert batch_engine(counter.engine) is counter.engine and counter.engine.capabilities.batched
         assert counter.batch_engine is counter.engine
         return
     looped = batch_engine(counter.engine)
-    assert isinstance(looped, LoopedBatchEngine) and looped.row_by_row
+    assert isinstance(looped, LoopedBatchEngine) and not looped.capabilities.batched
     assert batch_engine(looped) is looped
-    assert looped.num_layers == counter.engine.num_layers and looped.max_context == CONTEXT
+    assert looped.num_layers == counter.engine.num_layers and looped.capabilities.max_context == CONTEXT
 
 
 # ---------------------------------------------------------------------------------------

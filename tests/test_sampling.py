@@ -222,7 +222,7 @@ def test_emitted_sampler_follows_the_contract(wide, graph):
     art = load_artifact(arts[graph])
     assert art.manifest.step_sampler.to_json() == {"version": 1, "spec": "docs/sampling.md"}
     eng = OrtEngine(art, threads=1)
-    assert eng.has_sampler
+    assert eng.capabilities.sampler
     ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]], np.int64)
     s = ids.shape[1]
     with torch.no_grad():

@@ -83,7 +83,7 @@ def test_whole_vocabulary_requests_go_to_the_emitted_sampler(session, monkeypatc
     it refuses the request with the settings that are exact there."""
     req = parse_request({"text_input": "hi", "temperature": 0.5, "top_k": 0, "top_p": 0.9}, session)
     assert (req.sampling.top_k, req.sampling.top_p) == (0, 0.9)
-    monkeypatch.setattr(session.engine, "has_sampler", False)
+    monkeypatch.setattr(session.engine, "capabilities", dataclasses.replace(session.engine.capabilities, sampler=False))
     with pytest.raises(RequestError, match="Exact here: top_k 1..10"):
         parse_request({"text_input": "hi", "temperature": 0.5, "top_k": 0}, session)
 

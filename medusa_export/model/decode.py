@@ -15,7 +15,7 @@ import torch
 
 from medusa_runtime.acceptance import SamplingConfig, draw_tokens
 from medusa_runtime.treespec import DynamicTree
-from medusa_runtime.engines.base import SamplerInputs, StepResult
+from medusa_runtime.engines.base import Capabilities, SamplerInputs, StepResult
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.loop import GenerationResult, causal_mask, generate
 from medusa_runtime.tree import Tree
@@ -52,12 +52,11 @@ class TorchEngine:
         self.num_kv_heads = c.num_key_value_heads
         self.head_dim = c.head_dim
         self.num_heads = model.num_heads
-        self.head_type = model.head_type
         self.kv_dtype = np.dtype(_NP_DTYPES[model.backbone.embed_tokens.weight.dtype])
-        self.max_context = int(max_context or c.max_position_embeddings)
-        self.vocab_size = c.vocab_size
-        self.step_topk = min(k, c.vocab_size)
-        self.has_sampler = sampler
+        self.capabilities = Capabilities(
+            head_type=model.head_type, heads_logprobs=model.head_type == "medusa", sampler=sampler,
+            max_context=int(max_context or c.max_position_embeddings), step_topk=min(k, c.vocab_size),
+            vocab_size=c.vocab_size)
 
     def _in(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
@@ -83,7 +82,7 @@ class TorchEngine:
         return self._result(out.topk_ids, out.topk_logprobs, out.entropy, out.token_logprobs, out.hidden, out.new_kv)
 
     def _sampling_step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs) -> StepResult:
-        if not self.has_sampler:
+        if not self.capabilities.sampler:
             raise ValueError("this TorchEngine has no in-graph sampler (TorchEngine(..., sampler=True))")
         ids, t = self._in(input_ids), torch.tensor([temperature], dtype=torch.float32, device=self.device)
         logits, hidden, new_kv = self.model(ids, self._in(position_ids), self._in(mask),

@@ -172,10 +172,10 @@ class KVCache(CacheState):
 
     @classmethod
     def for_engine(cls, engine: Engine, capacity: int):
-        """The engine's own cache type when it has one (``make_cache``), else a numpy :class:`KVCache`."""
-        make = getattr(engine, "make_cache", None)
-        if make is not None:
-            return make(capacity)
+        """The engine's own cache type when it declares one (``capabilities.own_cache``: ``make_cache``),
+        else a numpy :class:`KVCache` of its geometry."""
+        if engine.capabilities.own_cache:
+            return engine.make_cache(capacity)
         return cls(engine.num_layers, engine.num_kv_heads, engine.head_dim, capacity, engine.kv_dtype)
 
     def past(self) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from ..errors import ArtifactError, ContextOverflowError, MedusaError
-from .base import RowInputs, SamplerInputs, StepResult, sampler_feed
+from .base import Capabilities, RowInputs, SamplerInputs, StepResult, sampler_feed
 from .kvcache import HeadMajorKVCache, InPlacePast, KVCache
 from .ort_rows import StepIO, run_rows
 
@@ -87,13 +87,13 @@ class OrtEngine:
         for key, value in (session_config or {}).items():
             opts.add_session_config_entry(key, value)
         providers = providers or ["CPUExecutionProvider"]
-        self.head_type = artifact.head_type
-        heads_keys = ([level_graph(j) for j in range(1, self.num_heads + 1)] if self.head_type == "hydra"
+        head_type = artifact.head_type
+        heads_keys = ([level_graph(j) for j in range(1, self.num_heads + 1)] if head_type == "hydra"
                       else ["heads"])
         heads_sessions = {key: ort.InferenceSession(str(artifact.file(key)), opts, providers=providers)
                           for key in heads_keys}
         self.heads_session = heads_sessions.get("heads")
-        self.level_sessions = [heads_sessions[key] for key in heads_keys] if self.head_type == "hydra" else []
+        self.level_sessions = [heads_sessions[key] for key in heads_keys] if head_type == "hydra" else []
         if profile_prefix:
             opts.enable_profiling = True
             opts.profile_file_prefix = profile_prefix
@@ -102,10 +102,13 @@ class OrtEngine:
         self.step_io = StepIO.of(self.step_session, self.num_layers)
         self.kv_layout = kv_layout(artifact.manifest)
         self.max_positions = int(m.max_context)
-        self.max_context, self.vocab_size, self.step_topk, self.has_sampler = step_limits(artifact.manifest)
+        limits = step_limits(artifact.manifest)
         #: the batch size a batched step graph was built for (manifest ``batch``), 0 for a batch-1 graph
         self.max_batch = step_batch(artifact.manifest)
-        self._host_outputs = _STEP_OUTPUTS + (("sampled_ids",) if self.has_sampler else ())
+        self.capabilities = Capabilities.with_limits(
+            limits, head_type=head_type, heads_logprobs="medusa_topk_logprobs" in self._heads_outputs,
+            sampler=limits.has_sampler, own_cache=True)
+        self._host_outputs = _STEP_OUTPUTS + (("sampled_ids",) if limits.has_sampler else ())
         self._binding = None  # (cache, IOBinding) of the head-major cache bound last
 
     def make_cache(self, capacity: int):
@@ -123,7 +126,7 @@ class OrtEngine:
         return HeadMajorKVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.kv_dtype)
 
     def _sampler_feed(self, s: int, sampling: SamplerInputs | None) -> dict:
-        if not self.has_sampler:
+        if not self.capabilities.sampler:
             if sampling is not None:
                 raise ArtifactError("this artifact's step graph has no in-graph sampler (manifest step_sampler)")
             return {}

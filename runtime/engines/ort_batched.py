@@ -11,6 +11,7 @@ Pure numpy + onnxruntime: no torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from ..artifact import Artifact
@@ -35,14 +36,13 @@ class OrtBatchEngine(OrtEngine):
             scheduler loops over the rows).
     """
 
-    row_by_row = False
-
     def __init__(self, artifact: Artifact, **options):
         super().__init__(artifact, **options)
         self.packed = PackedPast()
         if not self.max_batch:
             raise ArtifactError(f"{artifact.path}: the step graph is not batched (no manifest 'batch'); rebuild with "
                                 "`medusa-export build --batch-size N` or run it with OrtEngine")
+        self.capabilities = replace(self.capabilities, batched=True)
 
     def row_cache(self, capacity: int):
         """One sequence's KV row of ``capacity`` slots in the artifact's layout (:meth:`OrtEngine.make_cache`)."""

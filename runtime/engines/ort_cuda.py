@@ -30,7 +30,7 @@ import numpy as np
 
 from ..artifact import Artifact, kv_layout, step_limits
 from ..errors import BackendUnavailableError, InvalidSettingError
-from .base import StepResult, sampler_feed
+from .base import Capabilities, StepResult, sampler_feed
 from .kvcache import CacheState, compaction_slots, in_place_moves
 from .ort import KV_DTYPES, session_options
 
@@ -194,11 +194,12 @@ class OrtCudaEngine:
         self.num_heads = m.medusa_heads
         self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest.precision.kv_dtype])
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
-        self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(artifact.manifest)
-        self.has_sampler = False
+        limits = step_limits(artifact.manifest)
+        self._graph_sampler = limits.has_sampler
         self.hidden_size = m.hidden_size
         self.io_device = io_device
         self.device_id = device_id if io_device == "cuda" else 0
+        self.capabilities = Capabilities.with_limits(limits, own_cache=True, device_id=self.device_id)
         self.copies = _CudaCopies() if io_device == "cuda" else _HostCopies()
         providers = ([("CUDAExecutionProvider", {"device_id": device_id})] if io_device == "cuda" else []) + [
             "CPUExecutionProvider"]

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..artifact import Artifact, step_limits
 from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError
-from .base import StepResult, sampler_feed
+from .base import Capabilities, StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
 from .kvcache import CacheState
 from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, heads_profiles, kv_bindings,
@@ -232,8 +232,8 @@ class TrtEngine:
         self.num_heads, self.hidden_size = m.medusa_heads, m.hidden_size
         self.manifest = manifest
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
-        self.max_context, self.vocab_size, self.step_topk, self._graph_sampler = step_limits(manifest)
-        self.has_sampler = False
+        limits = step_limits(manifest)
+        self._graph_sampler = limits.has_sampler
         self.cuda = Cuda(device_id, "tensorrt")
         self._caches: set[TrtKVCache] = set()
         self._buf = Buffers(self.cuda)
@@ -256,6 +256,9 @@ class TrtEngine:
         self.heads_graph.share_scratch(self._scratch, scratch)
         self.kv_dtype = self.model.dtypes["past_key_values.0.key"]
         self.hidden_dtype = self.model.dtypes["hidden_states"]
+        self.capabilities = Capabilities.with_limits(
+            limits, heads_logprobs="medusa_topk_logprobs" in self.heads_graph.outputs, own_cache=True,
+            device_id=device_id)
 
     def make_cache(self, capacity: int) -> TrtKVCache:
         """A device KV cache of ``capacity`` tokens (the loop calls this instead of making a numpy one)."""
