@@ -30,10 +30,10 @@ from .acceptance import SamplingConfig, sampling_config
 from .artifact import Artifact, load_artifact
 from .autotree import TreeTiming, auto_tree, candidate_trees
 from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
-from .engines import DEFAULT_BACKEND, create_engine
+from .engines import DEFAULT_BACKEND, backend_spec, create_engine
 from .engines.kvcache import KVCache
 from .errors import ChatTemplateError, MedusaError
-from .loop import GenerationResult, engine_sampling_route, generate
+from .loop import GenerationResult, engine_sampling_route, generate, runs_dynamic_trees
 from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
 from .tree import Tree, default_accuracies, make_tree
 from .treecache import ( DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,
@@ -223,7 +223,7 @@ class MedusaSession:
         base = self.artifact.tree
         if tree is None:
             tree = default_spec()
-            if getattr(self.engine, "fixed_tree", False):
+            if backend_spec(self.backend).fixed_tree:  # e.g. TensorRT plans: BackendSpec.fixed_tree
                 self.tree_source = "fixed when the engine was built"
                 if notice:
                     notice(f"the {self.backend} engine's tree is fixed when it is built: running the artifact's "
@@ -236,7 +236,7 @@ class MedusaSession:
             # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
             self.tree_source = "the artifact's"
             tree = self.artifact.manifest.tree.policy
-            if not tree or not hasattr(self.engine, "heads_logprobs"):  # engines of fixed trees run the static one
+            if not tree or not runs_dynamic_trees(self.engine.capabilities):  # heads without log-probabilities
                 return base
         acc = self.artifact.head_accuracies
         art = self.artifact
@@ -256,7 +256,8 @@ class MedusaSession:
 
     def _policy(self) -> str:
         """The tree policy the artifact was built for: "dynamic" (per-step trees, when the engine runs them)."""
-        return "dynamic" if self.artifact.manifest.tree.policy and hasattr(self.engine, "heads_logprobs") else "static"
+        dynamic = self.artifact.manifest.tree.policy and runs_dynamic_trees(self.engine.capabilities)
+        return "dynamic" if dynamic else "static"
 
     def _fastest_tree(self, threads: int | None, notice: Callable[[str], None] | None) -> Tree | DynamicTree:
         """The default tree: the cached ``--tree auto`` choice for this artifact, machine and backend, timed and

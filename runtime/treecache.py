@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .autotree import DEFAULT_MARGIN, DEFAULT_SIZES, TreeTiming
+from .engines import BACKENDS
 from .treespec import ARTIFACT, AUTO
 
 #: Environment variable: the tree spec used when no ``--tree`` is given.
@@ -92,17 +93,11 @@ def machine_fingerprint() -> dict:
 
 
 def backend_fingerprint(backend: str, engine, threads: int | None) -> dict:
-    """What identifies the backend for timing: its name, engine class, library version, threads, GPU index."""
-    version = None
-    if backend.startswith("onnxruntime"):
-        try:
-            import onnxruntime
-
-            version = onnxruntime.__version__
-        except ImportError:  # a registered backend by that name that does not use it
-            pass
-    return {"backend": backend, "engine": type(engine).__name__, "version": version, "threads": threads,
-            "device_id": getattr(engine, "device_id", None)}
+    """What identifies the backend for timing: its name, engine class, library version (its
+    :class:`~medusa_runtime.engines.BackendSpec`'s), threads, GPU index (the engine's capabilities)."""
+    spec = BACKENDS.get(backend)
+    return {"backend": backend, "engine": type(engine).__name__, "version": spec.version() if spec else None,
+            "threads": threads, "device_id": engine.capabilities.device_id}
 
 
 def timing_key(*, artifact: str, machine: Mapping, backend: Mapping, capacity: int, policy: str,

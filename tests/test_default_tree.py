@@ -17,7 +17,7 @@ import medusa_runtime.session as session_module
 from conftest import make_counter_medusa, tiny_loaded
 from medusa_export.cli.main import main
 from medusa_runtime.autotree import DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick, refine_with_loop
-from medusa_runtime.engines import BACKENDS, register_backend
+from medusa_runtime.engines import BACKENDS, BackendSpec
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.session import MedusaSession
@@ -208,16 +208,13 @@ def test_the_artifacts_tree_on_request_and_from_the_environment(counter_artifact
         tree_from_spec("artifact", num_heads=3)
 
 
-def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_env):
-    class FixedTreeEngine(OrtEngine):
-        fixed_tree = True  # as medusa_runtime.engines.trt.TrtEngine
-
-    register_backend("fixed-tree-test", lambda art, threads=None, **_: FixedTreeEngine(art, threads=threads))
-    try:
-        notices = []
-        s = MedusaSession(counter_artifact, backend="fixed-tree-test", threads=1, notice=notices.append)
-    finally:
-        del BACKENDS["fixed-tree-test"]
+def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_env, monkeypatch):
+    # a backend whose entry says its tree is fixed when the engine is built (as tensorrt's)
+    spec = BackendSpec("fixed-tree-test", lambda art, threads=None, **_: OrtEngine(art, threads=threads),
+                       library="onnxruntime", needs="onnxruntime", fixed_tree=True)
+    monkeypatch.setitem(BACKENDS, spec.name, spec)
+    notices = []
+    s = MedusaSession(counter_artifact, backend="fixed-tree-test", threads=1, notice=notices.append)
     assert s.tree.size == 8 and s.default_tree is None and s.tree_source == "fixed when the engine was built"
     assert notices == ["the fixed-tree-test engine's tree is fixed when it is built: running the artifact's 8-node "
                        "tree (no timing of other sizes)"]
@@ -225,9 +222,8 @@ def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_en
 
 
 def test_trt_engines_declare_a_fixed_tree():
-    from medusa_runtime.engines.trt import TrtEngine  # importable without TensorRT (imported lazily)
-
-    assert TrtEngine.fixed_tree is True
+    assert BACKENDS["tensorrt"].fixed_tree is True
+    assert [name for name, spec in BACKENDS.items() if spec.fixed_tree] == ["tensorrt"]
 
 
 @pytest.fixture

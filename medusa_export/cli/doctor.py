@@ -2,7 +2,9 @@
 
 Imports every optional piece in a guarded way and reports what it found, never failing:
 ONNX Runtime (version, execution providers, CUDA through them), TensorRT's Python
-package, Polygraphy, cuda-python (CUDA devices), ``trtexec`` and ``nvidia-smi`` on PATH.
+package, Polygraphy, cuda-python (CUDA devices), ``trtexec`` and ``nvidia-smi`` on PATH; and the
+runtime's backends from their table (:data:`medusa_runtime.engines.BACKENDS`: library version here,
+batched step graphs, GPU, fixed tree).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+
+from medusa_runtime.engines import BACKENDS, BackendSpec
 
 from ..export.precisions import precisions
 
@@ -29,9 +33,11 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     backends: dict[str, list[str]] = field(default_factory=dict)  # backend -> usable precisions
     devices: list[str] = field(default_factory=list)
+    runtime: dict[str, dict] = field(default_factory=dict)  # medusa_runtime backend -> _runtime_backend(spec)
 
     def to_json(self) -> dict:
-        return {"checks": [c.__dict__ for c in self.checks], "backends": self.backends, "devices": self.devices}
+        return {"checks": [c.__dict__ for c in self.checks], "backends": self.backends, "devices": self.devices,
+                "runtime": self.runtime}
 
     def render(self) -> str:
         w = max(len(c.name) for c in self.checks)
@@ -40,7 +46,22 @@ class DoctorReport:
         lines.append("devices:    " + (", ".join(self.devices) or "CPU only"))
         for b, precs in self.backends.items():
             lines.append(f"{b + ':':11s} " + (", ".join(precs) if precs else "unavailable"))
+        lines.append("runtime:    " + ", ".join(f"{name} ({_facts(r)})" for name, r in self.runtime.items()))
         return "\n".join(lines)
+
+
+def _runtime_backend(spec: BackendSpec) -> dict:
+    """A runtime backend's entry in the report: its library, that library's version here (None: not
+    importable) and the facts of its :class:`~medusa_runtime.engines.BackendSpec`."""
+    return {"library": spec.library, "version": spec.version(), "batched": spec.batched, "gpu": spec.gpu,
+            "fixed_tree": spec.fixed_tree}
+
+
+def _facts(r: dict) -> str:
+    """``"onnxruntime 1.20.1, batched"``: a runtime backend's line from :func:`_runtime_backend`."""
+    names = {"batched": "batched", "gpu": "GPU", "fixed_tree": "fixed tree"}
+    found = f"{r['library']} {r['version']}" if r["version"] else f"{r['library']} not importable"
+    return ", ".join([found] + [text for key, text in names.items() if r[key]])
 
 
 def _version(module: str) -> tuple[bool, str]:
@@ -111,6 +132,7 @@ def run_doctor() -> DoctorReport:
         r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = list(precisions())
     r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
+    r.runtime = {name: _runtime_backend(spec) for name, spec in BACKENDS.items()}
     return r
 
 

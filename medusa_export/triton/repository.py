@@ -40,6 +40,7 @@ from pathlib import Path
 from medusa_runtime.acceptance import SAMPLING_SETTINGS
 from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
 from medusa_runtime.batch import DEFAULT_BATCH_SIZE
+from medusa_runtime.engines import backend_spec
 from medusa_runtime.manifest import Graph
 
 from .. import __version__
@@ -70,14 +71,6 @@ GENERATION_OUTPUTS = (
     ("num_input_tokens", "TYPE_INT32", [1]),
     ("tokens_per_step", "TYPE_FP32", [1]),
 )
-_GPU_BACKENDS = ("tensorrt", "onnxruntime-cuda")
-#: What the generation model's Python needs per medusa_runtime backend (the README lists it).
-BACKEND_PACKAGES = {
-    "onnxruntime": "numpy, onnxruntime, tokenizers and jinja2",
-    "onnxruntime-cuda": "numpy, onnxruntime-gpu (CUDA provider), tokenizers and jinja2",
-    "tensorrt": ("numpy, tokenizers, jinja2, TensorRT 10.x's Python package `tensorrt` (from NVIDIA, matching the "
-                 "version the plans were built with) and `cuda-python` (device memory and streams)"),
-}
 ARTIFACT_MODES = ("copy", "link", "reference")
 
 
@@ -126,6 +119,8 @@ class TritonConfig:
             raise MedusaError(f"--threads must be >= 1, got {self.threads}")
         if self.max_new_tokens_limit is not None and self.max_new_tokens_limit < 1:
             raise MedusaError(f"--max-new-tokens-limit must be >= 1, got {self.max_new_tokens_limit}")
+        if self.backend is not None:
+            backend_spec(self.backend)  # MedusaError naming the backends for an unknown one
 
 
 # ---------------------------------------------------------------------------
@@ -288,7 +283,7 @@ def _readme(cfg: TritonConfig, engine_models: list[str], backend: str) -> str:
 `{name}` (Python backend, decoupled) runs the Medusa decode loop with the copied `medusa_runtime`:
 concurrent requests share batched steps, up to {cfg.batch_size} per instance (model parameter
 `batch_size`; a request joins at the next step and leaves when it ends, with the tokens it
-would get alone). Backend `{backend}`: its Python needs {BACKEND_PACKAGES[backend]}.
+would get alone). Backend `{backend}`: its Python needs {backend_spec(backend).needs}.
 {tree}
 
     tritonserver --model-repository $PWD
@@ -351,7 +346,7 @@ def write_repository(artifact_dir: str | Path, out: str | Path, cfg: TritonConfi
         if cfg.tree:
             params["tree"] = cfg.tree
         (tmp / cfg.model_name / "config.pbtxt").write_text(
-            generation_config(cfg.model_name, params, cfg.instances, gpu=backend in _GPU_BACKENDS))
+            generation_config(cfg.model_name, params, cfg.instances, gpu=backend_spec(backend).gpu))
         engines = _engine_models(source, tmp, cfg.model_name, plans, how) if cfg.engine_models else []
         (tmp / "README.md").write_text(_readme(cfg, engines, backend))
         record = {"generator": f"medusa-export {__version__}", "artifact": str(art.path.resolve()),

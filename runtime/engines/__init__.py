@@ -1,4 +1,6 @@
-"""Engine backends by name: one registry, one small interface (:class:`medusa_runtime.engines.base.Engine`).
+"""Engine backends by name: one table of :class:`BackendSpec` (:data:`BACKENDS`), one small interface
+(:class:`medusa_runtime.engines.base.Engine`, whose :class:`~medusa_runtime.engines.base.Capabilities`
+say what one engine runs).
 
 ========================  ==========================================================  =========
 name                      what                                                        status
@@ -7,26 +9,63 @@ name                      what                                                  
                           batched artifacts: :class:`~.ort_batched.OrtBatchEngine`)
 ``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device  unexecuted here
                           (:class:`~.ort_cuda.OrtCudaEngine`)
-``tensorrt``              TensorRT plans of the artifact (:class:`~.trt.TrtEngine`,   hook
+``tensorrt``              TensorRT plans of the artifact (:class:`~.trt.TrtEngine`,   emulated here
                           ``TrtEngine(artifact, **options)``; the TensorRT issue)
 ========================  ==========================================================  =========
 
 A factory takes the loaded :class:`~medusa_runtime.artifact.Artifact` and keyword options (``threads``,
-``spin``, ``device_id``; each factory ignores what it does not use) and returns an engine. Other
-backends plug in with :func:`register_backend`.
+``spin``, ``device_id``; each factory ignores what it does not use) and returns an engine. The facts of a
+backend (batched step graphs, GPU, fixed tree, library version, what its Python needs) are its entry's,
+read by :func:`create_engine`, the session, the CLIs (``--backend`` choices), the Triton repository, doctor
+and the tree cache. A new backend is its engine module here plus one entry (:func:`register_backend`).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Callable
 
 from ..artifact import Artifact, step_batch
 from ..errors import BackendUnavailableError, MedusaError
 
 DEFAULT_BACKEND = "onnxruntime"
-#: Backends that run batched step graphs (artifacts built with ``--batch-size`` N > 1).
-BATCHED_BACKENDS = ("onnxruntime",)
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One engine backend: how to make its engine and the facts of the backend itself (those of one
+    engine are its :class:`~medusa_runtime.engines.base.Capabilities`).
+
+    Attributes:
+        name: the ``--backend`` name.
+        factory: ``factory(artifact, **options) -> Engine`` (options ``threads``, ``spin``, ``device_id``;
+            it ignores those it does not use); raises ``BackendUnavailableError`` when the backend
+            cannot run here.
+        library: the Python package it runs on: its ``__version__`` is :meth:`version`.
+        needs: what a Python environment needs to run it (the Triton repository's README says it).
+        batched: it runs batched step graphs (artifacts built with ``--batch-size`` N > 1);
+            :func:`create_engine` refuses those on the others.
+        gpu: it runs on a CUDA device (option ``device_id``; Triton gives it KIND_GPU instances).
+        fixed_tree: its tree is fixed when the engine is built (TensorRT plans' shapes): the session
+            runs the artifact's tree, without ``--tree auto`` timing or per-step trees.
+    """
+
+    name: str
+    factory: Callable
+    library: str
+    needs: str
+    batched: bool = False
+    gpu: bool = False
+    fixed_tree: bool = False
+
+    def version(self) -> str | None:
+        """The library's ``__version__`` here, None when it cannot be imported (part of the tree cache's
+        backend fingerprint, :func:`medusa_runtime.treecache.backend_fingerprint`, and of doctor's report)."""
+        try:
+            return str(importlib.import_module(self.library).__version__)
+        except (ImportError, OSError, AttributeError):  # not installed, a broken install, no version said
+            return None
 
 
 def _onnxruntime(artifact: Artifact, *, threads: int | None = None, spin: bool = False, **_):
@@ -59,16 +98,38 @@ def _tensorrt(artifact: Artifact, **options):
     return module.TrtEngine(artifact, **options)
 
 
-BACKENDS: dict[str, Callable] = {
-    "onnxruntime": _onnxruntime,
-    "onnxruntime-cuda": _onnxruntime_cuda,
-    "tensorrt": _tensorrt,
-}
+#: The backends by name (the ``--backend`` choices, in this order).
+BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
+    BackendSpec("onnxruntime", _onnxruntime, library="onnxruntime",
+                needs="numpy, onnxruntime, tokenizers and jinja2", batched=True),
+    BackendSpec("onnxruntime-cuda", _onnxruntime_cuda, library="onnxruntime",
+                needs="numpy, onnxruntime-gpu (CUDA provider), tokenizers and jinja2", gpu=True),
+    BackendSpec("tensorrt", _tensorrt, library="tensorrt",
+                needs=("numpy, tokenizers, jinja2, TensorRT 10.x's Python package `tensorrt` (from NVIDIA, matching "
+                       "the version the plans were built with) and `cuda-python` (device memory and streams)"),
+                gpu=True, fixed_tree=True),
+)}
 
 
-def register_backend(name: str, factory: Callable) -> None:
-    """Add (or replace) a backend: ``factory(artifact, **options) -> Engine``."""
-    BACKENDS[name] = factory
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) a backend: its entry in :data:`BACKENDS`."""
+    BACKENDS[spec.name] = spec
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The entry of backend ``name``.
+
+    Raises:
+        MedusaError: unknown backend name (the message lists the known ones).
+    """
+    if name not in BACKENDS:
+        raise MedusaError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def batched_backends() -> list[str]:
+    """The names of the backends that run batched step graphs (:attr:`BackendSpec.batched`)."""
+    return [name for name, spec in BACKENDS.items() if spec.batched]
 
 
 def create_engine(artifact: Artifact, backend: str = DEFAULT_BACKEND, **options):
@@ -85,10 +146,9 @@ def create_engine(artifact: Artifact, backend: str = DEFAULT_BACKEND, **options)
         BackendUnavailableError: the backend cannot run on this machine, or cannot run the artifact's
             batched step graph (the message names the backends that can).
     """
-    if backend not in BACKENDS:
-        raise MedusaError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend not in BATCHED_BACKENDS and step_batch(artifact.manifest):
+    spec = backend_spec(backend)
+    if not spec.batched and step_batch(artifact.manifest):
         raise BackendUnavailableError(f"the {backend} backend runs batch-1 step graphs only and this artifact's is "
                                       f"batched (built with --batch-size {step_batch(artifact.manifest)}): use "
-                                      f"--backend {' or '.join(BATCHED_BACKENDS)}, or build with --batch-size 1")
-    return BACKENDS[backend](artifact, **options)
+                                      f"--backend {' or '.join(batched_backends())}, or build with --batch-size 1")
+    return spec.factory(artifact, **options)

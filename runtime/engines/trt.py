@@ -211,11 +211,10 @@ class TrtEngine:
         PlanMismatchError: the plans' record names another TensorRT version, GPU, precision, profiles or graph
             checksums than this machine and artifact (the message says what and how to rebuild).
         ArtifactError: the plans are missing or do not load (truncated, corrupt).
-    """
 
-    #: The tree's shape is fixed when the plans are built (their optimization profiles): the runtime's
-    #: default runs the artifact's tree instead of timing other sizes (:mod:`medusa_runtime.treecache`).
-    fixed_tree = True
+    The tree's shape is fixed when the plans are built (their optimization profiles): the backend's entry
+    says so (``BackendSpec.fixed_tree``), and the session runs the artifact's tree instead of timing others.
+    """
 
     def __init__(self, artifact: Artifact, precision: str | None = None, device_id: int = 0, **_):
         trt = _import_tensorrt()
