@@ -378,6 +378,88 @@ def test_backends(counter_artifact):
             create_engine(art, "tensorrt")
 
 
+class AliasEngine:
+    """The engine of the worked example below: a backend of its own (not an OrtEngine subclass) that runs
+    the artifact through the CPU ORT engine, declaring the geometry and capabilities that engine declares."""
+
+    def __init__(self, artifact, *, threads=None, **_):
+        from medusa_runtime.engines.ort import OrtEngine
+
+        self.inner = OrtEngine(artifact, threads=threads)
+        i = self.inner
+        self.num_layers, self.num_kv_heads, self.head_dim, self.num_heads = (i.num_layers, i.num_kv_heads,
+                                                                             i.head_dim, i.num_heads)
+        self.kv_dtype, self.capabilities = i.kv_dtype, i.capabilities
+        self.calls = 0
+
+    def step(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.step(*args, **kwargs)
+
+    def heads(self, hidden, topk):
+        return self.inner.heads(hidden, topk)
+
+    def heads_logprobs(self, hidden, topk):
+        return self.inner.heads_logprobs(hidden, topk)
+
+    def make_cache(self, capacity):
+        return self.inner.make_cache(capacity)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_a_new_backend_is_its_module_and_one_table_entry(counter_artifact, capsys, monkeypatch):
+    """Issue 23's worked example of a backend: an 'onnxruntime-alias' entry in the table (its engine is
+    AliasEngine above, standing for its module) is all the session, both CLIs, the tree cache, doctor and
+    Triton need: they run or list it, and its tokens are the onnxruntime backend's."""
+    from medusa_export.cli.doctor import run_doctor
+    from medusa_export.cli.main import main
+    from medusa_export.triton.repository import TritonConfig
+    from medusa_runtime.acceptance import SamplingConfig
+    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.engines import BACKENDS, BackendSpec
+    from medusa_runtime.treecache import backend_fingerprint
+
+    argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "9",
+            "--threads", "1", "--temperature", "2", "--seed", "3"]
+    with pytest.raises(SystemExit):  # not a backend before its entry
+        runtime_main([*argv, "--backend", "onnxruntime-alias"])
+    with pytest.raises(MedusaError, match="unknown backend 'onnxruntime-alias'; choose one of onnxruntime"):
+        MedusaSession(counter_artifact, backend="onnxruntime-alias", threads=1)
+    capsys.readouterr()
+
+    spec = BackendSpec("onnxruntime-alias", lambda art, threads=None, **_: AliasEngine(art, threads=threads),
+                       library="onnxruntime", needs="numpy, onnxruntime, tokenizers and jinja2")
+    monkeypatch.setitem(BACKENDS, spec.name, spec)
+    ort, alias = (MedusaSession(counter_artifact, backend=b, threads=1) for b in ("onnxruntime", spec.name))
+    assert isinstance(alias.engine, AliasEngine) and alias.tree.size == ort.tree.size == 16
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=2.0, top_k=5, seed=7)):
+        want = ort.generate("hi", max_new_tokens=14, sampling=sampling)
+        got = alias.generate("hi", max_new_tokens=14, sampling=sampling)
+        assert got.token_ids == want.token_ids and want.token_ids
+        assert got.result.step_tokens == want.result.step_tokens
+    assert alias.engine.calls > 0  # the tokens came through the new backend's engine
+    batch = alias.generate_batch(prompt_ids=[[5, 6], [40]], max_new_tokens=6)
+    assert [r.token_ids for r in batch] == [_counting(7, 6), _counting(41, 6)]
+
+    outs = []
+    for entry in (runtime_main, main):
+        for backend in ("onnxruntime", spec.name):
+            assert entry([*argv, "--backend", backend]) == 0
+            outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] == outs[3] and outs[0].strip()
+
+    fingerprint = backend_fingerprint(spec.name, alias.engine, 1)
+    assert fingerprint["version"] == BACKENDS["onnxruntime"].version() is not None
+    assert fingerprint["engine"] == "AliasEngine" and fingerprint["device_id"] is None
+    assert run_doctor().runtime[spec.name] == {"library": "onnxruntime", "version": spec.version(),
+                                                "batched": False, "gpu": False, "fixed_tree": False}
+    assert TritonConfig(backend=spec.name).backend == spec.name
+    with pytest.raises(MedusaError, match="unknown backend 'nope'; choose one of onnxruntime, onnxruntime-cuda"):
+        TritonConfig(backend="nope")
+
+
 def test_kv_cache_tracks_tokens_and_truncates():
     cache = KVCache(2, 1, 4, capacity=8)
     new = [(np.arange(12, dtype=np.float32).reshape(1, 3, 1, 4),) * 2] * 2
