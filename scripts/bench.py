@@ -4,9 +4,11 @@
     python scripts/bench.py artifacts/smollm2-135m-t16-fp32 --prompts 5 --threads 2
     python scripts/bench.py ART --backend tensorrt --device-id 0     # a GPU machine (never run on one yet)
 
-``--backend`` picks the medusa_runtime engine (onnxruntime, onnxruntime-cuda, tensorrt); vanilla and
-Medusa always share it. CI runs ``--backend tensorrt`` only against the EMULATED TensorRT
-(tests/test_trt_emulated.py), whose timings mean nothing. Not done: a ``torch`` (PyTorch CUDA) engine.
+``--backend`` picks the medusa_runtime engine (onnxruntime, onnxruntime-cuda, tensorrt, or torch: the
+PyTorch reference on the artifact's source weights, for machines with PyTorch and CUDA but neither TensorRT
+nor onnxruntime-gpu; medusa_export.validation.torch_backend); vanilla and Medusa always share it. CI runs
+``--backend tensorrt`` only against the EMULATED TensorRT (tests/test_trt_emulated.py), whose timings mean
+nothing.
 
 For each prompt (chat template applied) the runtime generates ``--max-new-tokens`` greedy
 tokens twice, one token per step (vanilla: the root-only tree) and with the Medusa tree,
@@ -213,6 +215,8 @@ def chart(report: dict, path: Path) -> None:
 
 def run(args) -> dict:
     device = {} if args.device_id is None else {"device_id": args.device_id}
+    if args.backend == "torch" and args.model_path:
+        device["model_path"] = args.model_path
     session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads, tree=args.tree,
                             spin=args.spin, **device)
     try:
@@ -286,6 +290,9 @@ def print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from medusa_export.validation import torch_backend
+
+    torch_backend.register()  # --backend torch: the PyTorch reference (CUDA with --device-id, else the CPU)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", help="artifact directory (medusa-export build output)")
     p.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns to use (default: 5)")
@@ -294,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="CPU threads (default: ONNX Runtime's choice)")
     p.add_argument("--backend", choices=sorted(BACKENDS), default=DEFAULT_BACKEND,
                    help=f"medusa_runtime backend, vanilla and Medusa on the same engine (default: {DEFAULT_BACKEND})")
-    p.add_argument("--device-id", type=int, metavar="N", help="GPU of the onnxruntime-cuda and tensorrt backends")
+    p.add_argument("--device-id", type=int, metavar="N", help="GPU of the onnxruntime-cuda, tensorrt and torch backends (torch without it: the CPU)")
+    p.add_argument("--model-path", help="torch backend: the artifact's source weights, when not its registered model's")
     p.add_argument("--tree", help="override the artifact's tree (e.g. 8, chain, dynamic:6, a JSON file)")
     p.add_argument("--spin", action="store_true", help="let ONNX Runtime's idle threads busy-wait (dedicated machines)")
     p.add_argument("--past-lengths", type=lambda s: [int(x) for x in s.split(",")], default=[0, 256, 512, 1024],

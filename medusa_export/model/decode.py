@@ -97,6 +97,10 @@ class TorchEngine:
             sampled[rows] = draw_tokens(self._out(order), self._out(logp), u[rows], sampling.top_k, sampling.top_p)
         return self._result(topk_ids, topk_lp, entropy, token_lp, hidden, new_kv, sampled)
 
+    def close(self) -> None:
+        """Nothing to free (the Engine protocol's close): the model's tensors belong to whoever made it, and
+        the KV caches are the loop's numpy caches."""
+
     @torch.no_grad()
     def heads(self, hidden: np.ndarray, topk: int) -> np.ndarray:
         return self._out(self.model.heads_topk(self._in(hidden), topk).transpose(0, 1))
