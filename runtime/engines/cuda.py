@@ -204,20 +204,27 @@ class Buffers:
 
 
 class DeviceRows(NamedTuple):
-    """A step's hidden states [S, d] on the device; ``rows[a:b]`` is a [b - a, d] :class:`DeviceSlice`."""
+    """A step's hidden states [S, d] on the device; ``rows[a:b]`` is a [b - a, d] :class:`DeviceSlice`.
+
+    ``owner`` keeps the memory alive while a view exists (onnxruntime-cuda: the step's ``OrtValue``); None
+    where the engine owns the buffer (TensorRT: valid until the next step).
+    """
 
     ptr: int
     rows: int
     width: int
     itemsize: int
+    owner: object = None
 
     def __getitem__(self, index: slice) -> "DeviceSlice":
         start, stop, _ = index.indices(self.rows)
-        return DeviceSlice(self.ptr + start * self.width * self.itemsize, (stop - start, self.width))
+        return DeviceSlice(self.ptr + start * self.width * self.itemsize, (stop - start, self.width), self)
 
 
 class DeviceSlice(NamedTuple):
-    """Rows of a :class:`DeviceRows`: the first row's device address and the [rows, d] shape."""
+    """Rows of a :class:`DeviceRows`: the first row's device address and the [rows, d] shape (``rows`` keeps
+    its owner alive)."""
 
     ptr: int
     shape: tuple[int, int]
+    rows: object = None

@@ -31,6 +31,7 @@ import numpy as np
 from ..artifact import Artifact, kv_layout, step_limits
 from ..errors import BackendUnavailableError, InvalidSettingError
 from .base import Capabilities, StepResult, sampler_feed
+from .cuda import DeviceRows, DeviceSlice
 from .kvcache import CacheState, compaction_slots, in_place_moves
 from .ort import KV_DTYPES, session_options
 
@@ -87,25 +88,6 @@ class _HostCopies:
     @staticmethod
     def sync() -> None:
         """Nothing queued: host copies are done when they return."""
-
-
-class DeviceRows(NamedTuple):
-    """A [1, S, d] device tensor (the step's hidden states); ``rows[a:b]`` is a [b-a, d] view."""
-
-    value: object  # onnxruntime.OrtValue, kept alive here
-    rows: int
-    width: int
-    itemsize: int
-
-    def __getitem__(self, index: slice) -> "DeviceSlice":
-        start, stop, _ = index.indices(self.rows)
-        return DeviceSlice(self, self.value.data_ptr() + start * self.width * self.itemsize, (stop - start, self.width))
-
-
-class DeviceSlice(NamedTuple):
-    owner: DeviceRows  # keeps the OrtValue alive
-    ptr: int
-    shape: tuple[int, int]
 
 
 class DevicePast(NamedTuple):
@@ -239,7 +221,7 @@ class OrtCudaEngine:
         self.step_session.run_with_iobinding(io)
         outs = io.get_outputs()  # in binding order
         topk_ids, topk_lp, entropy, token_lp = (outs[j].numpy()[0] for j in range(4))
-        hidden = DeviceRows(outs[4], s, self.hidden_size, self.kv_dtype.itemsize)
+        hidden = DeviceRows(outs[4].data_ptr(), s, self.hidden_size, self.kv_dtype.itemsize, owner=outs[4])
         return StepResult(topk_ids, topk_lp, entropy, token_lp, hidden, [])
 
     def heads(self, hidden: DeviceSlice, topk: int) -> np.ndarray:
