@@ -58,10 +58,10 @@ def artifact_step_ms(path: str, backend: str, precision: str | None, device_id: 
                      repeats: int) -> tuple[dict[int, float], np.ndarray, str]:
     """Tree-step times of an artifact's engine (:func:`~medusa_runtime.autotree.time_tree_steps`)."""
     from medusa_runtime.artifact import load_artifact
-    from medusa_runtime.engines import create_engine
+    from medusa_runtime.engines import backend_spec, create_engine
 
     art = load_artifact(path)
-    options = {"device_id": device_id} if backend in ("tensorrt", "onnxruntime-cuda") else {}
+    options = {"device_id": device_id} if backend_spec(backend).gpu else {}
     if precision:
         options["precision"] = precision
     engine = create_engine(art, backend, **options)

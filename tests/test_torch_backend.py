@@ -37,6 +37,9 @@ def test_torch_backend_bad_input(tiny_trt_artifact, registered):
     with pytest.raises(BackendUnavailableError, match=r"--device-id 3: PyTorch sees no CUDA device"):
         torch_backend.torch_device(3)
     assert torch_backend.torch_device(None) == "cpu"
+    # an fp16 artifact's reference runs in float16 on a GPU, float32 on the CPU
+    assert torch_backend.run_dtype("float16", "cuda:0") == "float16"
+    assert torch_backend.run_dtype("float16", "cpu") == torch_backend.run_dtype("float32", "cuda:0") == "float32"
     # the tiny artifact's model is not registered: its weights must be given
     with pytest.raises(MedusaError, match="is not a registered model: give its weights with --model-path"):
         MedusaSession(tiny_trt_artifact, backend="torch", notice=None)

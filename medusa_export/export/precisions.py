@@ -95,7 +95,11 @@ def precisions(**where: bool) -> tuple[str, ...]:
 
     E.g. ``precisions(weight_only=True)`` -> ``("int8", "int4")``; ``precisions()``: all of them.
     """
-    return tuple(n for n, p in PRECISION_TABLE.items() if all(getattr(p, k) == v for k, v in where.items()))
+    return tuple(Column("name", **where))
+
+
+def _matches(p: PrecisionSpec, where: dict[str, bool]) -> bool:
+    return all(getattr(p, k) == v for k, v in where.items())
 
 
 class Column(Mapping):
@@ -117,11 +121,11 @@ class Column(Mapping):
         self._field, self._where = field, where
 
     def _rows(self) -> Iterator[PrecisionSpec]:
-        return (p for p in PRECISION_TABLE.values() if all(getattr(p, k) == v for k, v in self._where.items()))
+        return (p for p in PRECISION_TABLE.values() if _matches(p, self._where))
 
     def __getitem__(self, name: str):
         p = PRECISION_TABLE.get(name) if isinstance(name, str) else None
-        if p is None or not all(getattr(p, k) == v for k, v in self._where.items()):
+        if p is None or not _matches(p, self._where):
             raise KeyError(name)
         return getattr(p, self._field)
 

@@ -39,6 +39,13 @@ def torch_device(device_id: int | None) -> str:
     return f"cuda:{device_id}"
 
 
+def run_dtype(kv_dtype: str, device: str) -> str:
+    """The torch dtype name the reference runs in: the artifact's graph dtype (manifest
+    ``precision.kv_dtype``, "float32" or "float16") on a CUDA device, "float32" on the CPU (its fp16 kernels
+    are slow and not what the artifact's CPU graphs compute)."""
+    return kv_dtype if device != "cpu" else "float32"
+
+
 def torch_engine(artifact: Artifact, *, device_id: int | None = None, model=None, model_path: str | None = None,
                  heads_path: str | None = None, **_):
     """A :class:`~medusa_export.model.decode.TorchEngine` for ``artifact`` (the :data:`TORCH_BACKEND` factory).
@@ -72,8 +79,7 @@ def torch_engine(artifact: Artifact, *, device_id: int | None = None, model=None
         from .source import open_source
 
         model = reference_model(open_source(m, model_path, heads_path).sources, device=device)
-    half = device != "cpu" and m.model.kv_dtype == "float16"
-    model = model.to(device=device, dtype=torch.float16 if half else torch.float32).eval()
+    model = model.to(device=device, dtype=getattr(torch, run_dtype(m.precision.kv_dtype, device))).eval()
     return TorchEngine(model, limits.step_topk or STEP_TOPK, max_context=limits.max_context, sampler=limits.has_sampler,
                        device=device)
 
