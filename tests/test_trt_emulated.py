@@ -11,12 +11,14 @@ KV compaction are right, not that TensorRT's kernels match.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -502,11 +504,138 @@ def test_bench_runs_vanilla_and_medusa_on_the_emulated_tensorrt_engine(engine_ar
 # ---------------------------------------------------------------- Triton: the tensorrt backend in a real tritonserver
 
 
+class _FakeTritonUtils(types.ModuleType):
+    """The part of Triton's ``triton_python_backend_utils`` that model.py uses (names from the Python backend's
+    README, github.com/triton-inference-server/python_backend: decoupled responses, InferenceResponse, Tensor,
+    TritonError codes, Logger), recording what the model sends."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    class TritonModelException(Exception):
+        pass
+
+    class TritonError:
+        INVALID_ARG, INTERNAL, CANCELLED = "INVALID_ARG", "INTERNAL", "CANCELLED"
+
+        def __init__(self, message, code=None):
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.array = name, np.asarray(array)
+
+        def as_numpy(self):
+            return self.array
+
+    class InferenceResponse:
+        def __init__(self, output_tensors, error=None):
+            self.outputs = {t.name: t.array for t in output_tensors}
+            self.error = error
+
+    class Logger:
+        lines: list[str] = []
+
+        @classmethod
+        def log_info(cls, message):
+            cls.lines.append(message)
+
+        log_error = log_info
+
+    def __init__(self):
+        super().__init__("triton_python_backend_utils")
+
+    @staticmethod
+    def using_decoupled_model_transaction_policy(config):
+        return bool(config.get("model_transaction_policy", {}).get("decoupled"))
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.inputs.get(name)
+
+
+class _FakeRequest:
+    """A decoupled request: its inputs, and the responses its sender got (the last one flagged final)."""
+
+    def __init__(self, utils, **inputs):
+        self.inputs = {k: utils.Tensor(k, v) for k, v in inputs.items()}
+        self.responses: list = []
+        self.final = threading.Event()
+
+    def parameters(self):
+        return "{}"
+
+    def get_response_sender(self):
+        request = self
+
+        class Sender:
+            def send(self, response=None, flags=0):
+                request.responses.append(response)
+                if flags == _FakeTritonUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+                    request.final.set()
+        return Sender()
+
+
+def test_triton_gpu_instance_runs_on_its_model_instance_device_id(engine_art, live_bytes, tmp_path, monkeypatch):
+    """A KIND_GPU instance on device 1 (Triton's ``model_instance_kind`` "GPU" and ``model_instance_device_id``
+    "1", the args the Python backend's initialize gets) puts its engine, KV caches and buffers on EMULATED device 1
+    only, serves greedy ids equal to the ONNX Runtime session's from its batch server's thread (the emulation
+    refuses a device used from a thread that did not set it), and frees everything on finalize. The generated
+    model.py runs in-process with a stand-in for triton_python_backend_utils: tritonserver itself cannot load a
+    KIND_GPU instance on this GPU-less machine (the real-server test below runs KIND_CPU)."""
+    import re
+
+    from medusa_export.triton.repository import TritonConfig, write_repository
+    from medusa_runtime.session import MedusaSession
+
+    cudart = live_bytes
+    on_device_0 = cudart.emulator_live_device_bytes(0)
+    utils = _FakeTritonUtils()
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
+    repo = write_repository(engine_art, tmp_path / "repo", TritonConfig(threads=1, instances=1, engine_models=False,
+                                                                       tree="artifact"))
+    pbtxt = (repo / "medusa" / "config.pbtxt").read_text()
+    assert "KIND_GPU" in pbtxt
+    params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', pbtxt))
+    assert params["backend"] == "tensorrt" and params["precision"] == "fp32"
+    model_py = repo / "medusa" / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location("medusa_triton_model_under_test", model_py)
+    module = importlib.util.module_from_spec(spec)
+    path_before = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path_before  # model.py puts its own folder first, as it does in the Python backend
+    model = module.TritonPythonModel()
+    config = {"model_transaction_policy": {"decoupled": True},
+              "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    model.initialize({"model_config": json.dumps(config), "model_instance_kind": "GPU",
+                      "model_instance_device_id": "1"})
+    try:
+        assert model.session.backend == "tensorrt" and model.session.engine.cuda.device == 1
+        assert cudart.emulator_live_device_bytes(1) > 0
+        assert cudart.emulator_live_device_bytes(0) == on_device_0
+        requests = [_FakeRequest(utils, input_ids=np.asarray(ids, np.int64), max_new_tokens=np.array([12], np.int32))
+                    for ids in PROMPTS]
+        assert model.execute(requests) is None  # decoupled: answered from the batch server's thread
+        assert all(r.final.wait(120) for r in requests)
+    finally:
+        model.finalize()
+    assert cudart.emulator_live_device_bytes(1) == 0 and model.session is None
+    with MedusaSession(engine_art, tree="artifact") as session:
+        for ids, request in zip(PROMPTS, requests):
+            (response,) = request.responses
+            assert response.error is None, response.error.message
+            ref = session.generate(prompt_ids=ids, max_new_tokens=12).token_ids
+            assert response.outputs["output_ids"].tolist() == ref and len(ref) == 12
+    assert any(" on tensorrt, tree of " in line for line in utils.Logger.lines)
+
+
 def test_triton_serves_the_emulated_tensorrt_engine(engine_art, tmp_path, monkeypatch):
     """The Triton repository of an artifact with built plans runs its generation model on the tensorrt backend in
     the bundled tritonserver, the EMULATED TensorRT and CUDA runtime on the stub's path (its first sys.path entry,
     medusa_export.triton.local): greedy ids equal to the runtime's ONNX Runtime session. This machine has no GPU,
-    so the instance group is made KIND_CPU (device 0); a KIND_GPU instance's device id is not exercised here."""
+    so the instance group is made KIND_CPU (device 0); a KIND_GPU instance's device id is tested in-process by
+    test_triton_gpu_instance_runs_on_its_model_instance_device_id."""
     from conftest import import_or_fail_in_ci, skip_or_fail_in_ci
     from medusa_export.triton.local import STUB_SITE_ENV, LocalTritonServer, TritonUnavailableError, find_bundled
     from medusa_export.triton.local import stub_site
