@@ -504,6 +504,26 @@ def test_build_refuses_a_tree_that_is_not_a_tree(spec, expected, tiny_model_dir,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--tree", ""], "--tree is empty"),
+    (["--tree", "{folder}"], "is a directory"),
+    (["--out", "{folder}"], "is a non-empty folder that is not an artifact"),
+])
+def test_build_refuses_a_bad_tree_or_out_before_it_opens_the_model(argv, expected, tmp_path, monkeypatch, capsys):
+    """These waited for the model to open (16-21 s on the embedded model) before they were refused."""
+    import medusa_export.loading.sources as sources
+
+    def opened(*args, **kwargs):
+        raise AssertionError("build opened the model before it checked --tree and --out")
+
+    monkeypatch.setattr(sources, "open_model", opened)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "kept.txt").write_text("mine")
+    argv = [a.format(folder=tmp_path / "folder") for a in argv]
+    assert expected in error_of(["build", "--model", "smollm2-135m", *argv], capsys)
+    assert (tmp_path / "folder" / "kept.txt").read_text() == "mine"
+
+
 def test_build_names_the_largest_tree_the_heads_make(tiny_model_dir, tmp_path, capsys):
     """--tree 5000 was silently capped at 1111 nodes (3 heads of top-10): a budget above what the heads can make
     is refused with the range; the largest is what the greedy builder makes from an unbounded budget."""

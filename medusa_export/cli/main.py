@@ -129,6 +129,10 @@ def cmd_build(args) -> int:
     from .trt import after_build
 
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None  # bad files fail before the model opens
+    if args.tree is not None:  # so do a bad --tree and an --out that cannot be replaced (no 20 s model open first)
+        parse_tree_spec(args.tree)
+    if args.out:
+        check_replaceable(Path(args.out), force=args.force)
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
