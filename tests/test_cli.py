@@ -391,4 +391,4 @@ def test_modelopt_fp8_build_summary_and_verify(tmp_path, capsys):
     assert m["model"]["medusa_heads"] == 3 and m["validation"]["ran"] == ["full", "checksums"]
     assert main(["verify", "--artifact", str(art), "--model-path", str(tmp_path / "fp8"), "--limit", "1",
                  "--max-new-tokens", "6"]) == 0
-    assert "PASSED: 1 prompts, precision fp32 (checks: full, checksums)" in capsys.readouterr().out
+    assert "PASSED: 1 prompt, precision fp32 (checks: full, checksums)" in capsys.readouterr().out

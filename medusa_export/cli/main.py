@@ -348,7 +348,8 @@ def cmd_verify(args) -> int:
     if not v["passed"]:
         print("FAILED:\n  " + "\n  ".join(v["failures"]), file=sys.stderr)
         return EXIT_MISMATCH
-    print(f"PASSED: {len(texts)} prompts, precision {m.precision_name} (checks: {', '.join(v['ran'])})")
+    prompts_run = f"{len(texts)} prompt" + ("" if len(texts) == 1 else "s")
+    print(f"PASSED: {prompts_run}, precision {m.precision_name} (checks: {', '.join(v['ran'])})")
     return 0
 
 
