@@ -73,6 +73,17 @@ class Artifact:
         return self.manifest.head_type
 
 
+def _remedy(manifest: Manifest, path: Path, rel: str) -> str:
+    """How to rewrite the damaged artifact file ``rel``: a TensorRT plan (or its build files) with
+    ``medusa-export engine`` of the precision whose record lists it, anything else with a new build."""
+    for precision, rec in (manifest.engines or {}).items():
+        if rel in [v for v in rec.values() if isinstance(v, str)] or rel.endswith(f".{precision}.plan"):
+            return f"rebuild the {precision} engines with `medusa-export engine --artifact {path} --precision {precision}`"
+    if rel.startswith("engines/"):
+        return f"rebuild the engines with `medusa-export engine --artifact {path}`"
+    return "the artifact is damaged: export it again with `medusa-export build`"
+
+
 def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     """Open and check an artifact directory.
 
@@ -103,12 +114,14 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     for rel, rec in manifest.checksums.items():
         f = path / rel
         if not f.is_file():
-            raise ArtifactError(f"artifact file {rel} is missing from {path}")
+            raise ArtifactError(f"artifact file {rel} is missing from {path}: {_remedy(manifest, path, rel)}")
         size = f.stat().st_size
         if size != rec.bytes:
-            raise ArtifactError(f"artifact file {rel} has {size} bytes, the manifest records {rec.bytes}")
+            raise ArtifactError(f"artifact file {rel} has {size} bytes, the manifest records {rec.bytes} (truncated or "
+                                f"replaced): {_remedy(manifest, path, rel)}")
         if (full_verify or size <= QUICK_HASH_LIMIT) and sha256_file(f) != rec.sha256:
-            raise ArtifactError(f"artifact file {rel} fails its SHA-256 check: it was changed after the build")
+            raise ArtifactError(f"artifact file {rel} fails its SHA-256 check: it was changed after the build: "
+                                f"{_remedy(manifest, path, rel)}")
     for key, rel in manifest.files.items():
         if rel not in manifest.checksums:
             raise ArtifactError(f"{mpath}: file {key}={rel} has no checksum")

@@ -258,6 +258,100 @@ def test_emulated_trt_backend_is_token_exact_for_every_family(family, emulated, 
         trt_engine.close()
 
 
+@pytest.fixture(scope="module")
+def hydra_art(emulated, tmp_path_factory):
+    """A tiny artifact with path-conditioned (hydra) heads (heads_level1..3.onnx, 8-node greedy tree) and its fp32
+    plans built by the emulated builder."""
+    import dataclasses
+
+    import torch
+    from conftest import make_tiny_medusa, tiny_loaded
+    from medusa_export.loading.accuracies import load_accuracies_doc
+    from medusa_export.model.heads import save_heads
+    from medusa_export.model.hydra_heads import HydraHeads
+    from medusa_export.model.medusa import MedusaModel
+    from medusa_export.pipeline import BuildConfig, build_artifact
+    from medusa_export.training.calibrate import save_accuracies
+    from medusa_runtime.tree import greedy_tree
+
+    _, model = make_tiny_medusa(vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=2,
+                                head_noise=0.05)
+    heads = HydraHeads.from_medusa(model.heads, model.backbone.embed_tokens)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # hydra heads that differ from the Medusa ones they were made from
+        for prm in heads.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.05)
+    root = tmp_path_factory.mktemp("hydra")
+    acc = np.array([[0.5, 0.2, 0.1] + [0.01] * 7, [0.3, 0.1, 0.05] + [0.01] * 7, [0.2, 0.1, 0.05] + [0.01] * 7])
+    save_heads(heads, root / "heads")
+    save_accuracies(acc, root / "heads", source="test", positions=1, head_type="hydra")
+    lm = dataclasses.replace(tiny_loaded(MedusaModel(model.backbone, heads).eval(), max_context=256),
+                             head_accuracies=acc, accuracies_doc=load_accuracies_doc(root / "heads"))
+    art = build_artifact(lm, greedy_tree(8, acc), root / "art", BuildConfig(validate=False), progress=False)
+    assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
+    return art
+
+
+def test_emulated_trt_backend_runs_hydra_heads_one_plan_per_level(hydra_art, live_bytes):
+    """Path-conditioned (hydra) heads: ``engine`` builds one plan per tree level (heads_level{j}), the emulated
+    TensorRT backend runs them level by level and gives ONNX Runtime's greedy tokens and accept depths; the
+    Medusa heads call is a typed error; closing frees every device byte."""
+    from medusa_runtime.errors import MedusaError
+
+    rec = json.loads((hydra_art / "manifest.json").read_text())["engines"]["fp32"]
+    levels = [f"heads_level{j}" for j in (1, 2, 3)]
+    assert "heads_plan" not in rec and [rec[f"{g}_plan"] for g in levels] == [
+        f"engines/{g}.fp32.plan" for g in levels]
+    assert all((hydra_art / rec[f"{g}_plan"]).is_file() for g in levels)
+    from medusa_export.triton.repository import built_plans
+
+    assert built_plans(load_artifact(hydra_art))[0] == "fp32"  # the Triton repository finds the level plans
+    script = (hydra_art / "engines" / "build_engine.sh").read_text()  # trtexec builds one plan per level too
+    assert all(f"run {g} fp16" in script and f"--saveEngine=engines/{g}.fp16.plan" in script for g in levels)
+    assert "run heads fp16" not in script and '"engines/heads_level3.$PRECISION.plan"]' in script
+    assert subprocess.run(["bash", "-n", str(hydra_art / "engines" / "build_engine.sh")]).returncode == 0
+    a, ort, trt_engine = _engines(hydra_art)
+    try:
+        assert trt_engine.capabilities.head_type == "hydra" and not trt_engine.capabilities.heads_logprobs
+        for prompt in PROMPTS:
+            ref = generate(ort, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
+            got = generate(trt_engine, prompt, a.tree, max_new_tokens=24, max_context=a.model.max_context)
+            assert got.tokens == ref.tokens and len(got.tokens) == 24
+            assert got.accept_depths == ref.accept_depths
+        # Every level plan on its own (the tiny random heads' guesses are rarely accepted, so the tokens alone
+        # would not show a wrong level 2 or 3): one hidden row for R paths, and one row per path (H = R).
+        rng = np.random.default_rng(0)
+        for depth in (1, 2, 3):
+            paths = rng.integers(0, a.model.vocab_size, size=(5, depth))
+            for hidden in (rng.standard_normal((1, a.model.hidden_size)), rng.standard_normal((5, a.model.hidden_size))):
+                hidden = hidden.astype(np.float32)
+                want_ids, want_lp = ort.heads_level(depth, hidden, paths, 4)
+                ids, lp = trt_engine.heads_level(depth, hidden, paths, 4)
+                assert ids.shape == (5, want_ids.shape[1]) and np.array_equal(ids, want_ids)
+                np.testing.assert_allclose(lp, want_lp, atol=1e-5)
+        with pytest.raises(MedusaError, match="hydra"):
+            trt_engine.heads(np.zeros((1, a.model.hidden_size), np.float32), 1)
+    finally:
+        trt_engine.close()
+
+
+def test_emulated_trt_backend_names_a_missing_level_plan(hydra_art, emulated, tmp_path):
+    """A hydra artifact with one level's plan truncated, then missing: typed errors naming the file and how to
+    rebuild it."""
+    from medusa_runtime.errors import ArtifactError
+
+    art = Path(shutil.copytree(hydra_art, tmp_path / "art"))
+    plan = art / "engines" / "heads_level2.fp32.plan"
+    plan.write_bytes(plan.read_bytes()[:-1])
+    with pytest.raises(ArtifactError, match=r"heads_level2\.fp32\.plan has \d+ bytes.*truncated.*`medusa-export "
+                                            r"engine --artifact .* --precision fp32`"):
+        _engines(art)
+    plan.unlink()
+    with pytest.raises(ArtifactError, match=r"heads_level2\.fp32\.plan is missing.*`medusa-export engine "
+                                            r"--artifact .* --precision fp32`"):
+        _engines(art)
+
+
 def test_emulated_step_buffers_are_sized_to_the_step_and_host_buffers_pinned(engine_art, live_bytes):
     """After a generation no device memory but the engine's own is live, and that is far below one KV cache of
     max_context (the new-K/V buffer holds a step's rows, not the context's); a prefill copies no token_logprobs

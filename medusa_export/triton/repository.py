@@ -200,9 +200,11 @@ def built_plans(art: Artifact, precision: str | None = None) -> tuple[str, dict]
     Raises:
         ArtifactError: ``precision`` was asked for but has no built plans.
     """
+    from medusa_runtime.engines.trt_plan import plan_graphs
+
     engines = art.manifest.engines or {}
     built = [(p, rec) for p, rec in engines.items() if rec.get("status") == "built"
-             and all(rec[k] in art.manifest.checksums for k in ("model_plan", "heads_plan"))]
+             and all(rec.get(f"{g}_plan") in art.manifest.checksums for g in plan_graphs(art.manifest))]
     if precision is not None:
         found = [b for b in built if b[0] == precision]
         if not found:

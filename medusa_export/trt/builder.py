@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.engines.cuda import device_key, import_cudart
-from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_sources, profile_shapes
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, plan_sources, profile_shapes
 from medusa_runtime.errors import ArtifactError, BackendUnavailableError
 from medusa_runtime.manifest import Manifest, as_manifest
 
@@ -178,7 +178,7 @@ def build_graph(folder: Path, manifest: Manifest | dict, graph: str, cfg: Engine
     Args:
         folder: the artifact.
         manifest: its manifest.
-        graph: "model" or "heads".
+        graph: "model", "heads" or a level graph ``heads_level{j}``.
         cfg: precision, workspace, timing cache, device.
         calibration_feeds: int8 only (model graph): a list of input dicts at the prefill
             profile's opt shapes (see ``calibration.calibration_feeds``).
@@ -243,18 +243,14 @@ def build_graph(folder: Path, manifest: Manifest | dict, graph: str, cfg: Engine
 
 
 def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, calibration_feeds=None) -> tuple[dict, list[str]]:
-    """Build both graphs; return (the manifest's engine record, files written).
+    """Build every graph's plan (:func:`~medusa_runtime.engines.trt_plan.plan_graphs`: the model, then the heads
+    graph or, for path-conditioned heads, one level graph per tree level); return (the manifest's engine
+    record, files written). The record names each plan as ``{graph}_plan``.
 
     Raises:
         EngineBuildError: cuda-python is missing, the device does not exist, or a graph does not build.
-        UnsupportedModelError: path-conditioned (hydra) heads, whose level graphs TensorRT plans do not cover yet.
     """
     manifest = as_manifest(manifest)
-    if manifest.head_type != "medusa":
-        from ..errors import UnsupportedModelError
-
-        raise UnsupportedModelError(f"TensorRT engines run Medusa heads (heads.onnx) only; this artifact's heads are "
-                                    f"{manifest.head_type!r} (heads_level{{j}}.onnx): run it with ONNX Runtime")
     cudart = _cudart()
     if cudart is None:
         raise EngineBuildError("building TensorRT engines needs cuda-python (pip install cuda-python)")
@@ -262,8 +258,8 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
         raise EngineBuildError(f"CUDA device {cfg.device_id} is not available (cudaSetDevice failed); this machine "
                                f"has {cudart.cudaGetDeviceCount()[1]} device(s)")
     graphs = {g: build_graph(folder, manifest, g, cfg, calibration_feeds if g == "model" else None)
-              for g in ("model", "heads")}
-    files = [graphs["model"]["plan"], graphs["heads"]["plan"]]
+              for g in plan_graphs(manifest)}
+    files = [g["plan"] for g in graphs.values()]
     if cfg.timing_cache and (folder / TIMING_CACHE).is_file():
         files.append(TIMING_CACHE)
     if cfg.precision == "int8" and (folder / CALIBRATION_CACHE).is_file():
@@ -276,8 +272,7 @@ def build_engines(folder: Path, manifest: Manifest | dict, cfg: EngineConfig, ca
         **gpu_key(cfg.device_id),
         "precision": cfg.precision,
         "sources": plan_sources(manifest),
-        "model_plan": graphs["model"]["plan"],
-        "heads_plan": graphs["heads"]["plan"],
+        **{f"{g}_plan": built["plan"] for g, built in graphs.items()},
         "build_seconds": round(sum(g["build_seconds"] for g in graphs.values()), 1),
         "graphs": graphs,
         "timing_cache": TIMING_CACHE if TIMING_CACHE in files else None,

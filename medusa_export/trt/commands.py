@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, profile_shapes
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, profile_shapes
 from medusa_runtime.manifest import Manifest, as_manifest
 
 from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS, TIMING_CACHE
@@ -52,7 +52,8 @@ def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, fp32_
 
     Args:
         manifest: the artifact's manifest.
-        graph: "model" (backbone step, profiles prefill / tree_step / decode) or "heads".
+        graph: "model" (backbone step, profiles prefill / tree_step / decode), "heads" or a level graph
+            ``heads_level{j}`` (path-conditioned heads).
         precision: one of :data:`ENGINE_PRECISIONS`.
         fp32_nodes: layer names pinned to float32 (weakly typed fp16 / int8 builds).
         workspace_mib: builder workspace limit.
@@ -94,10 +95,11 @@ def _fp32_nodes(folder: Path, manifest: Manifest | dict, graph: str, precision: 
 
 
 def trtexec_commands(folder: Path, manifest: Manifest | dict, precision: str, workspace_mib: int | None = None) -> list[list[str]]:
-    """argv (with ``trtexec``) of the model and heads builds."""
+    """argv (with ``trtexec``) of each graph's build, in :func:`~medusa_runtime.engines.trt_plan.plan_graphs`
+    order (the model, then the heads graph or the level graphs of path-conditioned heads)."""
     manifest = as_manifest(manifest)
     return [["trtexec", *trtexec_args(manifest, g, precision, fp32_nodes=_fp32_nodes(folder, manifest, g, precision),
-                                      workspace_mib=workspace_mib)] for g in ("model", "heads")]
+                                      workspace_mib=workspace_mib)] for g in plan_graphs(manifest)]
 
 
 def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | None = None) -> str:
@@ -117,22 +119,24 @@ def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | N
                       f"--precision int8 --prompt-file PROMPTS.jsonl' on a machine with TensorRT's Python package "
                       f"(it calibrates, saves the cache and builds the engine)\" >&2",
                       "      exit 3", "    fi"]
-        for n, argv in enumerate(trtexec_commands(folder, manifest, prec, workspace_mib), 1):
-            graph = ("model", "heads")[n - 1]
+        for graph, argv in zip(plan_graphs(manifest), trtexec_commands(folder, manifest, prec, workspace_mib)):
             body = " \\\n      ".join(shlex.quote(a) for a in argv[1:])
             lines.append(f"    run {graph} {prec} \\\n      {body}")
         lines.append("    ;;")
         cases.append("\n".join(lines))
-    plans = plan_files(manifest, "$PRECISION")
+    plans = list(plan_files(manifest, "$PRECISION").values())
+    heads_note = ("heads.onnx: R rows" if plans[1:] == [f"{ENGINE_DIR}/heads.$PRECISION.plan"] else
+                  "heads_level{j}.onnx (one per tree level): H hidden rows, R paths")
+    plan_list = ", ".join(f'"{p}"' for p in plans)
     return f"""#!/usr/bin/env bash
 # Builds the TensorRT engines of this artifact on a machine with an NVIDIA GPU and TensorRT 10.x.
 # Written by medusa-export {__version__} from manifest.json (model {manifest.model.name}, tree of
 # {manifest.tree.size} nodes, max context {manifest.model.max_context}); the shapes are the manifest's
-# optimization profiles: model.onnx profile 0 = prefill, 1 = tree step, 2 = decode; heads.onnx: R rows.
+# optimization profiles: model.onnx profile 0 = prefill, 1 = tree step, 2 = decode; {heads_note}.
 #
 #   bash engines/build_engine.sh [fp16|int8|fp32]     (default fp16; TRTEXEC=/path/to/trtexec to choose)
 #
-# Outputs: engines/{{model,heads}}.PRECISION.plan, engines/timing.cache, engines/layers.*.json (per-layer
+# Outputs: {', '.join(plans).replace('$PRECISION', 'PRECISION')}, engines/timing.cache, engines/layers.*.json (per-layer
 # precisions, to check that norms and softmax stayed fp32), engines/build.*.log, engines/build_record.PRECISION.json.
 set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")/.."   # the artifact root: ONNX external data resolves from here
@@ -164,9 +168,9 @@ if [ -n "$v" ]; then
 fi
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 || true)
 cat > "{ENGINE_DIR}/build_record.$PRECISION.json" <<RECORD
-{{"precision": "$PRECISION", "built_by": "{BUILD_SCRIPT}", "tensorrt": "${{trt:-unknown}}", "gpu": "${{gpu:-unknown}}", "build_seconds": $seconds, "plans": ["{plans['model']}", "{plans['heads']}"]}}
+{{"precision": "$PRECISION", "built_by": "{BUILD_SCRIPT}", "tensorrt": "${{trt:-unknown}}", "gpu": "${{gpu:-unknown}}", "build_seconds": $seconds, "plans": [{plan_list}]}}
 RECORD
-echo "built {plans['model']} and {plans['heads']} in ${{seconds}}s"
+echo "built {' and '.join(plans)} in ${{seconds}}s"
 """
 
 
@@ -176,7 +180,7 @@ def write_commands(folder: Path, manifest: Manifest | dict, precision: str, work
     (folder / ENGINE_DIR).mkdir(exist_ok=True)
     cmd_rel = f"{ENGINE_DIR}/trtexec.{precision}.txt"
     text = "".join(shlex.join(argv) + "\n" for argv in trtexec_commands(folder, manifest, precision, workspace_mib))
-    (folder / cmd_rel).write_text("# run from the artifact root; one build per line (model.onnx, heads.onnx)\n" + text)
+    (folder / cmd_rel).write_text(f"# run from the artifact root; one build per line ({', '.join(manifest.graphs[g].file for g in plan_graphs(manifest))})\n" + text)
     script = folder / BUILD_SCRIPT
     script.write_text(build_script(folder, manifest, workspace_mib))
     script.chmod(0o755)

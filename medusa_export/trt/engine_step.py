@@ -40,8 +40,7 @@ def _pending_record(manifest: Manifest, cfg: EngineConfig, files: list[str]) -> 
         "backend": "tensorrt",
         "target_tensorrt": TARGET,
         "precision": cfg.precision,
-        "model_plan": plans["model"],
-        "heads_plan": plans["heads"],
+        **{f"{g}_plan": rel for g, rel in plans.items()},
         "profiles": profiles_json(manifest),
         "trtexec": files[0],
         "script": BUILD_SCRIPT,
@@ -86,5 +85,6 @@ def run_engine_step(path: str | Path, cfg: EngineConfig = EngineConfig()) -> Eng
     rec_rel = f"{ENGINE_DIR}/build_record.{cfg.precision}.json"
     (folder / rec_rel).write_text(json.dumps(record, indent=2) + "\n")
     update_manifest(folder, {**patch, "engines": {cfg.precision: record}}, files + built_files + [rec_rel])
-    return EngineOutcome(0, (f"built {record['model_plan']} and {record['heads_plan']} with TensorRT {record['tensorrt']} "
+    built_plans = " and ".join(plan_files(manifest, cfg.precision).values())
+    return EngineOutcome(0, (f"built {built_plans} with TensorRT {record['tensorrt']} "
                              f"on {record['gpu']} in {record['build_seconds']}s"), files + built_files + [rec_rel])

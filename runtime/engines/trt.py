@@ -31,7 +31,8 @@ Layout and data flow per step:
   where a tree step's typical acceptance reads them, never for a prefill) come back into pinned
   host buffers; every other output (``sampled_ids``) gets a device address, as ``enqueueV3``
   requires, and stays there; the hidden states stay on the device and the heads engine reads
-  the accepted row.
+  the accepted row (path-conditioned heads: one plan per tree level, ``heads_level``, fed that row and the
+  level's paths).
 
 Ownership: a :class:`TrtKVCache` owns its device allocation until :meth:`TrtKVCache.free`
 (called by the loop when a generation it started ends, by :meth:`TrtEngine.release` for the
@@ -48,12 +49,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..artifact import Artifact, step_limits
-from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError
+from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
 from .base import Capabilities, StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
 from .kvcache import CacheState
-from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, heads_profiles, kv_bindings,
-                       model_profiles, plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
+from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, graph_profiles, heads_graphs,
+                       kv_bindings, plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
 
 __all__ = ["TrtEngine", "TrtKVCache", "DeviceRows", "DeviceSlice", "PlanMismatchError"]
 
@@ -197,7 +198,8 @@ def _check_plan_key(record: dict, current: dict, folder: Path, precision: str) -
 
 
 class TrtEngine:
-    """Runs ``engines/model.PRECISION.plan`` and ``engines/heads.PRECISION.plan`` of an artifact.
+    """Runs ``engines/model.PRECISION.plan`` and ``engines/heads.PRECISION.plan`` of an artifact (path-conditioned
+    heads: ``engines/heads_level{j}.PRECISION.plan``, one per tree level, instead of the heads plan).
 
     Args:
         artifact: a loaded artifact whose engines were built (``medusa-export engine``).
@@ -244,20 +246,23 @@ class TrtEngine:
             _check_plan_key((manifest.engines or {}).get(precision, {}), current, artifact.path, precision)
             self._logger = trt.Logger(trt.Logger.WARNING)
             self._runtime = trt.Runtime(self._logger)
-            self.model = _Graph(trt, self._runtime, self.cuda, plans["model"], model_profiles(manifest))
-            self.heads_graph = _Graph(trt, self._runtime, self.cuda, plans["heads"], heads_profiles(manifest))
-            scratch = max(self.model.scratch_bytes(), self.heads_graph.scratch_bytes())
+            self._graphs = {g: _Graph(trt, self._runtime, self.cuda, plans[g], graph_profiles(manifest, g))
+                            for g in plans}
+            scratch = max(g.scratch_bytes() for g in self._graphs.values())
             self._scratch = self.cuda.malloc(scratch)
         except BaseException:
             self.cuda.close()
             raise
-        self.model.share_scratch(self._scratch, scratch)
-        self.heads_graph.share_scratch(self._scratch, scratch)
+        for g in self._graphs.values():
+            g.share_scratch(self._scratch, scratch)
+        self.model = self._graphs["model"]
+        self.heads_graph = self._graphs.get("heads")  # None for path-conditioned heads
+        self.level_graphs = [self._graphs[g] for g in heads_graphs(manifest) if g != "heads"]
         self.kv_dtype = self.model.dtypes["past_key_values.0.key"]
         self.hidden_dtype = self.model.dtypes["hidden_states"]
         self.capabilities = Capabilities.with_limits(
-            limits, heads_logprobs="medusa_topk_logprobs" in self.heads_graph.outputs, own_cache=True,
-            device_id=device_id)
+            limits, head_type=manifest.head_type, own_cache=True, device_id=device_id,
+            heads_logprobs=self.heads_graph is not None and "medusa_topk_logprobs" in self.heads_graph.outputs)
 
     def make_cache(self, capacity: int) -> TrtKVCache:
         """A device KV cache of ``capacity`` tokens (the loop calls this instead of making a numpy one)."""
@@ -355,8 +360,12 @@ class TrtEngine:
             self.cuda.copy_2d(cache.ptr + c.dst_offset, c.dpitch, src_base + c.src_offset, c.spitch, c.width, c.height)
 
     def heads(self, hidden, topk: int) -> np.ndarray:
-        """hidden: a :class:`DeviceSlice` of a step's hidden states (or a host array [R, d]) -> int64 [R, K, topk]."""
-        return self._run_heads(hidden, ("medusa_topk_ids",))[0]
+        """hidden: a :class:`DeviceSlice` of a step's hidden states (or a host array [R, d]) -> int64 [R, K, topk].
+
+        Raises:
+            MedusaError: the artifact's heads are path-conditioned (they run level by level: :meth:`heads_level`).
+        """
+        return self._run_heads(self._medusa_heads(), hidden, {}, ("medusa_topk_ids",))[0]
 
     def heads_logprobs(self, hidden, topk: int) -> tuple[np.ndarray, np.ndarray]:
         """hidden as for :meth:`heads` -> (ids int64 [R, K, topk], log-probabilities float32 [R, K, topk]): what a
@@ -365,18 +374,44 @@ class TrtEngine:
         Raises:
             ArtifactError: the heads plan has no ``medusa_topk_logprobs`` output (its graph was built before it).
         """
-        if "medusa_topk_logprobs" not in self.heads_graph.outputs:
+        if "medusa_topk_logprobs" not in self._medusa_heads().outputs:
             raise ArtifactError("per-step trees need the heads' log-probabilities, and this artifact's heads plan "
                                 "has no medusa_topk_logprobs output: rebuild the artifact (or use a static --tree)")
-        ids, lp = self._run_heads(hidden, ("medusa_topk_ids", "medusa_topk_logprobs"))
+        ids, lp = self._run_heads(self.heads_graph, hidden, {}, ("medusa_topk_ids", "medusa_topk_logprobs"))
         return ids, lp
 
-    def _run_heads(self, hidden, wanted: tuple[str, ...]) -> list[np.ndarray]:
-        """Run the heads plan on R rows of hidden states; the ``wanted`` outputs as host arrays, in order."""
+    def heads_level(self, depth: int, hidden, path_ids: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Path-conditioned head ``depth`` (1-based, plan ``heads_level{depth}``): hidden a :class:`DeviceSlice`
+        [1, d] (or a host array [H, d], H = 1 or R), path_ids int64 [R, depth] -> (ids int64 [R, topk],
+        log-probabilities float32 [R, topk]), as :meth:`medusa_runtime.engines.ort.OrtEngine.heads_level`.
+
+        Raises:
+            MedusaError: the artifact's heads are Medusa heads (no level plans), or ``depth`` is not 1..K.
+            ShapeOutOfProfileError: more paths or rows than the plans' tree has nodes.
+        """
+        if not 1 <= depth <= len(self.level_graphs):
+            raise MedusaError(f"heads_level depth {depth}: this artifact has {len(self.level_graphs)} level plans "
+                              f"(path-conditioned heads only; Medusa heads run with heads())")
+        paths = np.ascontiguousarray(path_ids, np.int64)
+        ids, lp = self._run_heads(self.level_graphs[depth - 1], hidden, {"path_ids": paths},
+                                  ("level_topk_ids", "level_topk_logprobs"), rows="H", sizes={"R": len(paths)})
+        return ids, lp
+
+    def _medusa_heads(self) -> _Graph:
+        if self.heads_graph is None:
+            raise MedusaError("this artifact's heads are path-conditioned (hydra): they run level by level "
+                              "(heads_level), not as one heads plan")
+        return self.heads_graph
+
+    def _run_heads(self, g: _Graph, hidden, extra: dict[str, np.ndarray], wanted: tuple[str, ...], rows: str = "R",
+                   sizes: dict[str, int] | None = None) -> list[np.ndarray]:
+        """Run a heads plan (``heads`` or a level plan) on the hidden states (symbol ``rows`` their count) and the
+        host inputs ``extra`` (symbols ``sizes``); the ``wanted`` outputs as host arrays, in order."""
         self.cuda.use()
-        g = self.heads_graph
         r = int(hidden.shape[0])
-        ctx = g.contexts[select_profile(g.profiles, {"R": r})]
+        ctx = g.contexts[select_profile(g.profiles, {rows: r, **(sizes or {})})]
+        for name, arr in extra.items():
+            self._bind_input(ctx, f"heads.{name}", name, arr)
         nbytes = r * self.hidden_size * self.hidden_dtype.itemsize
         if isinstance(hidden, DeviceSlice):  # device -> aligned device buffer (a row offset is not 256-aligned)
             ptr = self._buf.get("heads.hidden_states", nbytes)
@@ -387,7 +422,7 @@ class TrtEngine:
             self._bind_input(ctx, "heads.hidden_states", "hidden_states", np.asarray(hidden, self.hidden_dtype))
         bound = g.bind_outputs(ctx, self._buf, "heads")  # every output needs an address, read or not
         if not ctx.execute_async_v3(self.cuda.stream_handle):
-            raise CudaError(f"TensorRT refused the heads (R={r}); its log above says why")
+            raise CudaError(f"TensorRT refused the heads ({rows}={r}); its log above says why")
         host = []
         for name in wanted:
             shape, ptr = bound[name]
@@ -408,5 +443,5 @@ class TrtEngine:
         self._host.free()
         self.cuda.free(self._scratch)
         self._scratch = 0
-        del self.model, self.heads_graph
+        del self.model, self.heads_graph, self.level_graphs, self._graphs
         self.cuda.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..artifact import level_graph
 from ..errors import ArtifactError, MedusaError
 from ..manifest import Manifest, TensorSpec, as_manifest
 from .kvcache import compaction_slots
@@ -87,9 +88,31 @@ def heads_profiles(manifest: Manifest | dict) -> list[Profile]:
     return [Profile("heads", {"R": (1, 1, max(1, as_manifest(manifest).tree.size))})]
 
 
+def level_profiles(manifest: Manifest | dict) -> list[Profile]:
+    """A level graph's (``heads_level{j}``, path-conditioned heads) one profile: H hidden rows and R paths, each
+    in [1, tree size] (a level expands at most every node of the tree; the loop feeds one hidden row, H = 1,
+    for all of a sequence's paths), tuned for H = R = 1 (level 1 always has the one root path)."""
+    t = max(1, as_manifest(manifest).tree.size)
+    return [Profile("paths", {"H": (1, 1, t), "R": (1, 1, t)})]
+
+
+def heads_graphs(manifest: Manifest | dict) -> list[str]:
+    """The manifest's heads graphs a plan is built for: ``["heads"]`` (Medusa heads, one graph) or
+    ``heads_level1 .. heads_levelK`` (path-conditioned heads, one graph per tree level)."""
+    m = as_manifest(manifest)
+    return [level_graph(j) for j in range(1, m.model.medusa_heads + 1)] if m.head_type == "hydra" else ["heads"]
+
+
+def plan_graphs(manifest: Manifest | dict) -> list[str]:
+    """Every graph a precision's plans cover, in build order: ``model``, then :func:`heads_graphs`."""
+    return ["model", *heads_graphs(manifest)]
+
+
 def graph_profiles(manifest: Manifest | dict, graph: str) -> list[Profile]:
-    """Profiles of ``graph`` ("model" or "heads")."""
-    return model_profiles(manifest) if graph == "model" else heads_profiles(manifest)
+    """Profiles of ``graph`` ("model", "heads" or a level graph ``heads_level{j}``)."""
+    if graph == "model":
+        return model_profiles(manifest)
+    return heads_profiles(manifest) if graph == "heads" else level_profiles(manifest)
 
 
 def select_profile(profiles: list[Profile], sizes: dict[str, int]) -> int:
@@ -133,9 +156,10 @@ def io_shapes(tensors: list[TensorSpec], sizes: dict[str, int]) -> dict[str, tup
 
 
 def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
-    """Artifact-relative plan paths of ``precision``: the manifest's record, else the default names."""
+    """Artifact-relative plan paths of ``precision`` by graph (:func:`plan_graphs`): the manifest's record
+    (``model_plan``, ``heads_plan`` or ``heads_level{j}_plan``), else the default names."""
     rec = (as_manifest(manifest).engines or {}).get(precision, {})
-    return {g: rec.get(f"{g}_plan", f"{ENGINE_DIR}/{g}.{precision}.plan") for g in ("model", "heads")}
+    return {g: rec.get(f"{g}_plan", f"{ENGINE_DIR}/{g}.{precision}.plan") for g in plan_graphs(manifest)}
 
 
 #: The plans' precision when none is asked for and the manifest records no built plans.
@@ -270,14 +294,14 @@ def profiles_json(manifest: Manifest | dict) -> dict[str, list[dict]]:
     """Per graph, the profiles a plan is built with (name and (min, opt, max) per symbol), as the build record
     keeps them."""
     return {g: [{"name": p.name, "dims": {s: list(r) for s, r in p.dims.items()}} for p in graph_profiles(manifest, g)]
-            for g in ("model", "heads")}
+            for g in plan_graphs(manifest)}
 
 
 def plan_sources(manifest: Manifest | dict) -> dict[str, str]:
     """SHA-256 of the files a plan is built from (the model and heads graphs and their external weights), by
     artifact-relative path, from the manifest's checksum table (files it does not list are left out)."""
     m = as_manifest(manifest)
-    files = [m.graphs[g].file for g in ("model", "heads") if g in m.graphs]
+    files = [m.graphs[g].file for g in plan_graphs(m) if g in m.graphs]
     if m.weights is not None:
         files.append(m.weights.file)
     return {f: m.checksums[f].sha256 for f in files if f in m.checksums}
