@@ -285,8 +285,8 @@ def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
     art = load_artifact(counter_artifact)
     if art.manifest.batch is None:
         pytest.skip("a batch-1 artifact")
-    with pytest.raises(BackendUnavailableError, match="--backend onnxruntime, or build with --batch-size 1"):
-        create_engine(art, "tensorrt")
+    with pytest.raises(BackendUnavailableError, match="--backend onnxruntime or tensorrt, or build with --batch-size 1"):
+        create_engine(art, "onnxruntime-cuda")
 
 
 def test_fused_artifact_rows_keep_their_own_cache(tmp_path):

@@ -33,7 +33,7 @@ from medusa_runtime.artifact import load_artifact
 from medusa_runtime.engines.kvcache import write_accepted
 from medusa_runtime.errors import BackendUnavailableError, ContextOverflowError
 from medusa_runtime.engines.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileError, compaction_copies, compaction_runs,
-                                     model_profiles, profile_shapes, select_profile)
+                                     model_profiles, pack_copies, packed_layout, profile_shapes, select_profile)
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 
@@ -218,6 +218,46 @@ def test_in_place_compaction_after_prefill_never_reads_overwritten_rows():
     with pytest.raises(ContextOverflowError):
         compaction_copies(layout, layout, 14, np.array([0, 1, 2]))
     assert compaction_runs(np.array([0, 1, 5, 6, 9])) == [(0, 0, 2), (5, 2, 2), (9, 4, 1)]
+
+
+def test_device_packing_equals_the_onnxruntime_packed_past():
+    """pack_copies on byte buffers gives ort_rows.pack_past's [B, P, H_kv, D] rows, plane by plane (the
+    slots past a row's length are left as they were: here zeros)."""
+    from medusa_runtime.engines.kvcache import KVCache
+    from medusa_runtime.engines.ort_rows import pack_past
+
+    layers, h, d, cap = 2, 2, 4, 20
+    rng = np.random.default_rng(7)
+    lengths = [5, 0, 13]
+    caches = []
+    for n in lengths:
+        c = KVCache(layers, h, d, cap, np.float32)
+        for buf in (*c.keys, *c.values):
+            buf[...] = rng.standard_normal(buf.shape)
+        c.length = n
+        caches.append(c)
+    p = max(lengths)
+    row = KVLayout(layers, h, d, 4, cap)
+    packed = packed_layout(row, len(caches), p)
+    assert packed.plane_bytes % ALIGN == 0 and packed.slots == 3 * p
+    dev = np.zeros(packed.total_bytes, np.uint8)
+    copies = pack_copies([row] * len(caches), lengths, packed, p)
+    assert [b for b, _ in copies] == [0, 2]  # a row without a past needs no copy
+    for b, c in copies:
+        src = np.zeros(row.total_bytes, np.uint8)
+        for i, plane in enumerate(x for layer in range(layers) for x in (caches[b].keys[layer], caches[b].values[layer])):
+            raw = plane.view(np.uint8).reshape(-1)
+            src[i * row.plane_bytes:i * row.plane_bytes + raw.size] = raw
+        _emulate([c], dev, src)
+    ref, ref_lengths = pack_past(caches, layers, p)
+    assert ref_lengths.tolist() == lengths
+    for layer, (k, v) in enumerate(ref):
+        for kind, arr in (("key", k), ("value", v)):
+            off = packed.plane_offset(layer, kind)
+            got = dev[off:off + arr.nbytes].view(np.float32).reshape(arr.shape)
+            np.testing.assert_array_equal(got, arr)
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_copies([row], [p + 1], packed, p)
 
 
 # ---------------------------------------------------------------- engine without TensorRT

@@ -116,6 +116,13 @@ def test_emulated_cuda_rejects_what_cuda_would(emulated):
     assert cudart.cudaMemcpy(ptr + 8, host.ctypes.data, 64, H2D)[0] == cudart.cudaError_t.cudaErrorInvalidValue
     assert "past the end" in cudart.emulator_last_error()
     assert cudart.cudaMemcpy(ptr, host.ctypes.data, 64, D2H)[0] == cudart.cudaError_t.cudaErrorInvalidMemcpyDirection
+    _, stream = cudart.cudaStreamCreate()
+    assert cudart.cudaMemsetAsync(ptr + 16, 0, 32, stream)[0] == 0
+    assert cudart.cudaMemcpy(back.ctypes.data, ptr, 64, D2H)[0] == 0
+    assert back.tolist() == [0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 12, 13, 14, 15]
+    assert cudart.cudaMemsetAsync(ptr + 32, 0, 64, stream)[0] == cudart.cudaError_t.cudaErrorInvalidValue  # past the end
+    assert cudart.cudaMemsetAsync(host.ctypes.data, 0, 4, stream)[0] != 0  # host memory
+    assert cudart.cudaStreamDestroy(stream)[0] == 0
     assert cudart.cudaFree(ptr)[0] == 0
     assert cudart.cudaMemcpy(back.ctypes.data, ptr, 4, D2H)[0] == cudart.cudaError_t.cudaErrorIllegalAddress
     assert "freed" in cudart.emulator_last_error()
@@ -424,32 +431,37 @@ def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_ar
     # live_bytes asserts the emulated device is back where it started
 
 
+def serve_ids(session, requests: list[dict], batch_size: int) -> list:
+    """Each request's token ids (or the exception that ended it), served by a BatchServer's own thread."""
+    from medusa_runtime.serving import BatchServer, parse_request
+
+    server = BatchServer(session, batch_size=batch_size)
+    done, events = {}, [threading.Event() for _ in requests]
+
+    def finisher(i):
+        def on_done(out, exc):
+            done[i] = exc if exc is not None else out.token_ids
+            events[i].set()
+        return on_done
+
+    try:
+        for i, r in enumerate(requests):
+            server.submit(parse_request(r, session), None, finisher(i))
+        assert all(e.wait(60) for e in events)
+    finally:
+        server.close()
+    return [done[i] for i in range(len(requests))]
+
+
 def test_emulated_batch_server_on_device_1(engine_art, live_bytes):
     """The batch server's own thread sets the engine's device (emulated device 1) before it touches it."""
-    from medusa_runtime.serving import BatchServer, parse_request
     from medusa_runtime.session import MedusaSession
 
     cudart = live_bytes
     with MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp32", device_id=1) as session:
         ref = [session.generate(prompt_ids=p, max_new_tokens=10).token_ids for p in PROMPTS]
         assert cudart.emulator_live_device_bytes(1) > 0 == cudart.emulator_live_device_bytes(0)
-        server = BatchServer(session, batch_size=2)
-        done = {}
-        events = [threading.Event() for _ in PROMPTS]
-
-        def finisher(i):
-            def on_done(out, exc):
-                done[i] = exc if exc is not None else out.token_ids
-                events[i].set()
-            return on_done
-
-        try:
-            for i, p in enumerate(PROMPTS):
-                server.submit(parse_request({"input_ids": p, "max_new_tokens": 10}, session), None, finisher(i))
-            assert all(e.wait(60) for e in events)
-        finally:
-            server.close()
-        assert [done[i] for i in range(len(PROMPTS))] == ref
+        assert serve_ids(session, [{"input_ids": p, "max_new_tokens": 10} for p in PROMPTS], batch_size=2) == ref
 
 
 def test_emulated_plan_key_mismatch_is_a_typed_error(engine_art, emulated, tmp_path):

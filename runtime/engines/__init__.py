@@ -10,7 +10,8 @@ name                      what                                                  
 ``onnxruntime-cuda``      ONNX Runtime, CUDA provider, I/O binding, KV on the device  unexecuted here
                           (:class:`~.ort_cuda.OrtCudaEngine`)
 ``tensorrt``              TensorRT plans of the artifact (:class:`~.trt.TrtEngine`,   emulated here
-                          ``TrtEngine(artifact, **options)``; the TensorRT issue)
+                          ``TrtEngine(artifact, **options)``; batched artifacts:
+                          :class:`~.trt_batched.TrtBatchEngine`)
 ========================  ==========================================================  =========
 
 A factory takes the loaded :class:`~medusa_runtime.artifact.Artifact` and keyword options (``threads``,
@@ -95,6 +96,10 @@ def _tensorrt(artifact: Artifact, **options):
     except ModuleNotFoundError:
         raise BackendUnavailableError("this version of medusa_runtime has no TensorRT engine "
                                       "(medusa_runtime.engines.trt is missing)") from None
+    if step_batch(artifact.manifest):
+        from .trt_batched import TrtBatchEngine
+
+        return TrtBatchEngine(artifact, **options)
     return module.TrtEngine(artifact, **options)
 
 
@@ -107,7 +112,7 @@ BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec("tensorrt", _tensorrt, library="tensorrt",
                 needs=("numpy, tokenizers, jinja2, TensorRT 10.x's Python package `tensorrt` (from NVIDIA, matching "
                        "the version the plans were built with) and `cuda-python` (device memory and streams)"),
-                gpu=True, fixed_tree=True),
+                batched=True, gpu=True, fixed_tree=True),
 )}
 
 

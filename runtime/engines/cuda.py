@@ -140,6 +140,12 @@ class Cuda:
         self.call(self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self.D2D, self.stream),
                   "cudaMemcpy2DAsync")
 
+    def zero(self, ptr: int, nbytes: int) -> None:
+        """Queue ``cudaMemsetAsync`` of ``nbytes`` zero bytes at ``ptr`` on the stream (nothing for 0 bytes):
+        device memory is not cleared when allocated (``cudaMalloc``: "The memory is not cleared")."""
+        if nbytes:
+            self.call(self.rt.cudaMemsetAsync(ptr, 0, nbytes, self.stream), "cudaMemsetAsync")
+
     def sync(self) -> None:
         """Wait for the stream's queued work."""
         self.call(self.rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")

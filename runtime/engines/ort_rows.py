@@ -179,6 +179,18 @@ class PackedPast:
             self.caches, self.lengths, self.arrays = [], [], []
 
 
+def check_rows_fit(caches: Sequence, inputs: Sequence[RowInputs]) -> None:
+    """Every row's step fits its cache (the batched engines check before any row runs).
+
+    Raises:
+        ContextOverflowError: a row's ``length + S_b`` exceeds its ``capacity``.
+    """
+    for c, r in zip(caches, inputs):
+        if c.length + len(r.tokens) > c.capacity:
+            raise ContextOverflowError(f"a step of {len(r.tokens)} tokens does not fit: {c.length} of "
+                                       f"{c.capacity} cache slots are in use")
+
+
 def run_rows(session, io: StepIO, caches: Sequence, inputs: Sequence[RowInputs],
              packed: PackedPast | None = None) -> list[StepResult]:
     """One call of a batched step graph over ``len(caches)`` rows (see the module docstring).
@@ -201,10 +213,7 @@ def run_rows(session, io: StepIO, caches: Sequence, inputs: Sequence[RowInputs],
     Raises:
         ContextOverflowError: a row's step does not fit its cache.
     """
-    for c, r in zip(caches, inputs):
-        if c.length + len(r.tokens) > c.capacity:
-            raise ContextOverflowError(f"a step of {len(r.tokens)} tokens does not fit: {c.length} of "
-                                       f"{c.capacity} cache slots are in use")
+    check_rows_fit(caches, inputs)
     head_major = isinstance(caches[0], HeadMajorKVCache)
     ids, pos, mask, temps, lengths = pack_rows(inputs)
     if len(caches) > 1:

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..artifact import Artifact, step_limits
+from ..artifact import Artifact, step_batch, step_limits
 from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
 from .base import Capabilities, StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
@@ -80,12 +80,15 @@ class TrtPast(NamedTuple):
 
 class TrtNewKV(NamedTuple):
     """Where a step left its new K/V: in the cache itself (prefill, ``layout`` None) or the engine's step
-    buffer (laid out as ``layout``: S rows per plane)."""
+    buffer ``buffer`` (laid out as ``layout``: S rows per plane; a batched call's B x S rows, this row's from
+    row ``first``)."""
 
     in_place: bool
     past_len: int
     rows: int
     layout: KVLayout | None
+    first: int = 0
+    buffer: str = "model.new_kv"
 
 
 class TrtKVCache(CacheState):
@@ -232,6 +235,9 @@ class TrtEngine:
         self.num_layers, self.num_kv_heads, self.head_dim = m.num_layers, m.num_kv_heads, m.head_dim
         self.num_heads, self.hidden_size = m.medusa_heads, m.hidden_size
         self.manifest = manifest
+        #: The batched step graph's built batch size (manifest ``batch``; 0: a batch-1 graph). :meth:`step` runs
+        #: a batched graph as a batch of one; :class:`~.trt_batched.TrtBatchEngine` runs its rows together.
+        self.max_batch = step_batch(manifest)
         # An in-graph sampler (docs/sampling.md) is fed its defaults, not used: sampling draws from the top-k.
         limits = step_limits(manifest)
         self._graph_sampler = limits.has_sampler
@@ -309,9 +315,12 @@ class TrtEngine:
         if p + s > cache.capacity:
             raise ContextOverflowError(f"a step of {s} tokens does not fit after {p} of {cache.capacity} slots")
         g = self.model
-        ctx = g.contexts[select_profile(g.profiles, {"S": s, "P": p})]
+        sizes = {"S": s, "P": p, **({"B": 1} if self.max_batch else {})}
+        ctx = g.contexts[select_profile(g.profiles, sizes)]
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "new_token_mask": mask,
                  "temperature": np.array([temperature]), **(sampler_feed(s, None) if self._graph_sampler else {})}
+        if self.max_batch:  # a batched graph as a batch of one: the row's mask [1, S, S] and past length [1]
+            feeds.update(new_token_mask=np.asarray(mask)[None], past_sequence_length=np.array([p]))
         for name, arr in feeds.items():
             self._bind_input(ctx, f"model.{name}", name, np.asarray(arr, dtype=g.dtypes[name]))
         kv_shape = (1, p, self.num_kv_heads, self.head_dim)
@@ -337,17 +346,23 @@ class TrtEngine:
         bound = g.bind_outputs(ctx, self._buf, "model", skip=tuple(new_offsets))
         if not ctx.execute_async_v3(self.cuda.stream_handle):
             raise CudaError(f"TensorRT refused the step (S={s}, P={p}); its log above says why")
-        host = {}
-        for name in wanted:
-            shape, ptr = bound[name]
-            host[name] = self._host.host_array(f"model.out.{name}", shape, g.dtypes[name])
-            self.cuda.copy(host[name].ctypes.data, ptr, host[name].nbytes, self.cuda.D2H)
-        self.cuda.sync()
+        host = self._fetch(g, bound, wanted, "model")
         out = {k: v[0].copy() for k, v in host.items()}  # the pinned buffers are reused by the next step
         token_lp = out.get("token_logprobs", np.zeros((s, 0), g.dtypes["token_logprobs"]))
         hidden = DeviceRows(bound["hidden_states"][1], s, self.hidden_size, self.hidden_dtype.itemsize)
         return StepResult(out["topk_ids"], out["topk_logprobs"], out["entropy"], token_lp, hidden,
                           TrtNewKV(in_place, p, s, layout))
+
+    def _fetch(self, g: _Graph, bound: dict[str, tuple], wanted: tuple[str, ...], key: str) -> dict[str, np.ndarray]:
+        """Copy the ``wanted`` outputs of ``bound`` (name -> (shape, device pointer)) into pinned host arrays named
+        after ``key`` and wait for the stream; the arrays are reused by the next call with the same ``key``."""
+        host = {}
+        for name in wanted:
+            shape, ptr = bound[name]
+            host[name] = self._host.host_array(f"{key}.out.{name}", shape, g.dtypes[name])
+            self.cuda.copy(host[name].ctypes.data, ptr, host[name].nbytes, self.cuda.D2H)
+        self.cuda.sync()
+        return host
 
     def compact(self, cache: TrtKVCache, new_kv: TrtNewKV, accepted: np.ndarray) -> None:
         """Queue the device copies of the accepted nodes' K/V into the cache (same stream as the steps)."""
@@ -355,8 +370,9 @@ class TrtEngine:
         if new_kv.in_place:
             src_base, src_layout = cache.ptr, cache.layout
         else:
-            src_base, src_layout = self._buf.ptrs["model.new_kv"], new_kv.layout
-        for c in compaction_copies(src_layout, cache.layout, new_kv.past_len, accepted, in_place=new_kv.in_place):
+            src_base, src_layout = self._buf.ptrs[new_kv.buffer], new_kv.layout
+        nodes = np.asarray(accepted) + new_kv.first  # a batched call's row b: its nodes from row b * S on
+        for c in compaction_copies(src_layout, cache.layout, new_kv.past_len, nodes, in_place=new_kv.in_place):
             self.cuda.copy_2d(cache.ptr + c.dst_offset, c.dpitch, src_base + c.src_offset, c.spitch, c.width, c.height)
 
     def heads(self, hidden, topk: int) -> np.ndarray:

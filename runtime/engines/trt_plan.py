@@ -67,8 +67,9 @@ def _opt(lo: int, hi: int) -> int:
 
 
 #: Per profile, symbols whose opt size is the range's minimum instead of its middle: a real prefill (a
-#: first prompt) has no past, so the prefill profile is tuned for P = 0 (TensorRT picks kernels for opt).
-OPT_AT_MIN = {"prefill": ("P",)}
+#: first prompt) has no past, so the prefill profile is tuned for P = 0, and the batch scheduler prefills each
+#: sequence in a call of its own, so a batched graph's prefill is tuned for B = 1 (TensorRT picks kernels for opt).
+OPT_AT_MIN = {"prefill": ("P", "B")}
 
 
 def model_profiles(manifest: Manifest | dict) -> list[Profile]:
@@ -288,6 +289,50 @@ def compaction_copies(new: KVLayout, cache: KVLayout, past_len: int, accepted: n
     return [Copy2D(dst_offset=(past_len + dst) * rb, dpitch=cache.plane_bytes, src_offset=src * rb,
                    spitch=new.plane_bytes, width=count * rb, height=new.planes)
             for src, dst, count in runs]
+
+
+def packed_layout(row: KVLayout, rows: int, slots: int) -> KVLayout:
+    """The layout of a batched call's K/V: per plane ``rows`` rows of ``slots`` slots each, [B, slots, H_kv, D]
+    (row b's slot j at byte ``(b * slots + j) * row_bytes`` of the plane), planes as in ``row``.
+
+    The batched step graph's past and new K/V are [B, P, H_kv, D] and [B, S, H_kv, D] per layer
+    (medusa_export's step contract, docs/batching.md): one such allocation binds them all, a plane per layer
+    and K/V, each plane 256-byte aligned (:data:`ALIGN`)."""
+    return KVLayout(row.num_layers, row.num_kv_heads, row.head_dim, row.itemsize, rows * slots)
+
+
+def pack_copies(caches: list[KVLayout], lengths, packed: KVLayout, slots: int) -> list[tuple[int, Copy2D]]:
+    """Device copies that pack B rows' valid pasts into a batched call's past (:func:`packed_layout`).
+
+    Row b's slots [0, lengths[b]) of every plane of its cache (offset 0 of its own allocation) land at
+    slots [0, lengths[b]) of row b of the packed plane: one 2-D copy per row covers all planes (height =
+    planes, pitches = the plane sizes); rows with no past need none. The packed slots past a row's length
+    are not written (the graph masks them with ``past_sequence_length``).
+
+    Args:
+        caches: each row's cache layout (same geometry as ``packed``).
+        lengths: each row's valid past length, <= ``slots``.
+        packed: the packed layout (``slots`` per row).
+        slots: P, the packed past length per row.
+
+    Returns:
+        (row index, :class:`Copy2D` with source offset in the row's cache) per row with a past.
+
+    Raises:
+        ValueError: the layouts disagree, or a row's length exceeds ``slots`` or its cache.
+    """
+    out = []
+    for b, (cache, n) in enumerate(zip(caches, lengths)):
+        n = int(n)
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.itemsize) != \
+                (packed.num_layers, packed.num_kv_heads, packed.head_dim, packed.itemsize):
+            raise ValueError("row cache and packed layouts differ in layers, heads, head_dim or dtype")
+        if not 0 <= n <= min(slots, cache.slots):
+            raise ValueError(f"row {b}'s past of {n} slots does not fit {slots} packed slots ({cache.slots} cached)")
+        if n:
+            out.append((b, Copy2D(dst_offset=b * slots * packed.row_bytes, dpitch=packed.plane_bytes, src_offset=0,
+                                  spitch=cache.plane_bytes, width=n * cache.row_bytes, height=packed.planes)))
+    return out
 
 
 def profiles_json(manifest: Manifest | dict) -> dict[str, list[dict]]:

@@ -456,7 +456,18 @@ def cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream=0): 
 
 @_guarded
 def cudaMemset(ptr, value, count):  # noqa: N802
+    """cudaMemset: "Fills the first count bytes of the memory area pointed to by devPtr with the constant byte
+    value value" (device memory only: a host pointer or a span past the allocation is an error)."""
     emulator_device_view(int(ptr), int(count), _need_device("cudaMemset"))[:] = int(value) & 0xFF
+    return _ok()
+
+
+@_guarded
+def cudaMemsetAsync(ptr, value, count, stream=0):  # noqa: N802
+    """cudaMemsetAsync: as cudaMemset, queued on ``stream`` (done at once here: streams are in order); the
+    stream must belong to the current device, as for the copies."""
+    _stream_device(stream)
+    emulator_device_view(int(ptr), int(count), _need_device("cudaMemsetAsync"))[:] = int(value) & 0xFF
     return _ok()
 
 
