@@ -64,6 +64,9 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                    help=f"CPU threads for --artifact, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
     p.add_argument("--device-id", type=int, metavar="N",
                    help="GPU for the onnxruntime-cuda and tensorrt backends (default: 0)")
+    p.add_argument("--engine-precision", metavar="PRECISION",
+                   help="--backend tensorrt: which built plans to run (fp16, int8 or fp32, as built with "
+                        "`medusa-export engine --precision`; default: the first built)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
@@ -116,6 +119,12 @@ def _session(args):
     if auto:
         print("--tree auto: timing the tree step at several sizes on this engine ...", file=sys.stderr, flush=True)
     device = {} if getattr(args, "device_id", None) is None else {"device_id": args.device_id}
+    precision = getattr(args, "engine_precision", None)
+    if precision is not None:
+        if args.backend != "tensorrt":
+            raise InvalidSettingError(f"--engine-precision picks TensorRT plans: use it with --backend tensorrt "
+                                      f"(got --backend {args.backend})")
+        device["precision"] = precision
     session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
                             max_context=getattr(args, "max_context", None), tree=tree, **device)
     if auto:

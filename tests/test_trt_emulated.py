@@ -408,6 +408,15 @@ def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emu
         return out.out
 
     assert reply("tensorrt") == reply("onnxruntime")
+    args = ["generate", "--artifact", str(engine_art), "--tree", "artifact", "--prompt", "Hi there", "--max-new-tokens",
+            "16"]
+    assert main([*args, "--backend", "tensorrt", "--engine-precision", "fp32"]) == 0
+    fp32 = capsys.readouterr().out
+    assert fp32 == reply("onnxruntime")
+    assert main([*args, "--backend", "tensorrt", "--engine-precision", "fp16"]) == 2  # no fp16 plans built
+    assert "no fp16 TensorRT engine" in capsys.readouterr().err
+    assert main([*args, "--backend", "onnxruntime", "--engine-precision", "fp32"]) == 2
+    assert "use it with --backend tensorrt" in capsys.readouterr().err
 
 
 def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_art, live_bytes):
