@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import make_counter_medusa, tiny_loaded
-from test_trt_emulated import emulated, live_bytes, serve_ids  # noqa: F401 - the emulation's fixtures
+from test_trt_emulated import emulated, live_bytes, serve_ids, triton_gpu_instance_ids  # noqa: F401 - fixtures
 
 from medusa_export.cli.main import main
 from medusa_runtime.artifact import load_artifact
@@ -169,6 +169,17 @@ def test_emulated_batch_server_batches_rows_on_device_1(batched_art, live_bytes,
         requests = [{"input_ids": p, "max_new_tokens": n} for p, n in zip(PROMPTS, BUDGETS)]
         assert serve_ids(session, requests, batch_size=N) == ref
         assert executions and max(executions) > 1  # rows shared executions
+
+
+def test_triton_gpu_instance_runs_batched_plans_rows_together(batched_art, live_bytes, executions, tmp_path,  # noqa: F811
+                                                              monkeypatch):
+    """The Triton model of a batched artifact, a KIND_GPU instance on emulated device 1: concurrent requests share
+    executions of the batched plans (not one sequence per engine call) and each gets ONNX Runtime's greedy ids."""
+    got = triton_gpu_instance_ids(batched_art, live_bytes, tmp_path, monkeypatch, PROMPTS, 16)
+    assert executions and max(executions) > 1
+    with _session(batched_art, "onnxruntime") as ort:
+        ref = [ort.generate(prompt_ids=p, max_new_tokens=16).token_ids for p in PROMPTS]
+    assert got == ref and all(len(r) == 16 for r in ref)
 
 
 def test_emulated_batched_engine_refuses_what_it_cannot_run(batched_art, emulated, tmp_path_factory):  # noqa: F811

@@ -690,24 +690,19 @@ class _FakeRequest:
         return Sender()
 
 
-def test_triton_gpu_instance_runs_on_its_model_instance_device_id(engine_art, live_bytes, tmp_path, monkeypatch):
-    """A KIND_GPU instance on device 1 (Triton's ``model_instance_kind`` "GPU" and ``model_instance_device_id``
-    "1", the args the Python backend's initialize gets) puts its engine, KV caches and buffers on EMULATED device 1
-    only, serves greedy ids equal to the ONNX Runtime session's from its batch server's thread (the emulation
-    refuses a device used from a thread that did not set it), and frees everything on finalize. The generated
-    model.py runs in-process with a stand-in for triton_python_backend_utils: tritonserver itself cannot load a
-    KIND_GPU instance on this GPU-less machine (the real-server test below runs KIND_CPU)."""
+def triton_gpu_instance_ids(art: Path, cudart, tmp_path: Path, monkeypatch, prompts, max_new_tokens: int) -> list:
+    """Serve ``prompts`` from the generated model.py of ``art``'s Triton repository, run in-process as a KIND_GPU
+    instance on EMULATED device 1 with a stand-in for triton_python_backend_utils; asserts the engine and its
+    memory live on device 1 only and are freed on finalize; returns each request's output ids."""
     import re
 
     from medusa_export.triton.repository import TritonConfig, write_repository
-    from medusa_runtime.session import MedusaSession
 
-    cudart = live_bytes
     on_device_0 = cudart.emulator_live_device_bytes(0)
     utils = _FakeTritonUtils()
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", utils)
-    repo = write_repository(engine_art, tmp_path / "repo", TritonConfig(threads=1, instances=1, engine_models=False,
-                                                                       tree="artifact"))
+    repo = write_repository(art, tmp_path / "repo", TritonConfig(threads=1, instances=1, engine_models=False,
+                                                                tree="artifact"))
     pbtxt = (repo / "medusa" / "config.pbtxt").read_text()
     assert "KIND_GPU" in pbtxt
     params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', pbtxt))
@@ -729,20 +724,35 @@ def test_triton_gpu_instance_runs_on_its_model_instance_device_id(engine_art, li
         assert model.session.backend == "tensorrt" and model.session.engine.cuda.device == 1
         assert cudart.emulator_live_device_bytes(1) > 0
         assert cudart.emulator_live_device_bytes(0) == on_device_0
-        requests = [_FakeRequest(utils, input_ids=np.asarray(ids, np.int64), max_new_tokens=np.array([12], np.int32))
-                    for ids in PROMPTS]
+        budget = np.array([max_new_tokens], np.int32)
+        requests = [_FakeRequest(utils, input_ids=np.asarray(ids, np.int64), max_new_tokens=budget) for ids in prompts]
         assert model.execute(requests) is None  # decoupled: answered from the batch server's thread
         assert all(r.final.wait(120) for r in requests)
     finally:
         model.finalize()
     assert cudart.emulator_live_device_bytes(1) == 0 and model.session is None
-    with MedusaSession(engine_art, tree="artifact") as session:
-        for ids, request in zip(PROMPTS, requests):
-            (response,) = request.responses
-            assert response.error is None, response.error.message
-            ref = session.generate(prompt_ids=ids, max_new_tokens=12).token_ids
-            assert response.outputs["output_ids"].tolist() == ref and len(ref) == 12
+    out = []
+    for request in requests:
+        (response,) = request.responses
+        assert response.error is None, response.error.message
+        out.append(response.outputs["output_ids"].tolist())
     assert any(" on tensorrt, tree of " in line for line in utils.Logger.lines)
+    return out
+
+
+def test_triton_gpu_instance_runs_on_its_model_instance_device_id(engine_art, live_bytes, tmp_path, monkeypatch):
+    """A KIND_GPU instance on device 1 (Triton's ``model_instance_kind`` "GPU" and ``model_instance_device_id``
+    "1", the args the Python backend's initialize gets) puts its engine, KV caches and buffers on EMULATED device 1
+    only, serves greedy ids equal to the ONNX Runtime session's from its batch server's thread (the emulation
+    refuses a device used from a thread that did not set it), and frees everything on finalize. The generated
+    model.py runs in-process with a stand-in for triton_python_backend_utils: tritonserver itself cannot load a
+    KIND_GPU instance on this GPU-less machine (the real-server test below runs KIND_CPU)."""
+    from medusa_runtime.session import MedusaSession
+
+    got = triton_gpu_instance_ids(engine_art, live_bytes, tmp_path, monkeypatch, PROMPTS, 12)
+    with MedusaSession(engine_art, tree="artifact") as session:
+        ref = [session.generate(prompt_ids=ids, max_new_tokens=12).token_ids for ids in PROMPTS]
+    assert got == ref and all(len(r) == 12 for r in ref)
 
 
 def test_triton_serves_the_emulated_tensorrt_engine(engine_art, tmp_path, monkeypatch):
