@@ -221,43 +221,58 @@ def test_in_place_compaction_after_prefill_never_reads_overwritten_rows():
 
 
 def test_device_packing_equals_the_onnxruntime_packed_past():
-    """pack_copies on byte buffers gives ort_rows.pack_past's [B, P, H_kv, D] rows, plane by plane (the
-    slots past a row's length are left as they were: here zeros)."""
+    """pack_copies on byte buffers gives ort_rows.pack_past's [B, P, H_kv, D] rows, plane by plane (the slots past
+    a row's length are left as they were: here zeros); after the rows grow, copying only the new slots gives the
+    same bytes as packing afresh."""
     from medusa_runtime.engines.kvcache import KVCache
     from medusa_runtime.engines.ort_rows import pack_past
 
-    layers, h, d, cap = 2, 2, 4, 20
+    layers, h, d, cap, slots = 2, 2, 4, 20, 16
     rng = np.random.default_rng(7)
-    lengths = [5, 0, 13]
     caches = []
-    for n in lengths:
+    for n in (5, 0, 13):
         c = KVCache(layers, h, d, cap, np.float32)
         for buf in (*c.keys, *c.values):
             buf[...] = rng.standard_normal(buf.shape)
         c.length = n
         caches.append(c)
-    p = max(lengths)
     row = KVLayout(layers, h, d, 4, cap)
-    packed = packed_layout(row, len(caches), p)
-    assert packed.plane_bytes % ALIGN == 0 and packed.slots == 3 * p
+    packed = packed_layout(row, len(caches), slots)
+    assert packed.plane_bytes % ALIGN == 0 and packed.slots == 3 * slots
     dev = np.zeros(packed.total_bytes, np.uint8)
-    copies = pack_copies([row] * len(caches), lengths, packed, p)
-    assert [b for b, _ in copies] == [0, 2]  # a row without a past needs no copy
-    for b, c in copies:
+
+    def device_cache(c):
         src = np.zeros(row.total_bytes, np.uint8)
-        for i, plane in enumerate(x for layer in range(layers) for x in (caches[b].keys[layer], caches[b].values[layer])):
+        for i, plane in enumerate(x for layer in range(layers) for x in (c.keys[layer], c.values[layer])):
             raw = plane.view(np.uint8).reshape(-1)
             src[i * row.plane_bytes:i * row.plane_bytes + raw.size] = raw
-        _emulate([c], dev, src)
-    ref, ref_lengths = pack_past(caches, layers, p)
-    assert ref_lengths.tolist() == lengths
-    for layer, (k, v) in enumerate(ref):
-        for kind, arr in (("key", k), ("value", v)):
-            off = packed.plane_offset(layer, kind)
-            got = dev[off:off + arr.nbytes].view(np.float32).reshape(arr.shape)
-            np.testing.assert_array_equal(got, arr)
+        return src
+
+    def check_equals_pack_past():
+        ref, ref_lengths = pack_past(caches, layers, slots)
+        assert ref_lengths.tolist() == [c.length for c in caches]
+        for layer, (k, v) in enumerate(ref):
+            for kind, arr in (("key", k), ("value", v)):
+                off = packed.plane_offset(layer, kind)
+                np.testing.assert_array_equal(dev[off:off + arr.nbytes].view(np.float32).reshape(arr.shape), arr)
+
+    lengths = [c.length for c in caches]
+    copies = pack_copies([row] * 3, lengths, packed, slots)
+    assert [b for b, _ in copies] == [0, 2]  # a row without a past needs no copy
+    for b, c in copies:
+        _emulate([c], dev, device_cache(caches[b]))
+    check_equals_pack_past()
+    for c, grow in zip(caches, (2, 0, 1)):
+        c.length += grow
+    again = pack_copies([row] * 3, [c.length for c in caches], packed, slots, packed_lengths=lengths)
+    assert [(b, c.src_offset // row.row_bytes, c.width // row.row_bytes) for b, c in again] == [(0, 5, 2), (2, 13, 1)]
+    for b, c in again:
+        _emulate([c], dev, device_cache(caches[b]))
+    check_equals_pack_past()
     with pytest.raises(ValueError, match="does not fit"):
-        pack_copies([row], [p + 1], packed, p)
+        pack_copies([row], [slots + 1], packed, slots)
+    with pytest.raises(ValueError, match="packed slots"):
+        pack_copies([row], [3], packed, slots, packed_lengths=[4])
 
 
 # ---------------------------------------------------------------- engine without TensorRT

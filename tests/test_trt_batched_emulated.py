@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_counter_medusa, tiny_loaded
+from conftest import make_counter_medusa, make_tiny_medusa, tiny_loaded
 from test_trt_emulated import emulated, live_bytes, serve_ids, triton_gpu_instance_ids  # noqa: F401 - fixtures
 
 from medusa_export.cli.main import main
@@ -25,11 +25,11 @@ PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 21, [100, 101], list(range(200,
 BUDGETS = [30, 12, 40, 25, 18]
 
 
-def _build(out: Path, batch_size: int) -> Path:
+def _build(out: Path, batch_size: int, model=None) -> Path:
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.treespec import tree_from_spec
 
-    lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
+    lm = tiny_loaded(model or make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
     art = build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False, batch_size=batch_size),
                          progress=False)
     assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
@@ -93,6 +93,7 @@ def test_emulated_batched_trt_plans_run_rows_together_token_exact(batched_art, l
         assert isinstance(trt.engine, TrtBatchEngine) and trt.engine.capabilities.batched
         got = trt.generate_batch(prompt_ids=PROMPTS, max_new_tokens=BUDGETS, batch_size=N)
         assert max(executions) == N and len(executions) >= 5
+        assert 1 <= trt.engine.repacks < len(executions) / 2  # the packed past is mostly updated, not rebuilt
         del executions[:]
         six = trt.generate_batch(prompt_ids=PROMPTS + [[9, 8]], max_new_tokens=BUDGETS + [20], batch_size=6)
         assert N + 2 in [a + b for a, b in zip(executions, executions[1:])] and max(executions) == N
@@ -102,6 +103,19 @@ def test_emulated_batched_trt_plans_run_rows_together_token_exact(batched_art, l
         assert c.result.step_tokens == r.result.step_tokens == a.result.step_tokens
     assert [c.token_ids for c in six[:5]] == [c.token_ids for c in got]
     assert max(c.tokens_per_step for c in got) > 1.5  # the heads accept: compaction of several nodes per row
+
+
+def test_emulated_batched_trt_plans_are_token_exact_on_a_random_model(emulated, live_bytes, tmp_path):  # noqa: F811
+    """The tiny random-weight model (its tokens depend on every past K/V, unlike the counter's), batched:
+    five prompts, four rows per execution, the packed past kept between calls: ONNX Runtime's replies."""
+    art = _build(tmp_path / "random-b4", N, make_tiny_medusa()[1])
+    with _session(art, "onnxruntime") as ort:
+        ref = ort.generate_batch(prompt_ids=PROMPTS, max_new_tokens=BUDGETS, batch_size=N)
+    with _session(art, "tensorrt") as trt:
+        got = trt.generate_batch(prompt_ids=PROMPTS, max_new_tokens=BUDGETS, batch_size=N)
+        assert trt.engine.repacks >= 1
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert [len(c.token_ids) for c in got] == BUDGETS
 
 
 def _prefilled(engine, prompts):

@@ -9,11 +9,15 @@ the scheduler drives for them on TensorRT, the device twin of :class:`~.ort_batc
 * ``step_rows`` over one row is :meth:`~.trt.TrtEngine.step` as a batch of one (a prefill writes its K/V
   straight into the row's cache); over B > 1 rows it pads the token inputs (:func:`~.ort_rows.pack_rows`),
   packs the rows' valid pasts into one [B, P, H_kv, D] buffer per layer with one ``cudaMemcpy2DAsync`` per row
-  (:func:`~.trt_plan.pack_copies`; P the longest row's length; the buffer is zeroed when allocated, so the
-  padding slots the graph masks hold finite values), runs one execution, and hands each row its
+  (:func:`~.trt_plan.pack_copies`; the buffer is zeroed when allocated, so the padding slots the graph masks hold
+  finite values), runs one execution, and hands each row its
   :class:`~medusa_runtime.engines.base.StepResult`: host top-k, entropy and token log-probs with the padding
   cut off, its hidden rows on the device, and its new K/V as rows [b * S, b * S + S_b) of the call's
   [B, S, H_kv, D] step buffer, which the row's ``keep`` compacts into its own cache;
+* the packed past is kept between calls, as ONNX Runtime's (:class:`~.ort_rows.PackedPast`): while the same rows
+  run, a call copies only the slots each row kept since the previous one; P is the longest row's length rounded up
+  to :data:`~.ort_rows.PACK_CHUNK` slots (capped by the profiles), and a row joining or leaving, or the longest
+  row passing P, repacks every row;
 * more rows than the plans' N run as several executions of at most N rows, each with its own output
   buffers (the scheduler reads every row's hidden states and K/V after the call).
 
@@ -23,7 +27,7 @@ Executed in CI against the EMULATED TensorRT and CUDA runtime only (tests/test_t
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,9 +35,17 @@ from ..artifact import Artifact, kv_layout, step_batch
 from ..errors import ArtifactError
 from .base import RowInputs, StepResult
 from .cuda import CudaError, DeviceRows
-from .ort_rows import check_rows_fit, pack_rows
+from .ort_rows import PACK_CHUNK, check_rows_fit, pack_rows
 from .trt import _HOST_OUTPUTS, TrtEngine, TrtKVCache, TrtNewKV
 from .trt_plan import kv_bindings, pack_copies, packed_layout, select_profile
+
+
+class _Packed(NamedTuple):
+    """A packed past kept between calls: its rows' caches (in order), their packed lengths and P per row."""
+
+    caches: tuple
+    lengths: list[int]
+    slots: int
 
 
 class TrtBatchEngine(TrtEngine):
@@ -59,6 +71,32 @@ class TrtBatchEngine(TrtEngine):
                                 f"has no TensorRT engine: build with --graph portable")
         super().__init__(artifact, **options)
         self.capabilities = replace(self.capabilities, batched=True)
+        self._packs: dict[str, _Packed] = {}  # per execution's buffers: the rows' packed past kept between calls
+        self.repacks = 0  # calls that packed every row afresh (tests: the packing is mostly incremental)
+
+    def release(self, cache: TrtKVCache) -> None:
+        """Free a row's cache (its sequence left); the packed pasts holding its row are dropped."""
+        self._packs = {k: v for k, v in self._packs.items() if not any(c is cache for c in v.caches)}
+        super().release(cache)
+
+    def _packing(self, key: str, caches: list[TrtKVCache], lengths: list[int], b: int, s: int
+                 ) -> tuple[int, list[int] | None]:
+        """(P, the packed past length per row; the slots of each row already packed in buffer ``key``, or None
+        for a repack). The packing is kept while the same caches run in the same order, none shorter, the
+        longest within P and P inside a profile for (B, S); else P is the longest length rounded up to
+        :data:`~.ort_rows.PACK_CHUNK` slots, capped at the largest P a profile for (B, S) admits."""
+        g = self.model
+        state = self._packs.get(key)
+        longest = max(lengths)
+        if (state is not None and len(state.caches) == len(caches) and all(a is c for a, c in zip(state.caches, caches))
+                and all(n >= m for n, m in zip(lengths, state.lengths)) and longest <= state.slots
+                and any(p.contains({"B": b, "S": s, "P": state.slots}) for p in g.profiles)):
+            return state.slots, state.lengths
+        self.repacks += 1
+        if not longest:
+            return 0, None
+        cap = max((p.dims["P"][2] for p in g.profiles if p.contains({"B": b, "S": s, "P": longest})), default=longest)
+        return max(min(-(-longest // PACK_CHUNK) * PACK_CHUNK, cap), longest), None
 
     def row_cache(self, capacity: int) -> TrtKVCache:
         """One sequence's device KV row of ``capacity`` slots (:meth:`~.trt.TrtEngine.make_cache`), freed by
@@ -103,7 +141,8 @@ class TrtBatchEngine(TrtEngine):
         ids, pos, mask, temps, lengths = pack_rows(inputs)
         b, s = ids.shape
         past_lens = np.array([c.length for c in caches], np.int32)
-        p = int(past_lens.max())
+        slots, kept = self._packing(key, caches, past_lens.tolist(), b, s)
+        p = slots  # the graph attends over the packed slots; each row's beyond its own length are masked
         ctx = g.contexts[select_profile(g.profiles, {"B": b, "S": s, "P": p})]
         feeds = {"input_ids": ids, "position_ids": pos, "new_token_mask": mask, "temperature": temps,
                  "past_sequence_length": past_lens}
@@ -112,13 +151,15 @@ class TrtBatchEngine(TrtEngine):
         row = caches[0].layout
         if p:
             packed = packed_layout(row, b, p)
-            fresh = self._buf.sizes.get("model.packed_past", -1) < packed.total_bytes
-            past_base = self._buf.get("model.packed_past", packed.total_bytes)
+            past_key = f"{key}.past"
+            fresh = self._buf.sizes.get(past_key, -1) < packed.total_bytes
+            past_base = self._buf.get(past_key, packed.total_bytes)
             if fresh:  # the masked padding slots must hold finite values: cudaMalloc leaves memory uncleared
-                self.cuda.zero(past_base, self._buf.sizes["model.packed_past"])
-            for i, c in pack_copies([c.layout for c in caches], past_lens, packed, p):
+                self.cuda.zero(past_base, self._buf.sizes[past_key])
+            for i, c in pack_copies([c.layout for c in caches], past_lens, packed, p, kept):
                 self.cuda.copy_2d(past_base + c.dst_offset, c.dpitch, caches[i].ptr + c.src_offset, c.spitch,
                                   c.width, c.height)
+            self._packs[key] = _Packed(tuple(caches), past_lens.tolist(), p)
             past_offsets = kv_bindings(packed, "past_key_values")
         else:  # every row a prefill: the empty past is bound to a 1-byte dummy
             past_base = self._buf.get("model.empty_past", 1)

@@ -301,37 +301,46 @@ def packed_layout(row: KVLayout, rows: int, slots: int) -> KVLayout:
     return KVLayout(row.num_layers, row.num_kv_heads, row.head_dim, row.itemsize, rows * slots)
 
 
-def pack_copies(caches: list[KVLayout], lengths, packed: KVLayout, slots: int) -> list[tuple[int, Copy2D]]:
+def pack_copies(caches: list[KVLayout], lengths, packed: KVLayout, slots: int,
+                packed_lengths=None) -> list[tuple[int, Copy2D]]:
     """Device copies that pack B rows' valid pasts into a batched call's past (:func:`packed_layout`).
 
-    Row b's slots [0, lengths[b]) of every plane of its cache (offset 0 of its own allocation) land at
-    slots [0, lengths[b]) of row b of the packed plane: one 2-D copy per row covers all planes (height =
-    planes, pitches = the plane sizes); rows with no past need none. The packed slots past a row's length
-    are not written (the graph masks them with ``past_sequence_length``).
+    Row b's slots [start_b, lengths[b]) of every plane of its cache (offset 0 of its own allocation) land at the
+    same slots of row b of the packed plane, start_b = ``packed_lengths[b]`` (the slots already packed by an
+    earlier call) or 0: one 2-D copy per row covers all planes (height = planes, pitches = the plane sizes);
+    rows with nothing new need none. The packed slots past a row's length are not written (the graph masks
+    them with ``past_sequence_length``).
 
     Args:
         caches: each row's cache layout (same geometry as ``packed``).
         lengths: each row's valid past length, <= ``slots``.
         packed: the packed layout (``slots`` per row).
         slots: P, the packed past length per row.
+        packed_lengths: each row's slots already in the packed buffer (<= its length), or None (none).
 
     Returns:
-        (row index, :class:`Copy2D` with source offset in the row's cache) per row with a past.
+        (row index, :class:`Copy2D` with source offset in the row's cache) per row with slots to copy.
 
     Raises:
-        ValueError: the layouts disagree, or a row's length exceeds ``slots`` or its cache.
+        ValueError: the layouts disagree, a row's length exceeds ``slots`` or its cache, or a row's packed
+            length exceeds its length.
     """
+    starts = [0] * len(caches) if packed_lengths is None else [int(n) for n in packed_lengths]
     out = []
-    for b, (cache, n) in enumerate(zip(caches, lengths)):
+    for b, (cache, n, start) in enumerate(zip(caches, lengths, starts)):
         n = int(n)
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.itemsize) != \
                 (packed.num_layers, packed.num_kv_heads, packed.head_dim, packed.itemsize):
             raise ValueError("row cache and packed layouts differ in layers, heads, head_dim or dtype")
         if not 0 <= n <= min(slots, cache.slots):
             raise ValueError(f"row {b}'s past of {n} slots does not fit {slots} packed slots ({cache.slots} cached)")
-        if n:
-            out.append((b, Copy2D(dst_offset=b * slots * packed.row_bytes, dpitch=packed.plane_bytes, src_offset=0,
-                                  spitch=cache.plane_bytes, width=n * cache.row_bytes, height=packed.planes)))
+        if not 0 <= start <= n:
+            raise ValueError(f"row {b} has {start} packed slots but a past of {n}")
+        rb = cache.row_bytes
+        if n > start:
+            out.append((b, Copy2D(dst_offset=(b * slots + start) * rb, dpitch=packed.plane_bytes,
+                                  src_offset=start * rb, spitch=cache.plane_bytes, width=(n - start) * rb,
+                                  height=packed.planes)))
     return out
 
 
