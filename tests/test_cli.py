@@ -160,7 +160,24 @@ def test_verify_exits_1_when_the_weights_disagree(built, tiny_model_dir, tmp_pat
     out, err = capsys.readouterr()
     assert out.count("MISMATCH") == 2 and "FAILED:" in err
     suite = ET.parse(junit).getroot()
-    assert suite.get("tests") == "2" and suite.get("failures") == "2"
+    cases = {(c.get("classname"), c.get("name")): c.find("failure") for c in suite.iter("testcase")}
+    assert sorted(cases) == [("checksums", "weights"), ("parity.fp32", "prompt_0"), ("parity.fp32", "prompt_1")]
+    assert suite.get("tests") == "3" and suite.get("failures") == "3"
+    assert "step outputs differ" in cases["parity.fp32", "prompt_0"].get("message")
+    assert embed.name in cases["checksums", "weights"].get("message")  # the edited tensor is named
+
+    only = tmp_path / "checksums.xml"  # the checksums check alone: its case is the report (none was written)
+    assert main(["verify", "--artifact", str(bad), "--model-path", str(tiny_model_dir), "--checks", "checksums",
+                 "--junit", str(only)]) == EXIT_MISMATCH
+    capsys.readouterr()
+    suite = ET.parse(only).getroot()
+    assert [(c.get("classname"), c.get("name")) for c in suite.iter("testcase")] == [("checksums", "weights")]
+    assert suite.get("failures") == "1"
+    assert main(["verify", "--artifact", str(path), "--model-path", str(tiny_model_dir), "--checks", "checksums",
+                 "--junit", str(only)]) == 0
+    capsys.readouterr()
+    suite = ET.parse(only).getroot()
+    assert suite.get("tests") == "1" and suite.get("failures") == "0" and suite.find("testcase/failure") is None
 
 
 @pytest.fixture(scope="module")

@@ -308,7 +308,7 @@ def cmd_verify(args) -> int:
     from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
     from ..validation.source import open_source
-    from ..validation.validate import ValidationReport, default_prompts, read_prompts
+    from ..validation.validate import default_prompts, read_prompts
 
     check_int(args.limit, "--limit", low=1)  # bad options fail before anything is loaded or run
     check_int(args.max_new_tokens, "--max-new-tokens", low=1)
@@ -342,9 +342,7 @@ def cmd_verify(args) -> int:
     if args.junit:
         from ..validation.junit import write_junit
 
-        rec = v if "full" in v["ran"] else v.get("truncated") or v.get("gpu")
-        if rec is not None:
-            write_junit(args.junit, ValidationReport.from_json(rec))
+        write_junit(args.junit, v)
     if not v["passed"]:
         print("FAILED:\n  " + "\n  ".join(v["failures"]), file=sys.stderr)
         return EXIT_MISMATCH

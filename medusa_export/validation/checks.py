@@ -187,15 +187,22 @@ def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens:
                         engine=validation_engine(artifact), progress=progress).to_json()
 
 
+def self_failure(prompt: dict) -> str | None:
+    """The self check's failure message for one prompt record of :func:`check_self`, or None when Medusa's
+    tokens equal plain greedy decoding's."""
+    if prompt["identical"]:
+        return None
+    return (f"{prompt['prompt'][:40]!r}: Medusa diverges from plain greedy of the same graph at new token "
+            f"{prompt['first_divergence']}")
+
+
 def _failure(name: str, record: dict) -> list[str]:
     if record.get("passed", True):
         return []
     if name == "checksums":
         return [f"checksums: {record['error']}"]
     if name == "self":
-        bad = [p for p in record["prompts"] if not p["identical"]]
-        return [f"self: {p['prompt'][:40]!r}: Medusa diverges from plain greedy of the same graph at new token "
-                f"{p['first_divergence']}" for p in bad]
+        return [f"self: {self_failure(p)}" for p in record["prompts"] if not p["identical"]]
     from .validate import ValidationReport
 
     report = ValidationReport.from_json(record)

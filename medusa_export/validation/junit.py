@@ -1,18 +1,51 @@
-"""JUnit XML for ``medusa-export verify --junit`` (one test case per prompt)."""
+"""JUnit XML for ``medusa-export verify --junit``: one test case per prompt of each parity check that ran, and
+one for the weights' checksums when that check ran (so that a CI reading the report fails where verify does)."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+PARITY_CHECKS = ("full", "truncated", "gpu")  # records in ValidationReport's JSON form
 
-def write_junit(path: str | Path, report) -> None:
-    """Write a ValidationReport as a JUnit XML test suite."""
-    fails = [report.failure(p) for p in report.prompts]
-    suite = ET.Element("testsuite", name="medusa-export verify", tests=str(len(report.prompts)),
-                       failures=str(sum(f is not None for f in fails)))
-    for n, fail in enumerate(fails):
-        case = ET.SubElement(suite, "testcase", classname=f"parity.{report.precision}", name=f"prompt_{n}")
+
+def junit_cases(result: dict) -> list[tuple[str, str, str | None]]:
+    """The test cases of a :func:`~.checks.run_checks` result, in the order the checks ran.
+
+    Args:
+        result: ``run_checks``'s dict (``ran`` names the checks; the full check's report is at its top level,
+            every other check's record under its name).
+
+    Returns:
+        ``(classname, name, failure message or None)`` per case: ``parity.<precision>`` / ``prompt_<n>`` for the
+        full check (the names verify has always written), ``<check>.<precision>`` / ``prompt_<n>`` for the
+        truncated and gpu checks, ``self`` / ``prompt_<n>`` for the self check, ``checksums`` / ``weights`` for the checksums check.
+    """
+    from .checks import self_failure
+    from .validate import ValidationReport
+
+    cases = []
+    for check in result["ran"]:
+        rec = result if check == "full" else result[check]
+        if check == "checksums":
+            cases.append(("checksums", "weights", None if rec["passed"] else rec["error"]))
+        elif check == "self":
+            cases += [("self", f"prompt_{n}", self_failure(p)) for n, p in enumerate(rec["prompts"])]
+        elif check in PARITY_CHECKS:
+            report = ValidationReport.from_json(rec)
+            group = "parity" if check == "full" else check
+            cases += [(f"{group}.{report.precision}", f"prompt_{n}", report.failure(p))
+                      for n, p in enumerate(report.prompts)]
+    return cases
+
+
+def write_junit(path: str | Path, result: dict) -> None:
+    """Write :func:`junit_cases` of a ``run_checks`` result to ``path`` as one JUnit XML test suite."""
+    cases = junit_cases(result)
+    suite = ET.Element("testsuite", name="medusa-export verify", tests=str(len(cases)),
+                       failures=str(sum(fail is not None for _, _, fail in cases)))
+    for classname, name, fail in cases:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name)
         if fail:
             ET.SubElement(case, "failure", message=fail)
     ET.ElementTree(suite).write(str(path), encoding="utf-8", xml_declaration=True)
