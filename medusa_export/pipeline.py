@@ -200,6 +200,10 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         lock = OutputLock(out)
     except OutputBusyError as exc:
         raise ArtifactError(f"{exc}; wait for it to finish or choose another output folder") from None
+    except OSError as exc:  # e.g. /proc or a read-only mount that os.access called writable
+        raise ArtifactError(f"output folder {out} cannot be written: the lock file {out.parent / f'.{out.name}.lock'} "
+                            f"cannot be created ({exc.strerror}); choose an output folder on a writable file "
+                            "system") from None
     try:
         for stale in remove_stale(out):  # left by a build that was killed (SIGKILL)
             say(f"removed {stale.name}, left by a build that did not finish")

@@ -194,6 +194,16 @@ def test_a_second_build_into_the_same_out_is_refused(tiny_model_dir, tmp_path, c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_out_where_no_lock_file_can_be_made_is_a_typed_error(tiny_model_dir, capsys):
+    """/proc passes os.access for root but refuses new files: the lock file's open raised FileNotFoundError, a
+    traceback with exit code 1 (the code of a mismatch); now rc 2 naming the folder and the lock file."""
+    err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "4", "--max-context", "256",
+                    "--no-validate", "--out", "/proc/medusa-export-art"], capsys)
+    assert "output folder /proc/medusa-export-art cannot be written: the lock file /proc/.medusa-export-art.lock" in err
+    assert "choose an output folder on a writable file system" in err
+    assert not os.path.exists("/proc/medusa-export-art")
+
+
 # --- 7. --threads out of range --------------------------------------------------------------------------
 
 
