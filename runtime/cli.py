@@ -18,6 +18,7 @@ from typing import TextIO
 
 from .acceptance import SAMPLING_SETTINGS, SamplingConfig
 from .engines import BACKENDS, DEFAULT_BACKEND
+from .engines.trt_plan import ENGINE_PRECISIONS
 from .batch import DEFAULT_BATCH_SIZE
 from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
                      MedusaError)
@@ -64,8 +65,8 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                    help=f"CPU threads for --artifact, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
     p.add_argument("--device-id", type=int, metavar="N",
                    help="GPU for the onnxruntime-cuda and tensorrt backends (default: 0)")
-    p.add_argument("--engine-precision", metavar="PRECISION",
-                   help="--backend tensorrt: which built plans to run (fp16, int8 or fp32, as built with "
+    p.add_argument("--engine-precision", choices=ENGINE_PRECISIONS,
+                   help="--backend tensorrt: which built plans to run (as built with "
                         "`medusa-export engine --precision`; default: the first built)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the reply is cut where it starts")

@@ -417,6 +417,22 @@ def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emu
     assert "no fp16 TensorRT engine" in capsys.readouterr().err
     assert main([*args, "--backend", "onnxruntime", "--engine-precision", "fp32"]) == 2
     assert "use it with --backend tensorrt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # fp8 was sent on and answered 'run medusa-export engine --precision
+        main([*args, "--backend", "tensorrt", "--engine-precision", "fp8"])  # fp8', which engine refuses
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --engine-precision: invalid choice: 'fp8'" in err and all(p in err for p in ("fp16", "int8", "fp32"))
+
+
+def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art, emulated):
+    """The Python API's ``precision`` is checked against the precisions ``medusa-export engine`` builds, and the
+    message names those built in the artifact (fp32 only here)."""
+    from medusa_runtime.errors import InvalidSettingError
+    from medusa_runtime.session import MedusaSession
+
+    with pytest.raises(InvalidSettingError, match=r"unknown TensorRT engine precision 'fp8': choose one of fp16, "
+                                                  r"int8, fp32 \(built in .*: fp32\)"):
+        MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp8")
 
 
 def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_art, live_bytes):

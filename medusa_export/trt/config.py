@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from medusa_runtime.engines.trt_plan import ENGINE_PRECISIONS
 from medusa_runtime.errors import EXIT_UNAVAILABLE, MedusaError
 
-ENGINE_PRECISIONS = ("fp16", "int8", "fp32")
 #: Exit code of ``medusa-export engine`` when TensorRT is not importable (the commands and
 #: build script are written, no engine is built): the command lines' "not available here" code.
 EXIT_NO_TENSORRT = EXIT_UNAVAILABLE

@@ -49,11 +49,12 @@ from typing import NamedTuple
 import numpy as np
 
 from ..artifact import Artifact, step_batch, step_limits
-from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
+from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError, InvalidSettingError, MedusaError
 from .base import Capabilities, StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
 from .kvcache import CacheState
-from .trt_plan import (KVLayout, PlanMismatchError, compaction_copies, default_precision, graph_profiles, heads_graphs,
+from .trt_plan import (ENGINE_PRECISIONS, KVLayout, PlanMismatchError, built_precisions, compaction_copies,
+                       default_precision, graph_profiles, heads_graphs,
                        kv_bindings, plan_files, plan_key_mismatches, plan_sources, profiles_json, select_profile)
 
 __all__ = ["TrtEngine", "TrtKVCache", "DeviceRows", "DeviceSlice", "PlanMismatchError"]
@@ -212,7 +213,8 @@ class TrtEngine:
 
     Raises:
         BackendUnavailableError: TensorRT or cuda-python is missing.
-        InvalidSettingError: ``device_id`` is not a device of this machine.
+        InvalidSettingError: ``device_id`` is not a device of this machine, or ``precision`` is not one of
+            :data:`~.trt_plan.ENGINE_PRECISIONS` (the message lists them and the precisions built).
         PlanMismatchError: the plans' record names another TensorRT version, GPU, precision, profiles or graph
             checksums than this machine and artifact (the message says what and how to rebuild).
         ArtifactError: the plans are missing or do not load (truncated, corrupt).
@@ -225,6 +227,10 @@ class TrtEngine:
         trt = _import_tensorrt()
         manifest = artifact.manifest
         precision = precision or default_precision(manifest)
+        if precision not in ENGINE_PRECISIONS:
+            built = ", ".join(built_precisions(manifest)) or "none yet"
+            raise InvalidSettingError(f"unknown TensorRT engine precision {precision!r}: choose one of "
+                                      f"{', '.join(ENGINE_PRECISIONS)} (built in {artifact.path}: {built})")
         plans = {g: artifact.path / rel for g, rel in plan_files(manifest, precision).items()}
         missing = [str(p) for p in plans.values() if not p.is_file()]
         if missing:

@@ -164,12 +164,20 @@ def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
 
 
 #: The plans' precision when none is asked for and the manifest records no built plans.
+#: The precisions ``medusa-export engine --precision`` builds plans in (``engines/*.PRECISION.plan``); the one
+#: table the exporter's options and the runtime's ``--engine-precision`` both read.
+ENGINE_PRECISIONS = ("fp16", "int8", "fp32")
 DEFAULT_PRECISION = "fp16"
+
+
+def built_precisions(manifest: Manifest | dict) -> list[str]:
+    """The precisions whose plans the manifest's engine records mark built, in record order."""
+    return [p for p, rec in (as_manifest(manifest).engines or {}).items() if rec.get("status") == "built"]
 
 
 def default_precision(manifest: Manifest | dict) -> str:
     """The precision of the first built plans in the manifest's engine records, else :data:`DEFAULT_PRECISION`."""
-    built = [p for p, rec in (as_manifest(manifest).engines or {}).items() if rec.get("status") == "built"]
+    built = built_precisions(manifest)
     return built[0] if built else DEFAULT_PRECISION
 
 
