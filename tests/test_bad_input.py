@@ -534,6 +534,32 @@ def test_build_refuses_a_bad_tree_or_out_before_it_opens_the_model(argv, expecte
     assert (tmp_path / "folder" / "kept.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("argv, folder", [
+    (["--tree", "64"], "smollm2-135m-t64-fp32"),
+    ([], "smollm2-135m-t16-fp32"),  # the registry's default tree
+    (["--tree", "dynamic:8", "--precision", "fp16"], "smollm2-135m-tdyn8-fp16"),
+    (["--tree", "auto", "--graph", "fused"], "smollm2-135m-tauto-fp32-fused"),
+])
+def test_build_refuses_an_existing_default_out_before_it_opens_the_model(argv, folder, tmp_path, monkeypatch,
+                                                                         capsys):
+    """A second `build --model smollm2-135m --tree 64` (default --out, no --force) was refused only after the
+    ~20 s model open, with the "opening ..." line printed first; an explicit --out was already checked early."""
+    import medusa_export.loading.sources as sources
+
+    def opened(*args, **kwargs):
+        raise AssertionError("build opened the model before it checked the default --out")
+
+    monkeypatch.setattr(sources, "open_model", opened)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "artifacts" / folder
+    out.mkdir(parents=True)
+    (out / "manifest.json").write_text(json.dumps({"model": {"name": "smollm2-135m"}, "checksums": {}}))
+    err = error_of(["build", "--model", "smollm2-135m", *argv], capsys)
+    assert f"--out artifacts/{folder} already holds an artifact (model smollm2-135m" in err
+    assert "Give --force" in err and "opening" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+
+
 def test_build_names_the_largest_tree_the_heads_make(tiny_model_dir, tmp_path, capsys):
     """--tree 5000 was silently capped at 1111 nodes (3 heads of top-10): a budget above what the heads can make
     is refused with the range; the largest is what the greedy builder makes from an unbounded budget."""

@@ -122,6 +122,7 @@ def cmd_build(args) -> int:
     from medusa_runtime.tree import DEFAULT_TOPK
     from medusa_runtime.treespec import TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
 
+    from ..loading.registry import entry_for
     from ..loading.sources import open_model
     from ..pipeline import BuildConfig, build_artifact
     from ..validation.checks import check_prompts_fit, prompt_ids
@@ -129,10 +130,11 @@ def cmd_build(args) -> int:
     from .trt import after_build
 
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None  # bad files fail before the model opens
-    if args.tree is not None:  # so do a bad --tree and an --out that cannot be replaced (no 20 s model open first)
-        parse_tree_spec(args.tree)
-    if args.out:
-        check_replaceable(Path(args.out), force=args.force)
+    entry, _ = entry_for(args.model)  # so do an unknown --model, a bad --tree and an --out that cannot be replaced
+    asked = parse_tree_spec(entry.default_tree if args.tree is None else args.tree)  # (no 20 s model open first)
+    early_out = args.out or default_out(entry.name, asked, None, args.precision, args.graph)
+    if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
+        check_replaceable(Path(early_out), force=args.force)
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
@@ -147,18 +149,15 @@ def cmd_build(args) -> int:
     check_int(args.max_context, "--max-context", low=2, high=positions,
               meaning=f"{lm.name}'s max_position_embeddings is {positions}")
     num_heads = lm.sources.heads_config.num_heads
-    spec = parse_tree_spec(lm.default_tree if args.tree is None else args.tree)  # --tree '' is an error
-    auto, policy = spec.kind == "auto", spec.policy
+    spec, auto, policy = asked, asked.kind == "auto", asked.policy
     if auto:  # the largest candidate first; build_artifact times the others after export
         most = min(max(DEFAULT_SIZES), most_nodes(num_heads, DEFAULT_TOPK))
         spec = TreeSpec(str(most), "size", most)
     elif spec.kind == "dynamic":  # the artifact's static tree is the T-node greedy tree (fixed-tree engines)
         spec = TreeSpec(str(spec.size), "size", spec.size)
     tree = tree_from_spec(spec, num_heads=num_heads, accuracies=lm.head_accuracies)
-    graph = "-fused" if cfg.graph == "fused" else ""
-    size = ("auto" if auto else tree.size) if policy == "static" else f"dyn{'auto' if auto else tree.size}"
-    out = args.out or f"artifacts/{lm.name}-t{size}-{cfg.precision}{graph}"
-    check_replaceable(Path(out), force=args.force)
+    out = args.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
+    check_replaceable(Path(out), force=args.force)  # again: a preset's folder, or one made during the open
     if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
         texts, ids = prompt_ids(lm, prompts)
         for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
@@ -167,6 +166,27 @@ def cmd_build(args) -> int:
     _print_summary(path, time.perf_counter() - t0, lm)
     print_machine_tree(path)
     return after_build(args, path)
+
+
+def default_out(name: str, spec, size: int | None, precision: str, graph: str) -> str | None:
+    """``build``'s default ``--out``: ``artifacts/<model>-t<tree>-<precision>[-fused]``.
+
+    Args:
+        name: the model's registry name (or its folder's name).
+        spec: the ``--tree`` asked for (a :class:`~medusa_runtime.treespec.TreeSpec`): ``auto`` names the
+            folder ``tauto``, a per-step policy prefixes ``dyn``.
+        size: the built tree's node count, or None before the heads are open.
+        precision: ``--precision``; graph: ``--graph`` (``fused`` appends ``-fused``).
+
+    Returns:
+        The folder path, or None when it depends on ``size`` and that is not known yet (a preset or a
+        tree file: their node count depends on the heads' count).
+    """
+    n = "auto" if spec.kind == "auto" else spec.size if spec.kind in ("size", "dynamic") else size
+    if n is None:
+        return None
+    tree = f"dyn{n}" if spec.policy == "dynamic" else f"{n}"
+    return f"artifacts/{name}-t{tree}-{precision}{'-fused' if graph == 'fused' else ''}"
 
 
 def print_machine_tree(path) -> None:
