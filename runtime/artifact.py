@@ -95,12 +95,17 @@ def load_artifact(path: str | Path, *, full_verify: bool = False) -> Artifact:
     inputs and outputs the ONNX files declare (:func:`check_graph_files`).
 
     Raises:
-        ArtifactError: anything missing, edited or inconsistent; the message names the file/key.
+        ArtifactError: ``path`` missing or not a directory (the message says how one is built); anything
+            missing, edited or inconsistent; the message names the file/key.
     """
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
-        raise ArtifactError(f"artifact directory {path} does not exist")
+        what = f"{path} is a file, not an artifact directory" if path.exists() else \
+            f"artifact directory {path} does not exist"
+        raise ArtifactError(f"{what}: an artifact is the folder `medusa-export build` "
+                            f"writes ({MANIFEST}, tree.json and the ONNX graphs), e.g. medusa-export build "
+                            "--model smollm2-135m --out artifacts/smollm2 and then --artifact artifacts/smollm2")
     if not mpath.is_file():
         raise ArtifactError(f"{path} is not an artifact: {MANIFEST} is missing")
     try:

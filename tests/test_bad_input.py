@@ -607,3 +607,26 @@ def test_a_temperature_above_the_float32_bound_fails(artifact, capsys):
 
     err = error_of(["generate", "--artifact", str(artifact), "--prompt", "hi", "--temperature", "1e7"], capsys)
     assert f"temperature must be at most {MAX_TEMPERATURE:g}, got 1e+07" in err and "give 0 (greedy)" in err
+
+
+# --- a new user's pass over the README ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime_cli", [False, True])
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_an_artifact_that_is_a_file_is_named_as_one(command, runtime_cli, tmp_path, capsys):
+    """`medusa_runtime generate --artifact README.md` said "artifact directory README.md does not exist"."""
+    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.errors import ArtifactError
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# not an artifact\n")
+    argv = [command, "--artifact", str(readme), *(["--prompt", "hi"] if command == "generate" else [])]
+    assert (runtime_main if runtime_cli else main)(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert f"{readme} is a file, not an artifact directory: an artifact is the folder `medusa-export build` " \
+           "writes" in err
+    assert "does not exist" not in err and "Traceback" not in err and out == ""
+    with pytest.raises(ArtifactError, match="artifact directory .*missing.* does not exist: an artifact is the"):
+        load_artifact(tmp_path / "missing")
