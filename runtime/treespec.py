@@ -24,6 +24,7 @@ spec                kind             meaning
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -90,7 +91,7 @@ def parse_tree_spec(spec: str | int) -> TreeSpec:
         The :class:`TreeSpec`.
 
     Raises:
-        InvalidTreeError: an empty spec, ``dynamic:`` without a positive count, a node budget of 0, a path
+        InvalidTreeError: an empty spec, ``dynamic:`` without a positive count, a node budget below 1, a path
             that is a directory, or a word that is none of the above; the message lists :data:`CHOICES`.
     """
     if isinstance(spec, bool) or not isinstance(spec, (str, int, np.integer)):
@@ -100,11 +101,11 @@ def parse_tree_spec(spec: str | int) -> TreeSpec:
         raise InvalidTreeError(f"--tree is empty: give {CHOICES}")
     if text.startswith(DYNAMIC_PREFIX):
         n = text[len(DYNAMIC_PREFIX):]
-        if not n.isdigit() or int(n) < 1:
+        if not re.fullmatch(r"[0-9]+", n) or int(n) < 1:
             raise InvalidTreeError(f"--tree {DYNAMIC_PREFIX}T takes a node count T >= 1 (e.g. {DYNAMIC_PREFIX}6), "
                                    f"got {text!r}")
         return TreeSpec(text, "dynamic", int(n), "dynamic")
-    if text.isdigit():
+    if re.fullmatch(r"-?[0-9]+", text):  # a negative budget gets the same message as 0, not "unknown tree"
         if int(text) < 1:
             raise InvalidTreeError(f"a tree has at least 1 node (the root), got --tree {text}: give {CHOICES}")
         return TreeSpec(text, "size", int(text))
