@@ -409,3 +409,12 @@ def test_modelopt_fp8_build_summary_and_verify(tmp_path, capsys):
     assert main(["verify", "--artifact", str(art), "--model-path", str(tmp_path / "fp8"), "--limit", "1",
                  "--max-new-tokens", "6"]) == 0
     assert "PASSED: 1 prompt, precision fp32 (checks: full, checksums)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, flag", [("engine", "--device-id"), ("build", "--engine-device-id")])
+def test_the_engine_device_flag_shows_n_in_help(command, flag, capsys):
+    """The help showed ``--device-id ENGINE_DEVICE_ID`` (argparse's default metavar from the dest)."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{flag} N " in out and "ENGINE_DEVICE_ID" not in out

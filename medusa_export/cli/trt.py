@@ -20,7 +20,8 @@ def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help=f"calibration windows (default: {EngineConfig.calibration_batches})")
     p.add_argument("--workspace", type=int, dest="workspace_mib", metavar="MIB",
                    help="builder workspace limit in MiB (default: TensorRT's, all free device memory)")
-    p.add_argument(f"--{prefix}device-id", dest="engine_device_id", type=int, default=EngineConfig.device_id,
+    p.add_argument(f"--{prefix}device-id", dest="engine_device_id", type=int, metavar="N",
+                   default=EngineConfig.device_id,
                    help=f"CUDA device to build (and tune) the engines on (default: {EngineConfig.device_id})")
 
 
