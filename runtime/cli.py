@@ -73,7 +73,7 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
     p.add_argument("--vanilla", action="store_true", help="one token per step (no Medusa), same engine")
     p.add_argument("--tree", help="the tree to run (default: 'auto', cached: the tree fastest on this machine and "
                                   "engine, timed once per artifact, machine and backend, a few seconds and a one-line "
-                                  "notice the first time; TensorRT engines keep the tree they were built with; "
+                                  "notice the first time; TensorRT engines default to the tree they were built for; "
                                   "$MEDUSA_EXPORT_TREE changes the default). Or: 'artifact' (the tree it was built "
                                   "with); N (the greedy N-node tree from the heads' calibrated accuracies); 'root' "
                                   "(plain decoding) or 'chain'; a JSON file of medusa_choices; 'auto' (time now, "

@@ -173,8 +173,7 @@ class MedusaSession:
         tree: the tree to run. Default (None): ``$MEDUSA_EXPORT_TREE``, else the tree that is fastest
             on this engine and machine, timed once and cached (:mod:`medusa_runtime.treecache`; per-step
             trees when the artifact was built with ``--tree dynamic:T``; :attr:`default_tree` says how
-            it was obtained); engines whose tree is fixed when they are built (TensorRT plans) run the
-            artifact's tree. Else a :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was
+            it was obtained); engines built for the artifact's tree (TensorRT plans) run that tree. Else a :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was
             built with, per-step when built with ``--tree dynamic:T``), "8", "root", "chain",
             "dynamic:6" (a 6-node tree chosen every step from the heads' calibrated probabilities);
             backends with a fixed tree shape (TensorRT) may reject them. ``"auto"`` times the tree step
@@ -184,7 +183,7 @@ class MedusaSession:
         full_verify: hash every file, even the large weights, when opening.
         progress: called with a line per measurement of ``tree="auto"`` (default: silent).
         notice: called with one line when the default tree is timed (the first time on this
-            machine, or when the cached timing is stale) or when the engine's tree is fixed
+            machine, or when the cached timing is stale) or when the engine is built for the artifact's tree
             (default: printed to standard error; None: silent).
         **engine_options: passed to the backend (e.g. ``device_id``).
 
@@ -224,10 +223,10 @@ class MedusaSession:
         if tree is None:
             tree = default_spec()
             if backend_spec(self.backend).fixed_tree:  # e.g. TensorRT plans: BackendSpec.fixed_tree
-                self.tree_source = "fixed when the engine was built"
+                self.tree_source = "the tree the engine was built for"
                 if notice:
-                    notice(f"the {self.backend} engine's tree is fixed when it is built: running the artifact's "
-                           f"{base.size}-node tree (no timing of other sizes)")
+                    notice(f"the {self.backend} engine is built for the artifact's {base.size}-node tree: running it "
+                           f"(no timing of other sizes; --tree picks another)")
                 return base
             if tree == DEFAULT_SPEC:
                 return self._fastest_tree(threads, notice)

@@ -215,9 +215,9 @@ def test_engines_of_a_fixed_tree_keep_it_and_say_so(counter_artifact, default_en
     monkeypatch.setitem(BACKENDS, spec.name, spec)
     notices = []
     s = MedusaSession(counter_artifact, backend="fixed-tree-test", threads=1, notice=notices.append)
-    assert s.tree.size == 8 and s.default_tree is None and s.tree_source == "fixed when the engine was built"
-    assert notices == ["the fixed-tree-test engine's tree is fixed when it is built: running the artifact's 8-node "
-                       "tree (no timing of other sizes)"]
+    assert s.tree.size == 8 and s.default_tree is None and s.tree_source == "the tree the engine was built for"
+    assert notices == ["the fixed-tree-test engine is built for the artifact's 8-node tree: running it (no timing "
+                       "of other sizes; --tree picks another)"]
     assert not (default_env / "trees").exists()
 
 

@@ -48,8 +48,8 @@ class BackendSpec:
         batched: it runs batched step graphs (artifacts built with ``--batch-size`` N > 1);
             :func:`create_engine` refuses those on the others.
         gpu: it runs on a CUDA device (option ``device_id``; Triton gives it KIND_GPU instances).
-        fixed_tree: its tree is fixed when the engine is built (TensorRT plans' shapes): the session
-            runs the artifact's tree, without ``--tree auto`` timing or per-step trees.
+        fixed_tree: the engine is built for the artifact's tree (TensorRT plans' tree-step profile): the
+            session runs that tree by default, without timing other sizes; an explicit tree still runs.
     """
 
     name: str

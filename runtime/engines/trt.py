@@ -219,8 +219,9 @@ class TrtEngine:
             checksums than this machine and artifact (the message says what and how to rebuild).
         ArtifactError: the plans are missing or do not load (truncated, corrupt).
 
-    The tree's shape is fixed when the plans are built (their optimization profiles): the backend's entry
-    says so (``BackendSpec.fixed_tree``), and the session runs the artifact's tree instead of timing others.
+    The plans' ``tree_step`` profile is built for the artifact's tree (S = T): the backend's entry says so
+    (``BackendSpec.fixed_tree``) and the session runs that tree by default instead of timing others; a tree
+    step of another size runs on the ``prefill`` profile (S in [1, C]).
     """
 
     def __init__(self, artifact: Artifact, precision: str | None = None, device_id: int = 0, **_):
