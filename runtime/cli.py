@@ -281,8 +281,23 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
         session.close()  # frees a device backend's memory
 
 
+#: chat's commands: a line that is exactly one of these runs it instead of going to the model.
+CHAT_COMMANDS = {"/reset": "starts a new conversation", "/exit": "quits (as Ctrl-D does)"}
+CHAT_COMMANDS_HELP = ", ".join(f"{name} {what}" for name, what in CHAT_COMMANDS.items())
+
+
+def _looks_like_command(message: str) -> bool:
+    """Whether a chat line is a mistyped command: one word that starts with a single ``/`` (``/bogus``, ``/rest``)
+    and is not in :data:`CHAT_COMMANDS`; ``/usr/bin is what?`` (several words) and ``//x`` go to the model."""
+    word = message.strip()
+    return word.startswith("/") and not word.startswith("//") and len(word.split()) == 1 and word not in CHAT_COMMANDS
+
+
 def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """``chat --artifact``: read user turns from ``inp`` until EOF or /exit; /reset starts over.
+
+    A line that is one unknown ``/word`` is refused with the commands (it is a typo far more often than a message);
+    ``//word`` sends ``/word`` to the model.
 
     The streams default to the current sys.stdin / sys.stdout / sys.stderr, looked up per call.
     """
@@ -298,8 +313,8 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
         kwargs = _gen_kwargs(args, session)
         session.reset(args.system)
         interactive = inp.isatty()
-        print(f"chat with {session.artifact.model.name} ({_mode(session, args)}); /reset starts over, "
-              "/exit or Ctrl-D quits", file=err)
+        print(f"chat with {session.artifact.model.name} ({_mode(session, args)}); {CHAT_COMMANDS_HELP}",
+              file=err)
 
         def write(text: str) -> None:
             out.write(text)
@@ -319,6 +334,12 @@ def run_chat(args, inp: TextIO | None = None, out: TextIO | None = None, err: Te
                 continue
             if not message.strip():
                 continue
+            if _looks_like_command(message):
+                print(f"[unknown command {message.strip()}: {CHAT_COMMANDS_HELP}; a message that is one word "
+                      "starting with / goes to the model as //word]", file=err)
+                continue
+            if message.strip().startswith("//"):
+                message = message.replace("/", "", 1)
             try:
                 c = session.chat(message, stream=write, **kwargs)
             except ContextOverflowError as exc:

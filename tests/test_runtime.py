@@ -292,6 +292,30 @@ def test_cli_generate_and_chat(counter_artifact, capsys):
     assert main(["generate", "--artifact", str(counter_artifact / "nope"), "--prompt", "x"]) == 2
 
 
+def test_chat_refuses_an_unknown_command_and_sends_a_doubled_slash(counter_artifact, monkeypatch):
+    """A one-word ``/bogus`` is a mistyped command: refused with the commands, nothing generated, the conversation
+    kept; ``//bogus`` sends ``/bogus``; a several-word line that starts with / is a message."""
+    from medusa_runtime import session as session_mod
+    from medusa_runtime.cli import build_parser, run_chat
+
+    sent = []
+    real_chat = session_mod.MedusaSession.chat
+
+    def chat(self, message, **kwargs):
+        sent.append(message)
+        return real_chat(self, message, **kwargs)
+
+    monkeypatch.setattr(session_mod.MedusaSession, "chat", chat)
+    args = build_parser().parse_args(["chat", "--artifact", str(counter_artifact), "--max-new-tokens", "3"])
+    log = io.StringIO()
+    assert run_chat(args, io.StringIO("hello\n/bogus\n//bogus\n/usr/bin is what?\n"), io.StringIO(), log) == 0
+    assert sent == ["hello", "/bogus", "/usr/bin is what?"]
+    lines = log.getvalue().splitlines()
+    refusal = [line for line in lines if "unknown command" in line]
+    assert refusal == [lines[2]] and "/reset" in refusal[0] and "/exit" in refusal[0]
+    assert "reused from the last turn" in lines[3]  # the refused line did not end the conversation
+
+
 @pytest.fixture(scope="module")
 def pre_sampler_artifact(counter_artifact, tmp_path_factory):
     """The counter artifact as a build from before ``step_sampler`` v1 reads: no ``step_sampler`` in its manifest."""
