@@ -354,7 +354,8 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
         version: the targeted TensorRT release.
 
     Returns:
-        The report; ``passed`` is False when any error was found.
+        The report; ``passed`` is False when any error was found. An ``ort-contrib`` or ``ort-fused`` artifact gets one
+        error naming its flavour and the build that TensorRT takes; its graphs' ops are not listed.
     """
     path = Path(path)
     manifest = as_manifest(manifest or json.loads((path / MANIFEST).read_text()))
@@ -375,6 +376,8 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
             "SimplifiedLayerNormalization) that TensorRT does not parse, and its head-major KV cache is written in place; it runs on ONNX "
             "Runtime only. For TensorRT build the portable graph: --graph portable (the default) with --precision "
             f"{' or '.join(TENSORRT_PRECISIONS)}")))
+    if report.findings:  # a flavour TensorRT cannot take: one error; an op-by-op list of its ONNX Runtime ops adds nothing
+        return report
     tree_size = manifest.tree.size
     for key in ["model", *(k for k in manifest.graphs if k.startswith("heads"))]:
         rel = manifest.graphs[key].file
