@@ -418,3 +418,13 @@ def test_the_engine_device_flag_shows_n_in_help(command, flag, capsys):
         main([command, "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert f"{flag} N " in out and "ENGINE_DEVICE_ID" not in out
+
+
+@pytest.mark.parametrize("command", ["verify", "engine"])
+def test_a_required_artifact_is_not_bracketed_in_the_usage(command, capsys):
+    """The usage line showed ``[--artifact DIR]``, as if it were optional, where leaving it out is an error."""
+    with pytest.raises(SystemExit) as exc:
+        main([command])
+    assert exc.value.code == 2
+    usage = " ".join(capsys.readouterr().err.split())
+    assert f"medusa-export {command} [-h] --artifact DIR " in usage and "[--artifact DIR]" not in usage

@@ -47,8 +47,17 @@ class _IntoArtifact(argparse.Action):
             namespace.artifact = values
 
 
+class _RequiredArtifactUsage(argparse.HelpFormatter):
+    """Usage that shows ``--artifact DIR`` without brackets: it is required (argparse brackets it because its
+    mutually exclusive partner, the hidden positional, sits apart from it in the usage line)."""
+
+    def _format_usage(self, usage, actions, groups, prefix):
+        return super()._format_usage(usage, actions, groups, prefix).replace("[--artifact DIR]", "--artifact DIR")
+
+
 def add_artifact_arg(p: argparse.ArgumentParser, help: str = "the artifact (medusa-export build output)") -> None:
     """``--artifact DIR`` (required), also accepted as a positional argument (the old spelling, hidden)."""
+    p.formatter_class = _RequiredArtifactUsage
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--artifact", metavar="DIR", help=f"{help} (required)")
     group.add_argument("artifact_positional", nargs="?", metavar="ARTIFACT", action=_IntoArtifact,
