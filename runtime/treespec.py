@@ -58,6 +58,10 @@ CHOICES = (f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T (a T-node tree chosen ev
            f"{AUTO_DYNAMIC} (measured on this machine), {ARTIFACT} (with an artifact: the tree it was built "
            f"with), a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}")
 
+#: What build's ``--tree`` may be (all but ``artifact``: build writes the artifact).
+BUILD_TREES = (f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T, {AUTO} or {AUTO_DYNAMIC} (timed after the export), "
+               f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}")
+
 
 @dataclass(frozen=True)
 class TreeSpec:

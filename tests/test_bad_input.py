@@ -523,6 +523,7 @@ def test_build_refuses_a_tree_that_is_not_a_tree(spec, expected, tiny_model_dir,
     (["--tree=-3"], "a tree has at least 1 node (the root), got --tree -3: give a node budget"),
     (["--tree", "\u00b2"], "unknown tree '\u00b2': give a node budget"),  # str.isdigit() is True: was a ValueError
     (["--tree", "dynamic:\u00b2"], "--tree dynamic:T takes a node count T >= 1"),
+    (["--tree", "artifact"], "build writes the artifact, so --tree artifact has no tree to take"),
 ])
 def test_build_refuses_a_bad_tree_or_out_before_it_opens_the_model(argv, expected, tmp_path, monkeypatch, capsys):
     """These waited for the model to open (16-21 s on the embedded model) before they were refused."""

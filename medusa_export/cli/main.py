@@ -120,7 +120,8 @@ def cmd_build(args) -> int:
     """Export + validate an artifact, the weights streamed from the checkpoint (nothing materialised)."""
     from medusa_runtime.autotree import DEFAULT_SIZES
     from medusa_runtime.tree import DEFAULT_TOPK
-    from medusa_runtime.treespec import TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
+    from medusa_runtime.errors import InvalidTreeError
+    from medusa_runtime.treespec import BUILD_TREES, TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
 
     from ..loading.registry import entry_for
     from ..loading.sources import open_model
@@ -132,6 +133,8 @@ def cmd_build(args) -> int:
     prompts = read_prompts(args.prompt_file) if args.prompt_file else None  # bad files fail before the model opens
     entry, _ = entry_for(args.model)  # so do an unknown --model, a bad --tree and an --out that cannot be replaced
     asked = parse_tree_spec(entry.default_tree if args.tree is None else args.tree)  # (no 20 s model open first)
+    if asked.kind == "artifact":
+        raise InvalidTreeError(f"build writes the artifact, so --tree {asked.text} has no tree to take: give {BUILD_TREES}")
     early_out = args.out or default_out(entry.name, asked, None, args.precision, args.graph)
     if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
         check_replaceable(Path(early_out), force=args.force)
