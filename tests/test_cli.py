@@ -124,6 +124,7 @@ def test_build_writes_a_validated_artifact(built):
     v = m["validation"]
     assert v["passed"] and len(v["prompts"]) == 3 and all(p["identical"] and p["tokens"] == 8 for p in v["prompts"])
     assert f"artifact: {path}" in stdout and "tree: 4 nodes" in stdout and "validation:" in stdout
+    assert "time per stage: opening the model " in stdout  # the ~20 s open of the embedded model was in no stage
     assert not list(path.parent.glob(".*partial*"))  # the temporary folder was moved into place
 
 
@@ -133,6 +134,14 @@ def test_verify_passes_on_the_built_artifact(built, tiny_model_dir, capsys):
                  "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert out.count("identical") == 2 and "PASSED: 2 prompts, precision fp32" in out
+
+
+def test_verify_of_the_checksums_alone_compares_no_prompt(built, tiny_model_dir, capsys):
+    """It said 'PASSED: 3 prompts' though the checksums check compares none."""
+    path, _, _ = built
+    assert main(["verify", "--artifact", str(path), "--model-path", str(tiny_model_dir), "--checks", "checksums"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED: no prompt compared, precision fp32 (checks: checksums)" in out and "identical" not in out
 
 
 def test_verify_exits_1_when_the_weights_disagree(built, tiny_model_dir, tmp_path, capsys):
