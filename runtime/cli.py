@@ -237,7 +237,7 @@ def run_generate_batch(args, out: TextIO, err: TextIO) -> int:
         tokens = sum(len(c.token_ids) for c in done)
         steps = [n for c in done for n in c.result.step_tokens]
         per_seq = [c.tokens_per_second for c in done if c.seconds > 0]
-        print(f"[{len(done)} prompts, batch size {batch}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tokens/s "
+        print(f"[{len(done)} prompt{'' if len(done) == 1 else 's'}, batch size {batch}: {tokens} tokens in {wall:.2f}s = {tokens / wall:.1f} tokens/s "
               f"in all, {sum(per_seq) / max(len(per_seq), 1):.1f} tokens/s per sequence; "
               f"{(sum(steps) / len(steps)) if steps else 0.0:.2f} tokens/step ({_mode(session, args)})]", file=err)
         return 0
