@@ -174,13 +174,19 @@ def _gen_kwargs(args, session) -> dict:
 
 
 def summary(c, mode: str) -> str:
-    """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason."""
+    """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason.
+
+    A reply that ended on a stop token says that token's step emitted it but it is not counted (the reply leaves it
+    out; :attr:`~.session.Completion.tokens_per_step`), so plain decoding's 0.91 tokens/step does not read as lost
+    tokens.
+    """
     r = c.result
     host = r.host_seconds / c.seconds if c.seconds else 0.0
     reused = (f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn"
               if c.reused_tokens else "")
+    uncounted = " (the stop token or string not counted)" if c.finish_reason == "stop" else ""
     return (f"[{len(c.token_ids)} tokens in {r.steps + 1} forward passes (prefill + {r.steps} steps); "
-            f"{c.tokens_per_step:.2f} tokens/step; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
+            f"{c.tokens_per_step:.2f} tokens/step{uncounted}; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
             f"{100 * host:.1f}%); finish: {c.finish_reason}{reused}]")
 
 

@@ -562,7 +562,7 @@ def test_build_refuses_an_existing_default_out_before_it_opens_the_model(argv, f
     (out / "manifest.json").write_text(json.dumps({"model": {"name": "smollm2-135m"}, "checksums": {}}))
     err = error_of(["build", "--model", "smollm2-135m", *argv], capsys)
     assert f"the default --out artifacts/{folder} already holds an artifact (model smollm2-135m" in err
-    assert "Give --force" in err and "opening" not in err
+    assert "Give --force to replace all of it, or choose another --out" in err and "opening" not in err
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
 
 

@@ -437,3 +437,18 @@ def test_a_required_artifact_is_not_bracketed_in_the_usage(command, capsys):
     assert exc.value.code == 2
     usage = " ".join(capsys.readouterr().err.split())
     assert f"medusa-export {command} [-h] --artifact DIR " in usage and "[--artifact DIR]" not in usage
+
+
+@pytest.mark.parametrize("finish, note", [("stop", True), ("length", False)])
+def test_the_summary_says_the_stop_token_is_not_counted(finish, note):
+    """Plain decoding that stopped on EOS printed '0.91 tokens/step' with no word on why it is below 1."""
+    from types import SimpleNamespace
+
+    from medusa_runtime.cli import summary
+
+    result = SimpleNamespace(steps=11, host_seconds=0.01, step_tokens=[1] * 10 + [0])
+    c = SimpleNamespace(result=result, seconds=0.4, reused_tokens=0, prompt_tokens=5, token_ids=list(range(11)),
+                        tokens_per_step=10 / 11, tokens_per_second=27.5, finish_reason=finish)
+    line = summary(c, "onnxruntime")
+    assert "0.91 tokens/step" in line and f"finish: {finish}" in line
+    assert ("0.91 tokens/step (the stop token or string not counted);" in line) is note

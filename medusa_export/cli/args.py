@@ -143,7 +143,7 @@ def _described(path: Path) -> str:
     return path.name
 
 
-def check_replaceable(out: Path, *, force: bool, flag: str = "--out") -> None:
+def check_replaceable(out: Path, *, force: bool, flag: str = "--out", default: bool = False) -> None:
     """Refuse to replace an existing artifact folder without ``--force``, naming what would go.
 
     A build replaces its output folder as a whole, so files it does not write (``engines/`` TensorRT plans of
@@ -153,6 +153,7 @@ def check_replaceable(out: Path, *, force: bool, flag: str = "--out") -> None:
         out: the output folder.
         force: ``--force`` was given: replace an artifact folder anyway.
         flag: the option, for the message.
+        default: ``out`` is the option's default (the user gave none): the message says "the default --out".
 
     Raises:
         ArtifactError: ``out`` is a non-empty artifact folder and ``force`` is False (the message lists the
@@ -164,11 +165,12 @@ def check_replaceable(out: Path, *, force: bool, flag: str = "--out") -> None:
 
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
+    named = f"the default {flag} {out}" if default else f"{flag} {out}"
     if not out.is_dir():
-        raise ArtifactError(f"{flag} {out} is a file; give a folder path")
+        raise ArtifactError(f"{named} is a file; give a folder path")
     manifest = out / MANIFEST
     if not manifest.is_file():
-        raise ArtifactError(f"{flag} {out} is a non-empty folder that is not an artifact (no {MANIFEST}); "
+        raise ArtifactError(f"{named} is a non-empty folder that is not an artifact (no {MANIFEST}); "
                             "refusing to replace it: give an empty or new folder")
     if force:
         return
@@ -185,5 +187,5 @@ def check_replaceable(out: Path, *, force: bool, flag: str = "--out") -> None:
     files = sum(1 for p in out.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     lost = f"; it also holds what a build does not write, which would be deleted: {', '.join(extra)}" if extra else ""
-    raise ArtifactError(f"{flag} {out} already holds an artifact (model {model}, {files} files, {size / 1e6:.1f} MB)"
+    raise ArtifactError(f"{named} already holds an artifact (model {model}, {files} files, {size / 1e6:.1f} MB)"
                         f"{lost}. Give --force to replace all of it, or choose another {flag}")

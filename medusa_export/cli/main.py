@@ -136,9 +136,8 @@ def cmd_build(args) -> int:
     if asked.kind == "artifact":
         raise InvalidTreeError(f"build writes the artifact, so --tree {asked.text} has no tree to take: give {BUILD_TREES}")
     early_out = args.out or default_out(entry.name, asked, None, args.precision, args.graph)
-    out_flag = "--out" if args.out else "the default --out"  # a user who gave none is told which folder it is
     if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
-        check_replaceable(Path(early_out), force=args.force, flag=out_flag)
+        check_replaceable(Path(early_out), force=args.force, default=not args.out)
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
@@ -162,7 +161,7 @@ def cmd_build(args) -> int:
         spec = TreeSpec(str(spec.size), "size", spec.size)
     tree = tree_from_spec(spec, num_heads=num_heads, accuracies=lm.head_accuracies)
     out = args.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
-    check_replaceable(Path(out), force=args.force, flag=out_flag)  # again: a preset's folder, or one made during the open
+    check_replaceable(Path(out), force=args.force, default=not args.out)  # again: a preset's folder, or one made during the open
     if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
         texts, ids = prompt_ids(lm, prompts)
         for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
