@@ -173,10 +173,11 @@ class MedusaSession:
         tree: the tree to run. Default (None): ``$MEDUSA_EXPORT_TREE``, else the tree that is fastest
             on this engine and machine, timed once and cached (:mod:`medusa_runtime.treecache`; per-step
             trees when the artifact was built with ``--tree dynamic:T``; :attr:`default_tree` says how
-            it was obtained); engines built for the artifact's tree (TensorRT plans) run that tree. Else a :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was
-            built with, per-step when built with ``--tree dynamic:T``), "8", "root", "chain",
-            "dynamic:6" (a 6-node tree chosen every step from the heads' calibrated probabilities);
-            backends with a fixed tree shape (TensorRT) may reject them. ``"auto"`` times the tree step
+            it was obtained); engines built for the artifact's tree (TensorRT plans) run that tree. Else a
+            :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was built with, per-step when built
+            with ``--tree dynamic:T``), "8", "root", "chain", "dynamic:6" (a 6-node tree chosen every step
+            from the heads' calibrated probabilities); on TensorRT plans a tree of another size runs on the
+            prefill profile. ``"auto"`` times the tree step
             at several sizes now, uncached, and keeps the one with the most expected tokens per second
             (:mod:`medusa_runtime.autotree`); ``"auto:dynamic"`` does so for per-step trees. The timed
             table is in :attr:`tree_timings`.

@@ -53,14 +53,13 @@ KINDS = ("size", "preset", "dynamic", "auto", "artifact", "file")
 #: Beam width W of per-step trees for path-conditioned heads (EAGLE-2 uses 10 on a GPU).
 DEFAULT_WIDTH = 8
 
+_FILE_OR_PRESET = f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
 #: What a spec may be, for error messages.
 CHOICES = (f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T (a T-node tree chosen every step), {AUTO} or "
            f"{AUTO_DYNAMIC} (measured on this machine), {ARTIFACT} (with an artifact: the tree it was built "
-           f"with), a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}")
-
+           f"with), {_FILE_OR_PRESET}")
 #: What build's ``--tree`` may be (all but ``artifact``: build writes the artifact).
-BUILD_TREES = (f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T, {AUTO} or {AUTO_DYNAMIC} (timed after the export), "
-               f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}")
+BUILD_TREES = f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T, {AUTO} or {AUTO_DYNAMIC} (timed after the export), {_FILE_OR_PRESET}"
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,7 @@ def cmd_verify(args) -> int:
     from medusa_runtime.artifact import load_artifact
 
     from ..export.config import ExportConfig
-    from ..validation.checks import run_checks
+    from ..validation.checks import check_record, run_checks
     from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
     from ..validation.source import open_source
@@ -353,7 +353,7 @@ def cmd_verify(args) -> int:
         load_artifact(args.artifact, full_verify=True)
     v = run_checks(plan, art.path, lm, lm.sources, cfg, prompts=texts)
     for check in v["ran"]:
-        rec = v if check == "full" else v[check]
+        rec = check_record(v, check)
         for p in rec.get("prompts", []):
             if "max_logprob_diff" in p:
                 status = "identical" if p["identical"] else ("near-tie" if p["near_tie"] else "MISMATCH")
@@ -371,7 +371,7 @@ def cmd_verify(args) -> int:
     if not v["passed"]:
         print("FAILED:\n  " + "\n  ".join(v["failures"]), file=sys.stderr)
         return EXIT_MISMATCH
-    compared = any((v if check == "full" else v[check]).get("prompts") for check in v["ran"])
+    compared = any(check_record(v, check).get("prompts") for check in v["ran"])
     prompts_run = (f"{len(texts)} prompt" + ("" if len(texts) == 1 else "s")) if compared else "no prompt compared"
     print(f"PASSED: {prompts_run}, precision {m.precision_name} (checks: {', '.join(v['ran'])})")
     return 0

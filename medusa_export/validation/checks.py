@@ -187,6 +187,16 @@ def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens:
                         engine=validation_engine(artifact), progress=progress).to_json()
 
 
+def check_record(result: dict, check: str) -> dict:
+    """One check's record in a :func:`run_checks` result: the full check's report is the result's top level,
+    every other check's record is under its name.
+
+    Raises:
+        KeyError: ``check`` did not run (it is not in ``result["ran"]``).
+    """
+    return result if check == "full" else result[check]
+
+
 def self_failure(prompt: dict) -> str | None:
     """The self check's failure message for one prompt record of :func:`check_self`, or None when Medusa's
     tokens equal plain greedy decoding's."""

@@ -21,12 +21,12 @@ def junit_cases(result: dict) -> list[tuple[str, str, str | None]]:
         full check (the names verify has always written), ``<check>.<precision>`` / ``prompt_<n>`` for the
         truncated and gpu checks, ``self`` / ``prompt_<n>`` for the self check, ``checksums`` / ``weights`` for the checksums check.
     """
-    from .checks import self_failure
+    from .checks import check_record, self_failure
     from .validate import ValidationReport
 
     cases = []
     for check in result["ran"]:
-        rec = result if check == "full" else result[check]
+        rec = check_record(result, check)
         if check == "checksums":
             cases.append(("checksums", "weights", None if rec["passed"] else rec["error"]))
         elif check == "self":
