@@ -120,3 +120,59 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _described(path: Path) -> str:
+    """``name`` for a file, ``name/ (N files)`` for a folder."""
+    if path.is_dir():
+        n = sum(1 for p in path.rglob("*") if p.is_file())
+        return f"{path.name}/ ({n} file{'' if n == 1 else 's'})"
+    return path.name
+
+
+def check_replaceable(out: Path, *, force: bool, flag: str = "--out", default: bool = False) -> None:
+    """Refuse to replace an existing artifact folder without ``--force``, naming what would go.
+
+    A build replaces its output folder as a whole, so files it does not write (``engines/`` TensorRT plans of
+    ``medusa-export engine``, anything added by hand) would be deleted without notice.
+
+    Args:
+        out: the output folder.
+        force: ``--force`` was given: replace an artifact folder anyway.
+        flag: the option, for the message.
+        default: ``out`` is the option's default (the user gave none): the message says "the default --out".
+
+    Raises:
+        ArtifactError: ``out`` is a non-empty artifact folder and ``force`` is False (the message lists the
+            entries that are not the artifact's own files first), or a non-empty folder that is not an
+            artifact (never replaced, even with ``force``), or a file.
+    """
+    from medusa_runtime.contract.artifact import MANIFEST
+    from medusa_runtime.errors import ArtifactError
+
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    named = f"the default {flag} {out}" if default else f"{flag} {out}"
+    if not out.is_dir():
+        raise ArtifactError(f"{named} is a file; give a folder path")
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        raise ArtifactError(f"{named} is a non-empty folder that is not an artifact (no {MANIFEST}); "
+                            "refusing to replace it: give an empty or new folder")
+    if force:
+        return
+    import json
+
+    try:
+        doc = json.loads(manifest.read_text(encoding="utf-8"))
+        own = {rel.split("/")[0] for rel in doc.get("checksums", {})} | {MANIFEST}
+        model = doc.get("model", {}).get("name", "?")
+    except (ValueError, AttributeError):
+        own, model = {MANIFEST}, "?"
+    entries = sorted(out.iterdir())
+    extra = [_described(p) for p in entries if p.name not in own]
+    files = sum(1 for p in out.rglob("*") if p.is_file())
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    lost = f"; it also holds what a build does not write, which would be deleted: {', '.join(extra)}" if extra else ""
+    raise ArtifactError(f"{named} already holds an artifact (model {model}, {files} files, {size / 1e6:.1f} MB)"
+                        f"{lost}. Give --force to replace all of it, or choose another {flag}")

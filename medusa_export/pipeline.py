@@ -6,7 +6,7 @@ The orchestration above the stage packages (none of them imports this module, no
    and the validation checks that fit (:func:`~.validation.plan.plan_validation`);
 2. export (:mod:`.export`): the two graphs with their weights streamed from the checkpoint into
    ``weights.bin``, then tree / tokenizer / manifest (:func:`~.export.build.write_files`);
-3. ``--tree auto``: the tree step timed on ONNX Runtime here (:mod:`medusa_runtime.autotree`), the tree and
+3. ``--tree auto``: the tree step timed on ONNX Runtime here (:mod:`medusa_runtime.tuning.autotree`), the tree and
    the manifest rewritten;
 4. the ONNX checked for TensorRT (:func:`~.trt.readiness.check_artifact`, no TensorRT needed);
 5. validation (:func:`~.validation.checks.run_checks`), the build record, and the finished folder moved
@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from medusa_runtime.artifact import load_artifact
-from medusa_runtime.tree import Tree
+from medusa_runtime.contract.artifact import load_artifact
+from medusa_runtime.trees.tree import Tree
 
 from .errors import ArtifactError, InvalidTreeError, MedusaError
 from .export.build import check_output_dir, vocab_origin, write_files
@@ -111,22 +111,17 @@ class Stages:
 
 
 def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -> tuple[Tree, list, str]:
-    """``--tree auto`` (``auto:dynamic``) on the artifact being built: time tree steps with ONNX Runtime, pick the
-    best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
-    from medusa_runtime.autotree import auto_tree
+    """``--tree auto`` (``auto:dynamic``) on the artifact being built: the resolver times tree steps with ONNX Runtime
+    and picks the best; (the static tree, the table, the tree policy to record: "" or "dynamic:T")."""
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.treespec import DynamicTree, tree_from_spec
+    from medusa_runtime.trees.treespec import AUTO, AUTO_DYNAMIC
+    from medusa_runtime.tuning.resolve import TreeContext, resolve_tree
 
     artifact = load_artifact(folder)
     say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
-    tree, table = auto_tree(OrtEngine(artifact), artifact.head_accuracies, capacity=artifact.model.max_context,
-                            topk=artifact.tree.topk, progress=say, policy=policy, calibration=artifact.calibration,
-                            simulated=artifact.simulated)
-    if isinstance(tree, DynamicTree):
-        static = tree_from_spec(str(tree.size), num_heads=tree.num_heads, accuracies=artifact.head_accuracies,
-                                topk=artifact.tree.topk)
-        return static, table, f"dynamic:{tree.size}"
-    return tree, table, ""
+    res = resolve_tree(AUTO_DYNAMIC if policy == "dynamic" else AUTO,
+                       TreeContext.of_artifact(artifact, OrtEngine(artifact), progress=say))
+    return res.tree.static_shape(artifact.head_accuracies), list(res.timings), res.tree.policy_spec
 
 
 def _peak_rss() -> int:
@@ -151,7 +146,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         progress: print stage progress and progress bars.
         auto_tree: ``--tree auto``: ``tree`` is only the largest candidate; after export the tree
             step is timed at several sizes on ONNX Runtime on this machine and the tree with the
-            most expected tokens per second is kept (:mod:`medusa_runtime.autotree`; the table
+            most expected tokens per second is kept (:mod:`medusa_runtime.tuning.autotree`; the table
             goes to the manifest's ``tree.selection``).
         tree_policy: "static", or "dynamic" (``--tree dynamic:T`` / ``auto:dynamic``): the runtime chooses a
             ``tree.size``-node tree every step from the heads' log-probabilities; recorded as
@@ -246,9 +241,120 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             "preflight": {"available_bytes": plan.available, "estimates": plan.estimates}})
         write_manifest(tmp, manifest)
         replace_dir(tmp, out)
-    except BaseException:  # Ctrl-C, and SIGTERM / SIGHUP (medusa_runtime.cli.run_command makes them one)
+    except BaseException:  # Ctrl-C, and SIGTERM / SIGHUP (medusa_runtime.front.cli.run_command makes them one)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         lock.release()
     return out
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What ``medusa-export build`` was asked, besides :class:`BuildConfig`: the model, its sources, the tree and
+    the output folder.
+
+    Attributes:
+        model: a registry name, an HF folder or a ``.gguf`` file.
+        tree: the ``--tree`` spec (None: the registry entry's default tree).
+        out: the artifact folder (None: :func:`default_out`).
+        force: replace an existing artifact folder.
+        model_path, heads, trust_remote_code: the model's sources (:func:`~.loading.sources.open_model`).
+        prompt_file: a JSONL file of validation prompts (None: the project's own).
+    """
+
+    model: str
+    tree: str | None = None
+    out: str | None = None
+    force: bool = False
+    model_path: str | None = None
+    heads: str | None = None
+    trust_remote_code: bool = False
+    prompt_file: str | None = None
+
+
+@dataclass(frozen=True)
+class Built:
+    """A finished build: the artifact folder, the model as opened, and the seconds the opening took."""
+
+    path: Path
+    lm: LoadedMedusa
+    opening: float
+
+
+def default_out(name: str, spec, size: int | None, precision: str, graph: str) -> str | None:
+    """``build``'s default ``--out``: ``artifacts/<model>-t<tree>-<precision>[-fused]``.
+
+    Args:
+        name: the model's registry name (or its folder's name).
+        spec: the ``--tree`` asked for (a :class:`~medusa_runtime.trees.treespec.TreeSpec`): ``auto`` names the
+            folder ``tauto``, a per-step policy prefixes ``dyn``.
+        size: the built tree's node count, or None before the heads are open.
+        precision: ``--precision``; graph: ``--graph`` (``fused`` appends ``-fused``).
+
+    Returns:
+        The folder path, or None when it depends on ``size`` and that is not known yet (a preset or a
+        tree file: their node count depends on the heads' count).
+    """
+    n = {"auto": "auto", "size": spec.size, "dynamic": spec.size}.get(spec.kind, size)
+    if n is None:
+        return None
+    tree = f"dyn{n}" if spec.policy == "dynamic" else f"{n}"
+    return f"artifacts/{name}-t{tree}-{precision}{'-fused' if graph == 'fused' else ''}"
+
+
+def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
+    """``medusa-export build``: the pre-flight, the model opened, the tree resolved, then :func:`build_artifact`.
+
+    Everything that can be refused without the model (a prompt file, an unknown model, a bad ``--tree``, an
+    output folder that may not be replaced) is refused before the model opens (~20 s on the embedded model).
+
+    Args:
+        request: the model, tree and folder asked for.
+        cfg: the export's and validation's options.
+
+    Returns:
+        The :class:`Built` artifact.
+
+    Raises:
+        PromptFileError, RegistryError, InvalidTreeError, ArtifactError: before the model opens.
+        InvalidSettingError: ``max_context`` above the model's ``max_position_embeddings``.
+        Everything :func:`build_artifact` raises.
+    """
+    from medusa_runtime.errors import InvalidSettingError
+    from medusa_runtime.tuning.resolve import TreeContext, build_spec, resolve_tree
+
+    from .files import check_replaceable
+    from .loading import sources
+    from .loading.registry import entry_for
+    from .validation.checks import check_prompts_fit, prompt_ids
+    from .validation.validate import read_prompts
+
+    prompts = read_prompts(request.prompt_file) if request.prompt_file else None
+    entry, _ = entry_for(request.model)
+    asked = build_spec(entry.default_tree if request.tree is None else request.tree)
+    early_out = request.out or default_out(entry.name, asked, None, cfg.precision, cfg.graph)
+    if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
+        check_replaceable(Path(early_out), force=request.force, default=not request.out)
+    t0 = time.perf_counter()
+    print(f"opening {request.model} (headers and configs; weights are read while the graphs are written) ...",
+          file=sys.stderr, flush=True)
+    lm = sources.open_model(request.model, model_path=request.model_path, heads_path=request.heads,
+                            trust_remote_code=request.trust_remote_code)
+    opening = time.perf_counter() - t0
+    for note in lm.notes:
+        print(f"[note: {note}]", file=sys.stderr, flush=True)
+    positions = lm.sources.config.max_position_embeddings
+    if cfg.max_context is not None and not 2 <= cfg.max_context <= positions:
+        raise InvalidSettingError(f"--max-context must be in 2..{positions} ({lm.name}'s max_position_embeddings is "
+                                  f"{positions}), got {cfg.max_context}")
+    res = resolve_tree(asked, TreeContext(num_heads=lm.sources.heads_config.num_heads, accuracies=lm.head_accuracies))
+    tree = res.tree.static_shape(lm.head_accuracies)  # per-step trees: the T-node tree fixed-tree engines run
+    out = request.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
+    check_replaceable(Path(out), force=request.force, default=not request.out)  # a preset's, or made meanwhile
+    if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
+        texts, ids = prompt_ids(lm, prompts)
+        for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
+            print(f"[note: {note}]", file=sys.stderr, flush=True)
+    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=res.deferred, tree_policy=res.policy)
+    return Built(path, lm, opening)

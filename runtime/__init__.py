@@ -12,10 +12,10 @@ in ``medusa_export`` uses them too.
 
 from .errors import (ArtifactError, BackendUnavailableError, ChatTemplateError, ContextOverflowError,
                      InvalidTreeError, MedusaError)
-from .manifest import Manifest
-from .session import Completion, MedusaSession
-from .tree import Tree, TreeBuffers, make_tree
-from .treespec import tree_from_spec
+from .contract.manifest import Manifest
+from .front.session import Completion, MedusaSession
+from .trees.tree import Tree, TreeBuffers, make_tree
+from .trees.treespec import tree_from_spec
 
 __all__ = [
     "ArtifactError",

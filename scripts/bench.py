@@ -44,11 +44,11 @@ from pathlib import Path
 import numpy as np
 
 from medusa_runtime.engines.kvcache import KVCache
-from medusa_runtime.loop import causal_mask, proposer
-from medusa_runtime.prompts import mt_bench_questions, read_first_turns
+from medusa_runtime.decode.loop import causal_mask, proposer
+from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.engines import BACKENDS, DEFAULT_BACKEND
-from medusa_runtime.session import MedusaSession
-from medusa_runtime.tree import Tree, default_accuracies, greedy_tree
+from medusa_runtime.front.session import MedusaSession
+from medusa_runtime.trees.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 

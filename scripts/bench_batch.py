@@ -6,7 +6,7 @@
 
 Each artifact (one per precision; the rows are labelled by its manifest's precision and graph) runs
 the same greedy replies to MT-Bench first turns (chat template applied) through the in-flight
-scheduler (:class:`medusa_runtime.batch.Scheduler`) with at most B sequences per step, on its own
+scheduler (:class:`medusa_runtime.decode.batch.Scheduler`) with at most B sequences per step, on its own
 engine (one ONNX Runtime call over all running rows for an artifact built with ``--batch-size N``),
 once per tree:
 
@@ -27,7 +27,7 @@ prefills included), per-sequence tokens/s (median over sequences of reply tokens
 sequence's own time, admission to finish), tokens per tree step, the Medusa/vanilla ratio, and
 whether every reply is token-identical to vanilla's (greedy Medusa is lossless; ``differs`` names the
 engine and tree of any that is not). ``--looped`` also
-runs every mode with one batch-1 call per row (:class:`~medusa_runtime.batch.LoopedBatchEngine`: the
+runs every mode with one batch-1 call per row (:class:`~medusa_runtime.decode.batch.LoopedBatchEngine`: the
 runtime before batched graphs) on the same graph as a batch of one, or on ``--looped-artifacts``
 (batch-1 artifacts, one per ``--artifacts`` entry, same order), and reports batched/looped.
 
@@ -48,10 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_runtime.batch import LoopedBatchEngine, Scheduler, SequenceRequest
-from medusa_runtime.prompts import mt_bench_questions, read_first_turns
-from medusa_runtime.session import MedusaSession
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.batch import LoopedBatchEngine, Scheduler, SequenceRequest
+from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
+from medusa_runtime.front.session import MedusaSession
+from medusa_runtime.trees.treespec import tree_from_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared

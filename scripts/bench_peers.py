@@ -249,7 +249,7 @@ def _require(module: str, package: str):
 
 def ours(artifacts: Sequence[str], threads: int) -> tuple[list[System], Callable[[str], list[int]], list[int]]:
     """Vanilla and Medusa systems for each artifact; also the first one's prompt encoder and EOS ids."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     systems, encoder, eos = [], None, []
     for path in artifacts:
@@ -446,7 +446,7 @@ def hf_encoder(ctx: Context) -> tuple[Callable[[str], list[int]], list[int]]:
 def run(args) -> dict:
     """Prepare every system, run the interleaved rounds, aggregate."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench.py
-    from medusa_runtime.prompts import read_first_turns
+    from medusa_runtime.front.prompts import read_first_turns
 
     wanted = [p for p in args.systems.split(",") if p]
     unknown = sorted(set(wanted) - set(PEERS))
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="peers", help="output file stem: NAME.md, NAME.json, NAME.png (default: peers)")
     args = p.parse_args(argv)
     if args.questions is None:
-        from medusa_runtime.prompts import mt_bench_questions
+        from medusa_runtime.front.prompts import mt_bench_questions
 
         args.questions = str(mt_bench_questions())
     report = run(args)

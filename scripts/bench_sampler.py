@@ -84,11 +84,11 @@ def bench_alone(vocab: int, rows: list[int], repeats: int, threads: int) -> list
 
 
 def bench_artifact(path: str, past: int, repeats: int, threads: int) -> list[dict]:
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines.base import SamplerInputs
     from medusa_runtime.engines.kvcache import KVCache
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.loop import causal_mask
+    from medusa_runtime.decode.loop import causal_mask
 
     art = load_artifact(path)
     eng = OrtEngine(art, threads=threads)

@@ -3,7 +3,7 @@
 length, the heads' share of a Medusa step, output bytes per step compared with
 returning full [T, V] logits, and (``--profile``) which operators take a step's time.
 
-The heads column is what the decode loop runs before each step (:func:`medusa_runtime.loop.proposer`):
+The heads column is what the decode loop runs before each step (:func:`medusa_runtime.decode.loop.proposer`):
 one run of the Medusa heads graph, or the level graphs of path-conditioned heads (one run per
 level), plus the host's choice of the tree for ``--policy dynamic`` (per-step trees of each size).
 
@@ -32,12 +32,12 @@ from typing import Callable, Hashable
 
 import numpy as np
 
-from medusa_runtime.artifact import load_artifact
-from medusa_runtime.treespec import DynamicTree
+from medusa_runtime.contract.artifact import load_artifact
+from medusa_runtime.trees.dynamic import DynamicTree
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import causal_mask, proposer
-from medusa_runtime.tree import default_accuracies, greedy_tree, make_tree
+from medusa_runtime.decode.loop import causal_mask, proposer
+from medusa_runtime.trees.tree import default_accuracies, greedy_tree, make_tree
 
 
 def _tree(size: int, heads: int):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.prompts import mt_bench_questions, read_first_turns
+from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
 
 MT_BENCH = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 

@@ -46,11 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.acceptance import SamplingConfig, truncated_probs
+from medusa_runtime.decode.acceptance import SamplingConfig, truncated_probs
 from medusa_runtime.engines.kvcache import KVCache
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.prompts import mt_bench_questions, read_first_turns
-from medusa_runtime.session import MedusaSession
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
+from medusa_runtime.front.session import MedusaSession
 
 DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 ENTROPY_BUCKET = 16

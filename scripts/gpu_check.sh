@@ -71,7 +71,7 @@ from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.backbone import backbone_from_hf_model
 from medusa_export.loading.registry import LoadedMedusa
 from medusa_export.model.medusa import MedusaModel
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.trees.treespec import tree_from_spec
 
 class Tok:  # the loop is driven with token ids; no tokenizer is needed
     def save_pretrained(self, d):
@@ -117,8 +117,8 @@ set +e  # the summary prints whatever this step does
 "$PYTHON" - "$ART" "$NEW_TOKENS" "$ROWS" $BUILT <<'PY'
 import sys, time
 import numpy as np
-from medusa_runtime.artifact import load_artifact
-from medusa_runtime.loop import generate
+from medusa_runtime.contract.artifact import load_artifact
+from medusa_runtime.decode.loop import generate
 from medusa_runtime.engines.ort import OrtEngine
 
 art, new_tokens, rows, precisions = load_artifact(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]

@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from medusa_runtime.autotree import expected_tokens, time_tree_steps
-from medusa_runtime.tree import default_accuracies, greedy_tree
+from medusa_runtime.tuning.autotree import expected_tokens, time_tree_steps
+from medusa_runtime.trees.tree import default_accuracies, greedy_tree
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: --torch shapes: transformers LlamaConfig fields.
@@ -56,8 +56,8 @@ def table(step_ms: dict[int, float], accuracies: np.ndarray) -> list[dict]:
 
 def artifact_step_ms(path: str, backend: str, precision: str | None, device_id: int, past: int,
                      repeats: int) -> tuple[dict[int, float], np.ndarray, str]:
-    """Tree-step times of an artifact's engine (:func:`~medusa_runtime.autotree.time_tree_steps`)."""
-    from medusa_runtime.artifact import load_artifact
+    """Tree-step times of an artifact's engine (:func:`~medusa_runtime.tuning.autotree.time_tree_steps`)."""
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines import backend_spec, create_engine
 
     art = load_artifact(path)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         step_ms = torch_step_ms(args.torch, args.device, args.dtype, args.past, args.repeats)
         acc = default_accuracies(3)
         if args.accuracies_from:
-            from medusa_runtime.artifact import load_artifact
+            from medusa_runtime.contract.artifact import load_artifact
 
             shipped = load_artifact(args.accuracies_from).head_accuracies
             acc = acc if shipped is None else shipped

@@ -17,7 +17,7 @@ from pathlib import Path
 # shared with other processes (the tiny-model tests ran ~30x slower, the embedded model ~14x);
 # passive waiting costs little when the machine is idle. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# The runtime's default tree is timed on the machine (medusa_runtime.treecache): the suite pins it to the tree each
+# The runtime's default tree is timed on the machine (medusa_runtime.tuning.treecache): the suite pins it to the tree each
 # artifact was built with, so that a test's tree does not depend on the machine's timing, and keeps timings out of
 # the user's cache. tests/test_default_tree.py clears MEDUSA_EXPORT_TREE to test the default itself.
 os.environ["MEDUSA_EXPORT_TREE"] = "artifact"
@@ -26,7 +26,7 @@ os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from medusa_export.model.families import FAMILIES as _FAMILY_TABLE  # noqa: E402
-from medusa_runtime.prompts import mt_bench_questions, shared_dir  # noqa: E402
+from medusa_runtime.front.prompts import mt_bench_questions, shared_dir  # noqa: E402
 
 #: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
 SHARED = shared_dir()
@@ -263,7 +263,7 @@ def smollm_artifact(smollm, tmp_path_factory):
     Built without build's own validation: the parity tests validate it explicitly.
     """
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads,
                           accuracies=smollm.head_accuracies)
@@ -277,7 +277,7 @@ def tiny_trt_artifact(tmp_path_factory):
     built once per session without validation, for the TensorRT stage's tests (tests/test_trt.py).
     Tests that change it copy it first."""
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     _, model = make_tiny_medusa()
     lm = tiny_loaded(model, max_context=256)

@@ -1,4 +1,4 @@
-"""Acceptance (medusa_runtime.acceptance): greedy, exact sampling and typical, on hand-made arrays;
+"""Acceptance (medusa_runtime.decode.acceptance): greedy, exact sampling and typical, on hand-made arrays;
 the sampling settings and their truncation against transformers' own logits warpers."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from medusa_runtime.acceptance import (PositionUniforms, SamplingConfig, TypicalConfig, accept_greedy, accept_sample,
+from medusa_runtime.decode.acceptance import (PositionUniforms, SamplingConfig, TypicalConfig, accept_greedy, accept_sample,
                                       accept_typical, draw_tokens, inverse_cdf, sampling_config, sampling_route,
                                       truncated_probs)
 from medusa_runtime.errors import InvalidSettingError, UnsupportedSamplingError
-from medusa_runtime.tree import make_tree
+from medusa_runtime.trees.tree import make_tree
 
 # Nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]
 # retrieve rows: [0,1,4,-1], [0,2,5,-1], [0,1,3,6]
@@ -307,7 +307,7 @@ def test_every_rule_reads_only_the_step_outputs_it_declares():
     (any other read is an AttributeError), and accepts what the rule itself accepts (the FORK tree above)."""
     import types
 
-    from medusa_runtime.acceptance import ACCEPTANCE_RULES
+    from medusa_runtime.decode.acceptance import ACCEPTANCE_RULES
     from medusa_runtime.engines.base import StepResult
 
     token_logprobs = np.full((3, 3), -30.0)
@@ -346,8 +346,8 @@ def test_sampling_route_says_which_settings_are_exact():
 def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch, capsys):
     """Worked example (docs "where to add": an acceptance rule): a rule that accepts the root alone, added
     to ACCEPTANCE_RULES only, runs end to end through the session; nothing else knows its name."""
-    from medusa_runtime.acceptance import ACCEPTANCE_RULES, Acceptance, AcceptanceRule, SamplingConfig
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.decode.acceptance import ACCEPTANCE_RULES, Acceptance, AcceptanceRule, SamplingConfig
+    from medusa_runtime.front.session import MedusaSession
 
     calls = []
 
@@ -368,8 +368,8 @@ def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch
     with pytest.raises(InvalidSettingError, match="root-only acceptance decodes the argmax"):
         SamplingConfig(acceptance="root-only", temperature=0.5)
     # the entry points offer it too: the CLI's --acceptance choices and the serving request's field
-    from medusa_runtime.cli import add_sampling_args, sampling_from_args
-    from medusa_runtime.serving import parse_request
+    from medusa_runtime.front.cli import add_sampling_args, sampling_from_args
+    from medusa_runtime.front.serving import parse_request
 
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
@@ -378,7 +378,7 @@ def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch
     req = parse_request({"input_ids": prompt, "max_new_tokens": 6, "acceptance": "root-only", "seed": 3}, session)
     assert req.sampling == SamplingConfig(acceptance="root-only", seed=3)
     # and the runtime CLI decodes with it end to end: the session's reply (plain greedy decoding's)
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.front.cli import main as runtime_main
 
     calls.clear()
     argv = ["generate", "--artifact", str(tiny_trt_artifact), "--tree", "16", "--prompt", "hi", "--raw",
@@ -393,7 +393,7 @@ def test_a_new_acceptance_rule_is_one_table_entry(tiny_trt_artifact, monkeypatch
 def test_every_sampling_setting_is_a_cli_option(capsys):
     """add_sampling_args offers one option per SamplingConfig field (its name with dashes), typed and
     defaulted by the field; sampling_from_args gives back the config."""
-    from medusa_runtime.cli import add_sampling_args, sampling_from_args
+    from medusa_runtime.front.cli import add_sampling_args, sampling_from_args
 
     parser = argparse.ArgumentParser()
     add_sampling_args(parser)
@@ -413,7 +413,7 @@ def test_generate_takes_the_sampling_settings_by_name(tiny_trt_artifact):
     """docs/sampling.md's shorthand: ``generate(temperature=, seed=, ...)`` is ``generate(sampling=
     SamplingConfig(...))``, a keyword overriding the given config's field (None keeps it), in generate and
     generate_batch alike; a keyword that is no setting is a TypeError naming the settings."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     session = MedusaSession(tiny_trt_artifact, tree="16", notice=None)
     prompt, n = [5, 17, 42, 9], 8

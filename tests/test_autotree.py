@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from medusa_runtime.autotree import TreeTiming, candidate_trees, choose_tree, pick, time_tree_steps
+from medusa_runtime.tuning.autotree import TreeTiming, candidate_trees, choose_tree, pick, time_tree_steps
 from medusa_runtime.engines.base import Capabilities, StepResult
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.trees.treespec import tree_from_spec
 
 from conftest import make_tiny_medusa, tiny_loaded
 
@@ -80,7 +80,7 @@ class RecordingEngine:
 
 
 def test_auto_tree_uses_the_simulated_tokens_of_the_policy_in_use():
-    from medusa_runtime.treespec import DynamicTree
+    from medusa_runtime.trees.dynamic import DynamicTree
 
     trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2, policy="dynamic")
     assert isinstance(trees[4], DynamicTree) and trees[4].size == 4 and trees[1].size == 1
@@ -121,13 +121,13 @@ def auto_artifact(tmp_path_factory):
 
 
 def test_build_tree_auto_keeps_the_measured_best(auto_artifact):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
 
     art = load_artifact(auto_artifact)
     sel = art.manifest.tree.selection
     table = sel["candidates"]
     # The measured best, unless it beats plain decoding (size 1) by less than the margin: then plain.
-    from medusa_runtime.autotree import DEFAULT_MARGIN
+    from medusa_runtime.tuning.autotree import DEFAULT_MARGIN
 
     best = max(table, key=lambda c: (c["expected_tokens_per_second"], -c["size"]))
     plain = next(c for c in table if c["size"] == 1)
@@ -141,7 +141,7 @@ def test_build_tree_auto_keeps_the_measured_best(auto_artifact):
 
 
 def test_session_tree_auto_is_lossless(auto_artifact):
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     s = MedusaSession(auto_artifact, threads=1, tree="auto", max_context=64)
     assert [r.size for r in s.tree_timings] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]  # sizes <= max_context // 2

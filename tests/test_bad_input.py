@@ -124,7 +124,7 @@ def test_sigterm_mid_build_removes_the_temporary_folder(tiny_model_dir, tmp_path
 
 
 def test_sighup_is_handled_as_ctrl_c():
-    from medusa_runtime.cli import Terminated, signals_as_interrupt
+    from medusa_runtime.front.cli import Terminated, signals_as_interrupt
 
     previous = signal.getsignal(signal.SIGHUP)
     with pytest.raises(Terminated) as exc, signals_as_interrupt():
@@ -246,7 +246,7 @@ def _output(doc, graph, name) -> dict:
 
 def test_an_edited_step_topk_is_refused_on_open(artifact, tmp_path, capsys):
     """step_topk 10 -> 20 was accepted although topk_ids is [1, S, 10]; --top-k 15 then sampled other tokens."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import ArtifactError
 
     k = load_artifact(artifact).manifest.step_topk
@@ -260,7 +260,7 @@ def test_an_edited_step_topk_is_refused_on_open(artifact, tmp_path, capsys):
 
 def test_an_io_list_edited_to_match_is_refused_against_the_onnx_file(artifact, tmp_path):
     """Editing the manifest's I/O list along with step_topk: the ONNX file's declared shape still says k."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import ArtifactError
 
     k = load_artifact(artifact).manifest.step_topk
@@ -282,7 +282,7 @@ def test_an_io_list_edited_to_match_is_refused_against_the_onnx_file(artifact, t
     ("num_kv_heads", 3, "but the model section says 3 KV heads"),
 ])
 def test_an_edited_model_field_is_refused_on_open(field, value, message, artifact, tmp_path):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import ArtifactError
 
     with pytest.raises(ArtifactError) as exc:
@@ -291,7 +291,7 @@ def test_an_edited_model_field_is_refused_on_open(field, value, message, artifac
 
 
 def test_an_edited_heads_count_is_refused_on_open(artifact, tmp_path):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import ArtifactError
 
     with pytest.raises(ArtifactError) as exc:
@@ -300,7 +300,7 @@ def test_an_edited_heads_count_is_refused_on_open(artifact, tmp_path):
 
 
 def test_an_edited_kv_dtype_is_refused_on_open(artifact, tmp_path):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import ArtifactError
 
     with pytest.raises(ArtifactError) as exc:
@@ -309,10 +309,10 @@ def test_an_edited_kv_dtype_is_refused_on_open(artifact, tmp_path):
 
 
 def test_the_onnx_reader_matches_onnx(artifact):
-    """medusa_runtime.onnx_io reads the declared I/O as the onnx package does (names, types, dims)."""
+    """medusa_runtime.contract.onnx_io reads the declared I/O as the onnx package does (names, types, dims)."""
     import onnx
 
-    from medusa_runtime.onnx_io import ELEM_TYPES, declared_io
+    from medusa_runtime.contract.onnx_io import ELEM_TYPES, declared_io
 
     for name in ("model.onnx", "heads.onnx"):
         proto = onnx.load(str(artifact / name), load_external_data=False).graph
@@ -328,7 +328,7 @@ def test_the_onnx_reader_matches_onnx(artifact):
 
 @pytest.fixture(scope="module")
 def session(artifact):
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     return MedusaSession(artifact, threads=1, tree="artifact", notice=None)
 
@@ -474,7 +474,7 @@ def test_the_artifact_doc_names_an_importable_loader():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "artifact.md").read_text()
     for module, name in re.findall(r"`(medusa_runtime(?:\.\w+)*)\.(load_artifact)`", doc):
         assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
-    assert "medusa_runtime.artifact.load_artifact" in doc
+    assert "medusa_runtime.contract.artifact.load_artifact" in doc
 
 
 def test_no_source_cites_notes_outside_the_repository():
@@ -571,7 +571,7 @@ def test_build_names_the_largest_tree_the_heads_make(tiny_model_dir, tmp_path, c
     is refused with the range; the largest is what the greedy builder makes from an unbounded budget."""
     import re
 
-    from medusa_runtime.tree import default_accuracies, greedy_tree
+    from medusa_runtime.trees.tree import default_accuracies, greedy_tree
 
     out = tmp_path / "x"
     err = error_of(["build", "--model", str(tiny_model_dir), "--tree", "999999", "--no-validate", "--out", str(out)],
@@ -598,7 +598,7 @@ def test_generate_refuses_a_tree_that_is_not_a_tree(spec, expected, artifact, ba
 
 def test_the_python_api_refuses_an_empty_tree_spec(artifact):
     from medusa_runtime.errors import InvalidTreeError
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     with pytest.raises(InvalidTreeError, match="--tree is empty: give a node budget"):
         MedusaSession(artifact, tree="  ", notice=None)
@@ -609,7 +609,7 @@ def test_the_python_api_refuses_an_empty_tree_spec(artifact):
 
 def test_a_temperature_above_the_float32_bound_fails(artifact, capsys):
     """--temperature 1e7 made every log-prob a tie (the top-k became token ids 0..9): refused, with the bound."""
-    from medusa_runtime.acceptance import MAX_TEMPERATURE
+    from medusa_runtime.decode.acceptance import MAX_TEMPERATURE
 
     err = error_of(["generate", "--artifact", str(artifact), "--prompt", "hi", "--temperature", "1e7"], capsys)
     assert f"temperature must be at most {MAX_TEMPERATURE:g}, got 1e+07" in err and "give 0 (greedy)" in err
@@ -622,8 +622,8 @@ def test_a_temperature_above_the_float32_bound_fails(artifact, capsys):
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_an_artifact_that_is_a_file_is_named_as_one(command, runtime_cli, tmp_path, capsys):
     """`medusa_runtime generate --artifact README.md` said "artifact directory README.md does not exist"."""
-    from medusa_runtime.artifact import load_artifact
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.contract.artifact import load_artifact
+    from medusa_runtime.front.cli import main as runtime_main
     from medusa_runtime.errors import ArtifactError
 
     readme = tmp_path / "README.md"

@@ -1,4 +1,4 @@
-"""Many sequences through one engine (medusa_runtime.batch): each sequence's tokens in a batch equal
+"""Many sequences through one engine (medusa_runtime.decode.batch): each sequence's tokens in a batch equal
 its batch-1 tokens (greedy, sample and typical per seed), with prompts of different lengths,
 different accepted lengths in one step, sequences finishing early, joining late, cancelled or
 failing alone; the session's generate_batch and the --prompt-file command line.
@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 
 from conftest import make_counter_medusa, plain_greedy, tiny_loaded
-from medusa_runtime.acceptance import SamplingConfig
-from medusa_runtime.batch import LoopedBatchEngine, Scheduler, SequenceRequest, batch_engine
+from medusa_runtime.decode.acceptance import SamplingConfig
+from medusa_runtime.decode.batch import LoopedBatchEngine, Scheduler, SequenceRequest, batch_engine
 from medusa_runtime.errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
-from medusa_runtime.loop import generate
-from medusa_runtime.session import MedusaSession
-from medusa_runtime.tree import make_tree
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.front.session import MedusaSession
+from medusa_runtime.trees.tree import make_tree
 
 VOCAB, CONTEXT, EOS = 300, 128, 2
 
 
 def _counter_build(out, batch_size: int, graph: str = "portable"):
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
     return build_artifact(lm, tree_from_spec("16", num_heads=3), out,
@@ -178,7 +178,7 @@ def test_greedy_batch_equals_transformers(tiny_trt_artifact, tiny_hf, tmp_path, 
     --batch-size 4 (one call per step); each row is also the batch-1 artifact's generate (tokens, tokens per step)."""
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     hf, model = tiny_hf()
     session = batch1 = MedusaSession(tiny_trt_artifact, threads=1)
@@ -278,7 +278,7 @@ def test_packed_past_is_kept_between_calls(counter, monkeypatch):
 
 
 def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines import create_engine
     from medusa_runtime.errors import BackendUnavailableError
 
@@ -292,7 +292,7 @@ def test_batched_artifact_refuses_batch1_only_backends(counter_artifact):
 def test_fused_artifact_rows_keep_their_own_cache(tmp_path):
     """Head-major caches written in place by the fused graph, one per row: rows never see each other."""
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(miss_every=3), name="counter-fused", max_context=CONTEXT)
     art = build_artifact(lm, tree_from_spec("16", num_heads=3), tmp_path / "fused",
@@ -431,7 +431,7 @@ def _prompt_file(path):
 @pytest.mark.parametrize("entry", ["medusa_runtime", "medusa-export"])
 def test_cli_prompt_file(counter_artifact, counter, tmp_path, capsys, entry):
     from medusa_export.cli.main import main as export_main
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.front.cli import main as runtime_main
 
     main = runtime_main if entry == "medusa_runtime" else export_main
     argv = ["generate", "--artifact", str(counter_artifact), "--prompt-file", str(_prompt_file(tmp_path / "p.jsonl")),
@@ -460,7 +460,7 @@ def test_cli_prompt_file(counter_artifact, counter, tmp_path, capsys, entry):
     ("{\"prompt\": \"a\"}\n", ["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
 ])
 def test_cli_bad_prompt_files_are_one_line_errors(counter_artifact, tmp_path, capsys, content, argv, message):
-    from medusa_runtime.cli import main
+    from medusa_runtime.front.cli import main
 
     f = tmp_path / "p.jsonl"
     if content is not None:
@@ -490,7 +490,7 @@ def test_cli_batch_size_needs_a_prompt_file(counter_artifact, capsys):
 def test_batch_server_serves_threads_together(counter):
     import threading
 
-    from medusa_runtime.serving import BatchServer, parse_request, serve
+    from medusa_runtime.front.serving import BatchServer, parse_request, serve
 
     fields = [{"text_input": t, "max_new_tokens": 10 + 3 * i, "stream": True} for i, t in enumerate(TEXTS)]
     fields[1].update(temperature=0.9, seed=4)
@@ -540,7 +540,7 @@ def test_batch_server_serves_threads_together(counter):
 def test_batch_server_cancels_at_a_step_boundary(counter):
     import threading
 
-    from medusa_runtime.serving import BatchServer, parse_request
+    from medusa_runtime.front.serving import BatchServer, parse_request
 
     server = BatchServer(counter, batch_size=2)
     req = parse_request({"input_ids": [10], "max_new_tokens": 100}, counter)
@@ -579,7 +579,7 @@ def test_embedded_model_batched_graph_equals_batch1_artifact(smollm, smollm_arti
     from conftest import SMOLLM_TREE, mt_bench_prompts
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     tree = tree_from_spec(SMOLLM_TREE, num_heads=smollm.model.num_heads, accuracies=smollm.head_accuracies)
     art = build_artifact(smollm, tree, tmp_path / "b3", BuildConfig(max_context=1024, validate=False, batch_size=3),

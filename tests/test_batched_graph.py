@@ -14,9 +14,9 @@ import pytest
 from conftest import make_family_medusa, make_tiny_medusa, tiny_loaded
 from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.export.config import UnsupportedGraphError
-from medusa_runtime.artifact import load_artifact, step_batch
+from medusa_runtime.contract.artifact import load_artifact, step_batch
 from medusa_runtime.engines.base import sampler_feed
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.trees.treespec import tree_from_spec
 
 BATCH = 4
 #: A 4-node tree: root, two children of the root, a child of the first child (node order, ancestors first).
@@ -162,10 +162,10 @@ def test_cli_build_bad_batch_size_is_a_one_line_error(tmp_path, capsys):
 def test_other_precisions_batch_row_for_row(tmp_path, precision):
     """fp16 and the weight-only (MatMulNBits) graphs batch too: four prompts of different lengths sharing each
     step give each prompt's tokens from the batch-1 artifact of the same precision."""
-    from medusa_runtime.batch import Scheduler, SequenceRequest
+    from medusa_runtime.decode.batch import Scheduler, SequenceRequest
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.loop import generate
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.decode.loop import generate
+    from medusa_runtime.front.session import MedusaSession
 
     model = make_tiny_medusa()[1]
     sessions = [MedusaSession(build_artifact(tiny_loaded(model, max_context=128), tree_from_spec("16", num_heads=3),
@@ -191,10 +191,10 @@ def test_batched_fused_graph_rows_equal_batch1_and_transformers(tmp_path, family
     sharing each step give each prompt the fused batch-1 artifact's tokens and tokens per step, and
     transformers' greedy tokens. The Llama build runs build's own validation on the batched graph."""
     from conftest import plain_greedy
-    from medusa_runtime.batch import Scheduler, SequenceRequest
+    from medusa_runtime.decode.batch import Scheduler, SequenceRequest
     from medusa_runtime.engines.ort_batched import OrtBatchEngine
-    from medusa_runtime.loop import generate
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.decode.loop import generate
+    from medusa_runtime.front.session import MedusaSession
 
     hf, model = make_tiny_medusa() if family == "llama" else make_family_medusa(family)
     sessions = []

@@ -26,7 +26,7 @@ def counter_artifacts(tmp_path_factory):
     """The counter model (greedy next token after t: t+1 mod V; every head guesses right) built as batched
     fused step graphs, fp32 and int4, ``--batch-size 4``."""
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     root = tmp_path_factory.mktemp("bench_batch")
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=512)
@@ -81,7 +81,7 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
 def test_vanilla_and_medusa_rows_give_the_counters_tokens(counter_artifacts):
     """The runs the report is made of: at B = 1 and 4, vanilla (root-only tree) and each Medusa tree return every
     prompt's independent reference reply, on the batched engine and looped over the same graph."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     session = MedusaSession(counter_artifacts[0], threads=1)
     trees = bb.candidate_trees(session, ["2", "4", "chain"])
@@ -102,7 +102,7 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     """A Medusa reply that differs from vanilla's is reported (``identical`` false, NO in the table) and the exit
     status is 1, after the files are written. The looped mode runs on a batch-1 artifact (--looped-artifacts)."""
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     batch1 = build_artifact(tiny_loaded(make_counter_medusa(), name="counter", max_context=512),
                             tree_from_spec("16", num_heads=3), tmp_path / "b1", BuildConfig(validate=False, graph="fused"),

@@ -7,11 +7,13 @@ import itertools
 import numpy as np
 import pytest
 
-from medusa_runtime.treespec import DynamicTree, parse_tree_spec
-from medusa_runtime.candidates import (ProbabilityMap, best_first_paths, dynamic_levels, dynamic_medusa,
-                                       static_levels, static_medusa)
+from medusa_runtime.trees.dynamic import DynamicTree
+from medusa_runtime.trees.treespec import parse_tree_spec
+from medusa_runtime.decode.candidates import (best_first_paths, dynamic_levels, dynamic_medusa, static_levels,
+                                              static_medusa)
+from medusa_runtime.trees.calibration import ProbabilityMap
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.tree import make_tree
+from medusa_runtime.trees.tree import make_tree
 
 
 def _all_paths(num_heads, k):

@@ -25,7 +25,7 @@ from medusa_export.cli.main import build_parser, main
 from medusa_export.loading.accuracies import load_accuracies
 from medusa_export.loading.registry import DEFAULT_MODEL, load_model, load_registry
 from medusa_export.model.heads import save_heads
-from medusa_runtime.artifact import load_artifact, sha256_file
+from medusa_runtime.contract.artifact import load_artifact, sha256_file
 from medusa_runtime.errors import EXIT_MISMATCH, EXIT_UNAVAILABLE, EXIT_USAGE
 
 
@@ -444,7 +444,7 @@ def test_the_summary_says_the_stop_token_is_not_counted(finish, note):
     """Plain decoding that stopped on EOS printed '0.91 tokens/step' with no word on why it is below 1."""
     from types import SimpleNamespace
 
-    from medusa_runtime.cli import summary
+    from medusa_runtime.front.cli import summary
 
     result = SimpleNamespace(steps=11, host_seconds=0.01, step_tokens=[1] * 10 + [0])
     c = SimpleNamespace(result=result, seconds=0.4, reused_tokens=0, prompt_tokens=5, token_ids=list(range(11)),

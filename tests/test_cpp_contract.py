@@ -16,12 +16,12 @@ import pytest
 
 from conftest import skip_or_fail_in_ci
 
-from medusa_runtime.acceptance import accept_greedy
+from medusa_runtime.decode.acceptance import accept_greedy
 from medusa_runtime.engines.kvcache import compaction_slots
 from medusa_runtime.engines.trt_plan import PROFILE_ORDER, io_shapes, model_profiles, select_profile
-from medusa_runtime.loop import causal_mask
-from medusa_runtime.tree import make_tree, tree_from_json
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask
+from medusa_runtime.trees.tree import make_tree, tree_from_json
+from medusa_runtime.trees.treespec import tree_from_spec
 
 SOURCE = Path(__file__).resolve().parents[1] / "cpp" / "medusa_plan.cpp"
 JSON_HEADER = Path("/usr/include/nlohmann/json.hpp")

@@ -15,12 +15,12 @@ import torch
 
 from conftest import plain_greedy
 from medusa_export.model.decode import TorchEngine, medusa_generate
-from medusa_runtime.acceptance import SamplingConfig, accept_greedy
+from medusa_runtime.decode.acceptance import SamplingConfig, accept_greedy
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.errors import ContextOverflowError, MedusaError
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.tree import gather_candidates, make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.trees.tree import gather_candidates, make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 # Grouped-query attention (4 heads, 2 KV heads), vocabs that are not multiples of 8. (Tied embeddings
 # are covered by the embedded model: a tiny random tied model only repeats its input token.)

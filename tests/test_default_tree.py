@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-import medusa_runtime.session as session_module
+import medusa_runtime.tuning.resolve as resolve_module
 from conftest import make_counter_medusa, tiny_loaded
 from medusa_export.cli.main import main
-from medusa_runtime.autotree import DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick, refine_with_loop
+from medusa_runtime.tuning.autotree import DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick, refine_with_loop
 from medusa_runtime.engines import BACKENDS, BackendSpec
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.session import MedusaSession
-from medusa_runtime.treespec import tree_from_spec
-from medusa_runtime.treecache import (CACHE_ENV, MAX_RECORDS, TREE_ENV, TreeRecord, artifact_identity, cached_choice,
+from medusa_runtime.front.session import MedusaSession
+from medusa_runtime.trees.treespec import tree_from_spec
+from medusa_runtime.tuning.treecache import (CACHE_ENV, MAX_RECORDS, TREE_ENV, TreeRecord, artifact_identity, cached_choice,
                                       read_records, record_path, stale_reason, timing_key, write_records)
 
 README_PROMPT = "Explain speculative decoding in two sentences."
@@ -181,7 +181,7 @@ def test_session_times_once_then_reuses_and_retimes_on_a_change(counter_artifact
     other_threads = MedusaSession(counter_artifact, threads=2, notice=notices.append)
     assert other_threads.default_tree.reason == "another backend or threads" and len(notices) == 1
     assert not MedusaSession(counter_artifact, threads=1, notice=None).default_tree.timed  # both kept
-    monkeypatch.setattr(session_module, "machine_fingerprint", lambda: {"host": "elsewhere", "cores": 64})
+    monkeypatch.setattr(resolve_module, "machine_fingerprint", lambda: {"host": "elsewhere", "cores": 64})
     moved = MedusaSession(counter_artifact, threads=2, notice=None)
     assert moved.default_tree.timed and moved.default_tree.reason == "another machine"
 
@@ -230,7 +230,7 @@ def test_trt_engines_declare_a_fixed_tree():
 def timings_favouring_4_nodes(monkeypatch):
     """Tree-step and decode-loop timings (fixed, in place of the machine's) under which 4 nodes is the fastest:
     sizes 1-4 cost the same 10 ms step (+0.5 ms heads, +0.5 ms of loop for trees), larger ones 1 s."""
-    import medusa_runtime.autotree as autotree
+    import medusa_runtime.tuning.autotree as autotree
 
     step = lambda n: 10.0 if n <= 4 else 1000.0  # noqa: E731
 
@@ -280,7 +280,7 @@ def test_readme_main_job_then_generate_runs_the_fastest_tree(tmp_path, default_e
 def test_plain_decoding_is_the_default_when_no_tree_pays(counter_artifact, default_env, monkeypatch):
     """Timings under which a tree step costs 10x plain decoding's (more than the 3 heads can win back, at most 4
     tokens per step): the default is plain decoding."""
-    import medusa_runtime.autotree as autotree
+    import medusa_runtime.tuning.autotree as autotree
 
     monkeypatch.setattr(autotree, "time_tree_steps",
                         lambda engine, trees, **_: ({n: 10.0 if n == 1 else 100.0 for n in trees}, {n: 0.0 for n in trees}))
@@ -295,7 +295,7 @@ def test_triton_repository_passes_the_tree_parameter(counter_artifact, tmp_path)
 
     default = write_repository(counter_artifact, tmp_path / "r1", TritonConfig(engine_models=False))
     assert 'key: "tree"' not in (default / "medusa" / "config.pbtxt").read_text()
-    assert (default / "medusa" / "1" / "medusa_runtime" / "treecache.py").is_file()
+    assert (default / "medusa" / "1" / "medusa_runtime" / "tuning" / "treecache.py").is_file()
     assert "Tree: the runtime's default, the tree fastest on the serving machine: timed when the model" \
         in (default / "README.md").read_text()
     given = write_repository(counter_artifact, tmp_path / "r2", TritonConfig(engine_models=False, tree="4"))

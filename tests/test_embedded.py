@@ -13,7 +13,7 @@ from conftest import mt_bench_prompts, plain_greedy
 from medusa_export.chat import apply_chat_template
 from medusa_export.loading.transformers_twin import transformers_twin
 from medusa_export.model.decode import medusa_generate
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.trees.treespec import tree_from_spec
 
 pytestmark = pytest.mark.slow
 

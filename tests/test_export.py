@@ -13,12 +13,12 @@ from medusa_export.errors import ArtifactError, InvalidTreeError, UnknownModelEr
 from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.model.decode import TorchEngine
 from medusa_export.validation.validate import validate
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import causal_mask
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 
 def _build(lm, tree, out, **cfg):

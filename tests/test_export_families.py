@@ -19,11 +19,11 @@ from conftest import make_tiny_tokenizer, plain_greedy, rmsnorm_chains
 from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.sources import open_model
 from medusa_export.trt.commands import fp32_node_names
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.tree import make_tree
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.trees.tree import make_tree
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)

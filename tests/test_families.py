@@ -19,9 +19,9 @@ from medusa_export.errors import UnsupportedModelError
 from medusa_export.loading.architectures import backbone_config, transformers_config
 from medusa_export.loading.backbone import backbone_from_hf_model, backbone_from_state_dict
 from medusa_export.model.decode import medusa_generate
-from medusa_runtime.loop import causal_mask
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]  # 12 tokens: with 40 new ones the context is 52 > window 8
 N_NEW = 40

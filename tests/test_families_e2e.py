@@ -108,7 +108,7 @@ def test_build_verify_generate(family_dirs, artifacts, references, family, graph
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])
 def test_runtime_token_ids_equal_transformers(artifacts, references, family, graph):
     """Token for token (not only the text), with the session the CLI uses."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     ids, ref, _ = references[family]
     for tree in ("16", "chain"):

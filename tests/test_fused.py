@@ -19,13 +19,13 @@ from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.export.config import UnsupportedGraphError
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import validate
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import HeadMajorKVCache, KVCache, compact_in_place, write_accepted
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import ContextOverflowError
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 # Depth 3 with siblings at every depth: nodes far apart on a path (compaction moves rows).
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0]]
@@ -168,7 +168,7 @@ def test_greedy_through_the_runtime_equals_plain_greedy(built, gqa):
 
 @pytest.mark.parametrize("graph", ["fused", "portable"])
 def test_the_loop_takes_its_context_from_the_artifact(built, graph):
-    """medusa_runtime.loop.generate without max_context: the artifact's 256 tokens (issue 16: a
+    """medusa_runtime.decode.loop.generate without max_context: the artifact's 256 tokens (issue 16: a
     hard 2048 made a 256-context fused artifact fail on a 3-token prompt, and a 256-context
     portable one accept a 300-token prompt)."""
     eng = OrtEngine(load_artifact(built(graph)))
@@ -210,7 +210,7 @@ def test_weight_only_precision_composes_with_fused(built):
 
 def test_chat_reuses_the_in_place_cache_like_the_portable_artifact(built):
     """Multi-turn chat: later turns prefill after a reused, truncated prefix of the head-major cache."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     sessions = [MedusaSession(built(g), threads=2) for g in ("portable", "fused")]
     for i, turn in enumerate(("Write a poem about the sea.", "Now make it shorter.", "Explain it.")):

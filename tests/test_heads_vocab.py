@@ -18,11 +18,11 @@ from medusa_export.loading.sources import sources_from_model
 from medusa_export.loading.draft_vocab import (DRAFT_VOCAB_FILE, DraftVocab, HeadsVocabError, load_draft_vocab,
                                                subset_ids)
 from medusa_export.training.draft_vocab import coverage, draft_vocab_json, frequency_order, write_draft_vocab
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 TOPK = 10
 VOCAB = 503

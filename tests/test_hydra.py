@@ -15,8 +15,8 @@ from medusa_export.model.heads import save_heads
 from medusa_export.model.hydra_heads import HydraHeads
 from medusa_export.model.medusa import MedusaModel
 from medusa_export.training.distill import TrainConfig, heads_loss, train_data, train_heads
-from medusa_runtime.treespec import DynamicTree
-from medusa_runtime.tree import greedy_tree, make_tree
+from medusa_runtime.trees.dynamic import DynamicTree
+from medusa_runtime.trees.tree import greedy_tree, make_tree
 
 
 @pytest.fixture(scope="module")
@@ -207,10 +207,10 @@ SUBSET = np.random.default_rng(0).permutation(300)[:64]  # a draft vocabulary's 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("tree_spec", ["8", "dynamic:8"])
 def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_type, tree_spec):
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.loop import generate
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.decode.loop import generate
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     _, model = tiny
     art = load_artifact(attached[head_type])
@@ -232,9 +232,9 @@ def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, a
     from medusa_export.training.calibrate import simulate_dynamic
     from medusa_export.training.features import compute_features
     from medusa_export.training.reply_store import StoredReply
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.loop import generate
+    from medusa_runtime.decode.loop import generate
 
     hf, model = tiny
     art = load_artifact(attached[head_type + "-subset"])
@@ -252,13 +252,13 @@ def test_heads_on_a_vocabulary_subset_simulate_as_the_artifact_runs_them(tiny, a
 
 
 def test_session_resolves_per_step_trees_with_the_artifacts_calibration(attached):
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     s = MedusaSession(attached["hydra"], threads=1, tree="dynamic:6")
     assert isinstance(s.tree, DynamicTree) and s.tree.size == 6
     s = MedusaSession(attached["hydra"], threads=1, tree="auto:dynamic")
     assert [r.size for r in s.tree_timings][:4] == [1, 2, 3, 4]
-    from medusa_runtime.autotree import pick
+    from medusa_runtime.tuning.autotree import pick
 
     chosen = pick(s.tree_timings).size  # the measured best: per-step trees of that size, or plain decoding
     assert s.tree.size == chosen and isinstance(s.tree, DynamicTree) == (chosen > 1)
@@ -268,7 +268,7 @@ def test_build_writes_the_heads_graphs_of_each_head_type(attached):
     """Medusa heads: heads.onnx with ids and log-probabilities; hydra heads: one level graph per head; the
     manifest names them, its heads.type says which, tree.json carries the heads' calibration doc; build's own
     validation ran on the hydra artifact and passed."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
 
     med, hyd = load_artifact(attached["medusa"]), load_artifact(attached["hydra"])
     hyd_path = hyd.path
@@ -287,7 +287,7 @@ def test_build_writes_the_heads_graphs_of_each_head_type(attached):
 def test_level_graph_takes_one_hidden_row_or_one_per_path(attached, head_type):
     """The ORT heads equal PyTorch's on the same rows: ids exactly, log-probabilities to fp32 rounding;
     a level graph broadcasts one h_t over the paths or reads one row per path (batched sequences)."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines.ort import OrtEngine
 
     art = load_artifact(attached[head_type])
@@ -329,7 +329,7 @@ def test_build_records_per_step_trees_and_the_session_runs_them(tiny, attached, 
 
     from conftest import tiny_loaded
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     _, model = tiny
     acc = attached["_acc"]
@@ -356,7 +356,7 @@ def test_cli_build_of_hydra_heads_with_per_step_trees(tiny, tmp_path):
 
     from conftest import save_tiny_hf_dir
     from medusa_export.cli.main import main
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     _, model = tiny
     save_tiny_hf_dir(tmp_path / "model", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=2,
@@ -392,7 +392,7 @@ def test_build_auto_dynamic_records_the_chosen_per_step_size(attached, tiny, tmp
 
     from conftest import tiny_loaded
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.autotree import DEFAULT_SIZES
+    from medusa_runtime.tuning.autotree import DEFAULT_SIZES
 
     _, model = tiny
     acc = attached["_acc"]

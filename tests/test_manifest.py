@@ -1,4 +1,4 @@
-"""The manifest as typed, versioned data (medusa_runtime.manifest): the shipped JSON Schema is the one the
+"""The manifest as typed, versioned data (medusa_runtime.contract.manifest): the shipped JSON Schema is the one the
 dataclasses generate, a built artifact's manifest round-trips byte for byte and validates against its schema,
 bad documents fail with the key named, and no module outside the manifest code indexes the manifest dict."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.errors import ArtifactError
-from medusa_runtime.manifest import MANIFEST_SCHEMA, SUPPORTED_VERSIONS, Manifest, json_schema, schema_text
+from medusa_runtime.contract.manifest import MANIFEST_SCHEMA, SUPPORTED_VERSIONS, Manifest, json_schema, schema_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_unknown_keys_are_kept(tiny_trt_artifact):
 
 
 _INDEXING = re.compile(r"manifest(\[|\.get\()")
-_OWNERS = {"runtime/manifest.py", "medusa_export/export/manifest.py"}
+_OWNERS = {"runtime/contract/manifest.py", "medusa_export/export/manifest.py"}
 
 
 def test_no_module_indexes_the_manifest_dict():

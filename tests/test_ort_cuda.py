@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines import create_engine
 from medusa_runtime.engines.ort_cuda import DeviceKVCache, OrtCudaEngine
 from medusa_runtime.errors import InvalidSettingError
-from medusa_runtime.loop import generate
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.treespec import tree_from_spec
 
 PROMPTS = ([5, 6, 7], list(range(10, 40)), [3] * 61)
 

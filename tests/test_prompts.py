@@ -1,4 +1,4 @@
-"""The one prompt-file reader (medusa_runtime.prompts) and the readers built on it."""
+"""The one prompt-file reader (medusa_runtime.front.prompts) and the readers built on it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from conftest import MT_BENCH
 from medusa_runtime.errors import MedusaError, PromptFileError
-from medusa_runtime.prompts import jsonl_records, read_first_turns, read_prompt_file
+from medusa_runtime.front.prompts import jsonl_records, read_first_turns, read_prompt_file
 
 
 def _write(tmp_path, lines: list) -> object:
@@ -70,7 +70,7 @@ def test_training_and_validation_read_through_it(tmp_path):
 def test_shared_dir_honours_the_variable_else_the_folder_beside_the_checkout(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from medusa_runtime.prompts import mt_bench_questions, shared_dir
+    from medusa_runtime.front.prompts import mt_bench_questions, shared_dir
 
     monkeypatch.setenv("MEDUSA_EXPORT_SHARED", str(tmp_path))
     assert shared_dir() == tmp_path

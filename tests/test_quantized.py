@@ -14,11 +14,11 @@ from medusa_export.export.config import ExportConfig, UnknownPrecisionError
 from medusa_export.export.quantize import QuantizationError, WeightOnlyConfig, quantize_rows
 from medusa_export.trt.readiness import check_artifact
 from medusa_export.validation.validate import PromptReport, ValidationError, ValidationReport, tolerance
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 ARTIFACT_FILES = ["chat_template.jinja", "heads.onnx", "manifest.json", "manifest.schema.json", "model.onnx", "tokenizer",
                   "tree.json", "weights.bin"]

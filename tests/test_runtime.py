@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from conftest import MT_BENCH, make_counter_medusa, mt_bench_prompts, tiny_loaded
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.errors import ArtifactError, BackendUnavailableError, ContextOverflowError, MedusaError
-from medusa_runtime.loop import generate
-from medusa_runtime.session import MedusaSession
-from medusa_runtime.tokenizer import RuntimeTokenizer
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.front.session import MedusaSession
+from medusa_runtime.contract.tokenizer import RuntimeTokenizer
 
 VOCAB = 300
 CONTEXT = 128
@@ -37,7 +37,7 @@ EOS = 2  # the tiny tokenizer's "</s>"
 @pytest.fixture(scope="module")
 def counter_artifact(tmp_path_factory):
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=CONTEXT)
     assert lm.eos_token_ids == [EOS]
@@ -277,7 +277,7 @@ def test_runtime_commands_run_without_torch(counter_artifact, tmp_path, command)
 
 def test_cli_generate_and_chat(counter_artifact, capsys):
     from medusa_export.cli.main import main
-    from medusa_runtime.cli import build_parser, run_chat
+    from medusa_runtime.front.cli import build_parser, run_chat
 
     assert main(["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "5",
                  "--threads", "1"]) == 0
@@ -295,8 +295,8 @@ def test_cli_generate_and_chat(counter_artifact, capsys):
 def test_chat_refuses_an_unknown_command_and_sends_a_doubled_slash(counter_artifact, monkeypatch):
     """A one-word ``/bogus`` is a mistyped command: refused with the commands, nothing generated, the conversation
     kept; ``//bogus`` sends ``/bogus``; a several-word line that starts with / is a message."""
-    from medusa_runtime import session as session_mod
-    from medusa_runtime.cli import build_parser, run_chat
+    from medusa_runtime.front import session as session_mod
+    from medusa_runtime.front.cli import build_parser, run_chat
 
     sent = []
     real_chat = session_mod.MedusaSession.chat
@@ -340,7 +340,7 @@ def test_cli_bad_sampling_settings_are_one_line_errors(pre_sampler_artifact, cap
     --temperature -1 silently decoding greedily); whole-vocabulary settings on an artifact without
     the in-graph sampler too."""
     from medusa_export.cli.main import main
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.front.cli import main as runtime_main
 
     for entry in (main, runtime_main):
         assert entry(["generate", "--artifact", str(pre_sampler_artifact), "--prompt", "hi", *argv]) == 2
@@ -350,7 +350,7 @@ def test_cli_bad_sampling_settings_are_one_line_errors(pre_sampler_artifact, cap
 
 def test_cli_samples_the_whole_vocabulary_with_the_emitted_sampler(counter_artifact, capsys):
     """top-k 0 / top-k 50 (refused above without ``step_sampler``) run through the built graph's own sampler."""
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.front.cli import main as runtime_main
 
     session = MedusaSession(counter_artifact, threads=1)
     greedy = session.generate("hi", max_new_tokens=12).token_ids
@@ -367,7 +367,7 @@ def test_cli_samples_the_whole_vocabulary_with_the_emitted_sampler(counter_artif
 
 
 def test_cli_samples_with_the_settings(counter_artifact, capsys):
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.front.cli import main as runtime_main
 
     argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "12",
             "--temperature", "3", "--top-k", "5", "--top-p", "0.95", "--seed", "4", "--threads", "1"]
@@ -440,10 +440,10 @@ def test_a_new_backend_is_its_module_and_one_table_entry(counter_artifact, capsy
     from medusa_export.cli.doctor import run_doctor
     from medusa_export.cli.main import main
     from medusa_export.triton.repository import TritonConfig
-    from medusa_runtime.acceptance import SamplingConfig
-    from medusa_runtime.cli import main as runtime_main
+    from medusa_runtime.decode.acceptance import SamplingConfig
+    from medusa_runtime.front.cli import main as runtime_main
     from medusa_runtime.engines import BACKENDS, BackendSpec
-    from medusa_runtime.treecache import backend_fingerprint
+    from medusa_runtime.tuning.treecache import backend_fingerprint
 
     argv = ["generate", "--artifact", str(counter_artifact), "--prompt", "hi", "--max-new-tokens", "9",
             "--threads", "1", "--temperature", "2", "--seed", "3"]
@@ -561,7 +561,7 @@ def test_bad_artifacts_are_refused(counter_artifact, tmp_path, case, match):
         (art / "manifest.json").write_text("{not json")
     elif case == "tokenizer":  # a bad tokenizer file whose checksum was updated to match
         (art / "tokenizer" / "tokenizer.json").write_text("{}")
-        from medusa_runtime.artifact import sha256_file
+        from medusa_runtime.contract.artifact import sha256_file
 
         _edit_manifest(art, lambda m: m["checksums"]["tokenizer/tokenizer.json"].update(
             sha256=sha256_file(art / "tokenizer" / "tokenizer.json"), bytes=2))
@@ -581,7 +581,7 @@ def assert_greedy(model, prompt_ids: list[int], tokens: list[int], finish: str, 
     Greedy decoding is deterministic, so matching the argmax after every prefix is the same
     as matching a one-token-at-a-time greedy run, at the cost of a single forward.
     """
-    from medusa_runtime.loop import causal_mask
+    from medusa_runtime.decode.loop import causal_mask
 
     seq = list(prompt_ids) + list(tokens)
     n = len(seq)
@@ -626,7 +626,7 @@ def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, sm
 def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_session, smollm_mt_bench_runs):
     """Issue 5: the accepted length predicted from the shipped a_k^(i) (Medusa paper §2.3.3, calibrated on
     held-out *training* prompts) is within 15% of the one measured on MT-Bench (never trained on)."""
-    from medusa_runtime.tree import expected_accept_length
+    from medusa_runtime.trees.tree import expected_accept_length
 
     acc = smollm_session.artifact.head_accuracies
     assert acc is not None and smollm_session.tree.size > 1

@@ -23,14 +23,14 @@ import torch
 
 from conftest import make_tiny_medusa, plain_greedy, tiny_loaded
 from medusa_export.model.decode import TorchEngine
-from medusa_runtime.acceptance import SamplingConfig, draw_tokens
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.decode.acceptance import SamplingConfig, draw_tokens
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.base import SamplerInputs
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import UnsupportedSamplingError
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.trees.treespec import tree_from_spec
 
 VOCAB = 24
 PROMPT = [3, 1, 4, 1]

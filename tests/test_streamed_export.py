@@ -18,10 +18,10 @@ from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.model.heads import save_heads
 from medusa_export.loading.sources import open_model
 from medusa_export.validation.plan import plan_validation
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.tree import make_tree
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 

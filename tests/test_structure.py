@@ -4,7 +4,10 @@ torch, transformers or onnx at module level.
 
 Read from the source with ``ast``. The cycle and layering checks read imports at every level: an
 import inside a function (how the CLI keeps heavy stages lazy) still ties two modules together, and
-four such hidden circles once stood where a module-level check could not see them (issue 23)."""
+four such hidden circles once stood where a module-level check could not see them (issue 23).
+
+The runtime's folders are layers too (issue 38), from the bottom: ``errors`` / ``stops`` -> ``trees`` ->
+``contract`` -> ``engines`` -> ``decode`` -> ``tuning`` -> ``front`` -> the package's public API."""
 
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"medusa_export": ROOT / "medusa_export", "medusa_runtime": ROOT / "runtime"}
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: dict[str, Path] = PACKAGES) -> dict[str, Path]:
     out = {}
-    for pkg, folder in PACKAGES.items():
+    for pkg, folder in packages.items():
         for path in folder.rglob("*.py"):
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -41,7 +44,8 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _imports(module: str, path: Path, every_level: bool = False) -> list[tuple[str, list[str]]]:
+def _imports(module: str, path: Path, every_level: bool = False,
+             modules: dict[str, Path] = MODULES) -> list[tuple[str, list[str]]]:
     """(imported module, names) for every module-level import of ``module``; with ``every_level``
     also the imports inside functions, classes and ``if`` blocks."""
     tree = ast.parse(path.read_text())
@@ -53,18 +57,18 @@ def _imports(module: str, path: Path, every_level: bool = False) -> list[tuple[s
             target = _resolve(module, path, node)
             names = [a.name for a in node.names]
             # "from .pkg import module" imports a module, not a name
-            subs = [n for n in names if f"{target}.{n}" in MODULES]
+            subs = [n for n in names if f"{target}.{n}" in modules]
             out += [(f"{target}.{n}", []) for n in subs]
             out.append((target, [n for n in names if n not in subs]))
     return out
 
 
-def _graph(every_level: bool = True) -> dict[str, set[str]]:
+def _graph(every_level: bool = True, modules: dict[str, Path] = MODULES) -> dict[str, set[str]]:
     graph = {}
-    for module, path in MODULES.items():
+    for module, path in modules.items():
         deps = set()
-        for target, _ in _imports(module, path, every_level):
-            while target and target not in MODULES:
+        for target, _ in _imports(module, path, every_level, modules):
+            while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != module:
                 deps.add(target)
@@ -73,23 +77,34 @@ def _graph(every_level: bool = True) -> dict[str, set[str]]:
 
 
 def _stage(module: str) -> str:
+    """A module's stage: ``medusa_export.<stage>`` or ``medusa_runtime.<folder>`` (a root module is its own
+    stage; the package itself, ``medusa_runtime``, is the public API above every runtime folder)."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] == "medusa_export" and len(parts) > 1 else parts[0]
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
 
 
 # The stages from the bottom up: a module imports its own stage or stages below it, never one above
 # (DESIGN.md's one-way data flow: load -> export -> validate -> engines -> orchestration -> front ends).
 # medusa_runtime is the floor: it must run without the exporter installed.
+# The runtime's folders follow one decode step: trees and the artifact contract are read, an engine runs the
+# step, decode/ proposes, verifies and accepts, tuning/ picks which tree runs, front/ is what a user holds.
 LAYERS = {
-    "medusa_runtime": 0,
-    "medusa_export": 1, "medusa_export.errors": 1, "medusa_export.files": 1, "medusa_export.chat": 1,
-    "medusa_export.model": 2,
-    "medusa_export.loading": 3,
-    "medusa_export.export": 4, "medusa_export.training": 4,
-    "medusa_export.validation": 5,
-    "medusa_export.trt": 6, "medusa_export.triton": 6,
-    "medusa_export.pipeline": 7,
-    "medusa_export.cli": 8,
+    "medusa_runtime.errors": 0, "medusa_runtime.stops": 0,
+    "medusa_runtime.trees": 1,
+    "medusa_runtime.contract": 2,
+    "medusa_runtime.engines": 3,
+    "medusa_runtime.decode": 4,
+    "medusa_runtime.tuning": 5,
+    "medusa_runtime.front": 6,
+    "medusa_runtime": 7, "medusa_runtime.__main__": 7,
+    "medusa_export": 11, "medusa_export.errors": 11, "medusa_export.files": 11, "medusa_export.chat": 11,
+    "medusa_export.model": 12,
+    "medusa_export.loading": 13,
+    "medusa_export.export": 14, "medusa_export.training": 14,
+    "medusa_export.validation": 15,
+    "medusa_export.trt": 16, "medusa_export.triton": 16,
+    "medusa_export.pipeline": 17,
+    "medusa_export.cli": 18,
 }
 
 
@@ -98,12 +113,43 @@ def test_every_stage_has_a_layer():
     assert not missing, f"stages without a layer in LAYERS (add them where they belong): {missing}"
 
 
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every import of a stage at the importer's layer or above it."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if _stage(d) != _stage(m) and LAYERS[_stage(d)] >= LAYERS[_stage(m)]
+                  and not m.startswith(d + "."))
+
+
 def test_no_stage_imports_a_stage_above_it():
-    graph = _graph(every_level=True)
-    found = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
-                   if _stage(d) != _stage(m) and LAYERS.get(_stage(d), 0) >= LAYERS.get(_stage(m), 0)
-                   and not m.startswith(d + "."))
+    found = _upward_imports(_graph(every_level=True))
     assert not found, "upward or sideways imports between stages:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("folder, line", [
+    ("trees/tree.py", "from ..decode import loop"),                       # a pure tree helper reaching the loop
+    ("engines/ort.py", "    from ..front.session import MedusaSession"),  # inside a function, one floor per level up
+    ("contract/manifest.py", "from ..tuning.autotree import auto_tree"),
+])
+def test_an_upward_import_between_runtime_folders_fails(tmp_path, folder, line):
+    """A deliberate upward import, planted in a copy of the runtime, is found (issue 38): the check reads the
+    source, not a list of today's imports."""
+    import shutil
+
+    copy = tmp_path / "runtime"
+    shutil.copytree(PACKAGES["medusa_runtime"], copy)
+    assert not _upward_imports(_graph(modules=(clean := _modules({"medusa_runtime": copy}))))
+    target = copy / folder
+    body = target.read_text()
+    if line.startswith(" "):  # plant it inside the module's first function
+        head, sep, rest = body.partition("\ndef ")
+        name, colon, fn = rest.partition(":\n")
+        body = head + sep + name + colon + line + "\n" + fn
+    else:
+        body += "\n" + line + "\n"
+    target.write_text(body)
+    found = _upward_imports(_graph(modules=clean))
+    importer = "medusa_runtime." + folder[:-3].replace("/", ".")
+    assert found and all(f.startswith(importer + " -> ") for f in found), found
 
 
 def test_imports_at_every_level_have_no_cycle():

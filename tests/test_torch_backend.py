@@ -10,7 +10,7 @@ from conftest import make_tiny_medusa
 from medusa_export.validation import torch_backend
 from medusa_runtime.engines import BACKENDS
 from medusa_runtime.errors import BackendUnavailableError, MedusaError
-from medusa_runtime.session import MedusaSession
+from medusa_runtime.front.session import MedusaSession
 
 
 @pytest.fixture

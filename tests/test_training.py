@@ -21,7 +21,7 @@ from medusa_export.training.distill import (Generator, Prompt, TrainConfig, futu
 from medusa_export.training.features import cached_features, compute_features, length_batches
 from medusa_export.training.replies import decode_requests, generate_to_store
 from medusa_export.training.reply_store import ReplyStore, StoredReply
-from medusa_runtime.tree import expected_accept_length, greedy_tree, make_tree
+from medusa_runtime.trees.tree import expected_accept_length, greedy_tree, make_tree
 
 from conftest import make_tiny_tokenizer
 
@@ -205,7 +205,7 @@ def test_restricted_targets_drop_and_renormalise_outside_mass():
 
 
 def test_train_heads_refuses_a_device_it_cannot_see():
-    from medusa_export.cli.heads import check_device
+    from medusa_export.training.pipeline import check_device
     from medusa_export.errors import MedusaError
 
     assert check_device("cpu") == "cpu"

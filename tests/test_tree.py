@@ -1,4 +1,4 @@
-"""Token trees (medusa_runtime.tree): buffers, validation, JSON, presets. Pure numpy, no model."""
+"""Token trees (medusa_runtime.trees.tree): buffers, validation, JSON, presets. Pure numpy, no model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medusa_runtime.errors import InvalidTreeError
-from medusa_runtime.tree import (
+from medusa_runtime.trees.tree import (
     default_accuracies,
     expected_accept_length,
     gather_candidates,
@@ -19,7 +19,7 @@ from medusa_runtime.tree import (
     make_tree,
     tree_from_json,
 )
-from medusa_runtime.treespec import PRESETS, tree_from_spec
+from medusa_runtime.trees.treespec import PRESETS, tree_from_spec
 
 # A small tree checked by hand. Node order (depth, path):
 #   0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,0]

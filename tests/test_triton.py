@@ -25,9 +25,9 @@ from medusa_export.errors import ArtifactError
 from medusa_export.triton.repository import (GENERATION_INPUTS, GENERATION_OUTPUTS, MARKER, TritonConfig,
                                              write_repository)
 from medusa_runtime import MedusaSession
-from medusa_runtime.acceptance import SamplingConfig
-from medusa_runtime.artifact import sha256_file
-from medusa_runtime.serving import FIELDS, SAMPLING_FIELDS, RequestError, merge_fields, parse_request, serve
+from medusa_runtime.decode.acceptance import SamplingConfig
+from medusa_runtime.contract.artifact import sha256_file
+from medusa_runtime.front.serving import FIELDS, SAMPLING_FIELDS, RequestError, merge_fields, parse_request, serve
 
 from conftest import import_or_fail_in_ci, mt_bench_prompts, skip_or_fail_in_ci
 
@@ -191,7 +191,7 @@ def test_repository_layout_and_engine_configs(tiny_trt_artifact, tmp_path):
     copied = repo / "medusa" / "1" / "artifact"
     for rel in manifest["checksums"]:
         assert (copied / rel).read_bytes() == (Path(tiny_trt_artifact) / rel).read_bytes(), rel
-    assert (repo / "medusa" / "1" / "medusa_runtime" / "serving.py").is_file()
+    assert (repo / "medusa" / "1" / "medusa_runtime" / "front" / "serving.py").is_file()
     ino = lambda f: f.stat().st_ino  # noqa: E731
     weights = Path(tiny_trt_artifact) / "weights.bin"
     assert ino(copied / "weights.bin") != ino(weights)  # "copy": independent of the artifact ...

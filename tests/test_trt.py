@@ -29,7 +29,7 @@ from medusa_export.trt.commands import fp32_node_names, strongly_typed, trtexec_
 from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
 from medusa_export.trt.readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
 from medusa_export.validation.manifest_update import update_manifest
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import write_accepted
 from medusa_runtime.errors import BackendUnavailableError, ContextOverflowError
 from medusa_runtime.engines.trt_plan import (ALIGN, KVLayout, ShapeOutOfProfileError, compaction_copies, compaction_runs,

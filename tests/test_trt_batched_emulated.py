@@ -18,7 +18,7 @@ from conftest import make_counter_medusa, make_tiny_medusa, tiny_loaded
 from test_trt_emulated import emulated, live_bytes, serve_ids, triton_gpu_instance_ids  # noqa: F401 - fixtures
 
 from medusa_export.cli.main import main
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 
 CONTEXT, N = 128, 4
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [3] * 21, [100, 101], list(range(200, 211))]
@@ -27,7 +27,7 @@ BUDGETS = [30, 12, 40, 25, 18]
 
 def _build(out: Path, batch_size: int, model=None) -> Path:
     from medusa_export.pipeline import BuildConfig, build_artifact
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     lm = tiny_loaded(model or make_counter_medusa(miss_every=3), name="counter-miss", max_context=CONTEXT)
     art = build_artifact(lm, tree_from_spec("16", num_heads=3), out, BuildConfig(validate=False, batch_size=batch_size),
@@ -74,7 +74,7 @@ def executions(monkeypatch):
 
 
 def _session(art, backend: str, **options):
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     extra = {"precision": "fp32"} if backend == "tensorrt" else {"threads": 1}
     return MedusaSession(art, backend=backend, tree="artifact", **extra, **options)

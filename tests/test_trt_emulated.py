@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 from medusa_export.cli.main import main
-from medusa_runtime.artifact import load_artifact
-from medusa_runtime.loop import generate
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.contract.artifact import load_artifact
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.treespec import tree_from_spec
 
 EMULATED = Path(__file__).parent / "emulated"
 _EMULATED_MODULES = ("tensorrt", "cuda")
@@ -279,7 +279,7 @@ def hydra_art(emulated, tmp_path_factory):
     from medusa_export.model.medusa import MedusaModel
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_export.training.calibrate import save_accuracies
-    from medusa_runtime.tree import greedy_tree
+    from medusa_runtime.trees.tree import greedy_tree
 
     _, model = make_tiny_medusa(vocab=300, hidden=32, layers=2, heads=4, kv_heads=2, medusa_heads=3, seed=2,
                                 head_noise=0.05)
@@ -428,7 +428,7 @@ def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art
     """The Python API's ``precision`` is checked against the precisions ``medusa-export engine`` builds, and the
     message names those built in the artifact (fp32 only here)."""
     from medusa_runtime.errors import InvalidSettingError
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     with pytest.raises(InvalidSettingError, match=r"unknown TensorRT engine precision 'fp8': choose one of fp16, "
                                                   r"int8, fp32 \(built in .*: fp32\)"):
@@ -437,7 +437,7 @@ def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art
 
 def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_art, live_bytes):
     """KV caches are freed when a generation ends; closing the session frees the rest (chat cache, engine)."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     cudart = live_bytes
     kv_bytes = None
@@ -458,7 +458,7 @@ def test_emulated_session_leaves_no_device_memory_after_20_generations(engine_ar
 
 def serve_ids(session, requests: list[dict], batch_size: int) -> list:
     """Each request's token ids (or the exception that ended it), served by a BatchServer's own thread."""
-    from medusa_runtime.serving import BatchServer, parse_request
+    from medusa_runtime.front.serving import BatchServer, parse_request
 
     server = BatchServer(session, batch_size=batch_size)
     done, events = {}, [threading.Event() for _ in requests]
@@ -480,7 +480,7 @@ def serve_ids(session, requests: list[dict], batch_size: int) -> list:
 
 def test_emulated_batch_server_on_device_1(engine_art, live_bytes):
     """The batch server's own thread sets the engine's device (emulated device 1) before it touches it."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     cudart = live_bytes
     with MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp32", device_id=1) as session:
@@ -587,8 +587,8 @@ def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
 def test_step_time_torch_rows_and_expected_speedup(tmp_path):
     """scripts/step_time.py --torch tiny --device cpu: one row per tree size 1..64, ratios to the 1-token step,
     and expected speedup = expected tokens per step (the greedy tree under default_accuracies) / that ratio."""
-    from medusa_runtime.autotree import expected_tokens
-    from medusa_runtime.tree import default_accuracies, greedy_tree
+    from medusa_runtime.tuning.autotree import expected_tokens
+    from medusa_runtime.trees.tree import default_accuracies, greedy_tree
 
     out = tmp_path / "st.json"
     r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "step_time.py"), "--torch",
@@ -763,7 +763,7 @@ def test_triton_gpu_instance_runs_on_its_model_instance_device_id(engine_art, li
     refuses a device used from a thread that did not set it), and frees everything on finalize. The generated
     model.py runs in-process with a stand-in for triton_python_backend_utils: tritonserver itself cannot load a
     KIND_GPU instance on this GPU-less machine (the real-server test below runs KIND_CPU)."""
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     got = triton_gpu_instance_ids(engine_art, live_bytes, tmp_path, monkeypatch, PROMPTS, 12)
     with MedusaSession(engine_art, tree="artifact") as session:
@@ -781,7 +781,7 @@ def test_triton_serves_the_emulated_tensorrt_engine(engine_art, tmp_path, monkey
     from medusa_export.triton.local import STUB_SITE_ENV, LocalTritonServer, TritonUnavailableError, find_bundled
     from medusa_export.triton.local import stub_site
     from medusa_export.triton.repository import TritonConfig, write_repository
-    from medusa_runtime.session import MedusaSession
+    from medusa_runtime.front.session import MedusaSession
 
     grpc = import_or_fail_in_ci("tritonclient.grpc", "tritonclient[grpc,http] is in the dev extra")
     try:

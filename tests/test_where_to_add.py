@@ -12,11 +12,11 @@ import json
 from conftest import make_tiny_medusa, tiny_loaded
 from medusa_export.export import precisions
 from medusa_export.pipeline import BuildConfig, build_artifact
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import generate
-from medusa_runtime.tree import make_tree
-from medusa_runtime.treespec import tree_from_spec
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.trees.tree import make_tree
+from medusa_runtime.trees.treespec import tree_from_spec
 
 
 def test_a_precision_is_one_table_row(tmp_path, monkeypatch):

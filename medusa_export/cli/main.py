@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_runtime.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
+from medusa_runtime.front.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
                                 check_threads, check_utf8, run_command, sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
-from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file, check_replaceable
+from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file
 
 PROG = "medusa-export"
 
@@ -56,7 +56,7 @@ def print_notes(lm) -> None:
 def cmd_generate(args) -> int:
     """One prompt, streamed to stdout: the runtime over ``--artifact``, else the PyTorch reference."""
     if args.artifact:
-        from medusa_runtime.cli import run_generate
+        from medusa_runtime.front.cli import run_generate
 
         reference_only = [f for f, v in (("--model", args.model), ("--model-path", args.model_path),
                                          ("--heads", args.heads), ("--trust-remote-code", args.trust_remote_code)) if v]
@@ -71,7 +71,7 @@ def cmd_generate(args) -> int:
                           "reference answers one --prompt")
     sampling = sampling_from_args(args)  # bad values fail before the model is loaded
     check_utf8(args.prompt, "--prompt")
-    from medusa_runtime.treespec import tree_from_spec
+    from medusa_runtime.trees.treespec import tree_from_spec
 
     from ..chat import apply_chat_template, TextStreamer
     from ..loading.registry import DEFAULT_MODEL, load_model
@@ -111,86 +111,27 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """Interactive multi-turn chat over an artifact (the runtime)."""
-    from medusa_runtime.cli import run_chat
+    from medusa_runtime.front.cli import run_chat
 
     return run_chat(args)
 
 
 def cmd_build(args) -> int:
     """Export + validate an artifact, the weights streamed from the checkpoint (nothing materialised)."""
-    from medusa_runtime.autotree import DEFAULT_SIZES
-    from medusa_runtime.tree import DEFAULT_TOPK
-    from medusa_runtime.errors import InvalidTreeError
-    from medusa_runtime.treespec import BUILD_TREES, TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
-
-    from ..loading.registry import entry_for
-    from ..loading.sources import open_model
-    from ..pipeline import BuildConfig, build_artifact
-    from ..validation.checks import check_prompts_fit, prompt_ids
-    from ..validation.validate import read_prompts
+    from ..pipeline import BuildConfig, BuildRequest, build
     from .trt import after_build
 
-    prompts = read_prompts(args.prompt_file) if args.prompt_file else None  # bad files fail before the model opens
-    entry, _ = entry_for(args.model)  # so do an unknown --model, a bad --tree and an --out that cannot be replaced
-    asked = parse_tree_spec(entry.default_tree if args.tree is None else args.tree)  # (no 20 s model open first)
-    if asked.kind == "artifact":
-        raise InvalidTreeError(f"build writes the artifact, so --tree {asked.text} has no tree to take: give {BUILD_TREES}")
-    early_out = args.out or default_out(entry.name, asked, None, args.precision, args.graph)
-    if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
-        check_replaceable(Path(early_out), force=args.force, default=not args.out)
+    t0 = time.perf_counter()
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
                       validate_layers=args.validate_layers, batch_size=args.batch_size)
-    t0 = time.perf_counter()
-    print(f"opening {args.model} (headers and configs; weights are read while the graphs are written) ...",
-          file=sys.stderr, flush=True)
-    lm = open_model(args.model, model_path=args.model_path, heads_path=args.heads,
-                    trust_remote_code=args.trust_remote_code)
-    opening = time.perf_counter() - t0
-    print_notes(lm)
-    positions = lm.sources.config.max_position_embeddings
-    check_int(args.max_context, "--max-context", low=2, high=positions,
-              meaning=f"{lm.name}'s max_position_embeddings is {positions}")
-    num_heads = lm.sources.heads_config.num_heads
-    spec, auto, policy = asked, asked.kind == "auto", asked.policy
-    if auto:  # the largest candidate first; build_artifact times the others after export
-        most = min(max(DEFAULT_SIZES), most_nodes(num_heads, DEFAULT_TOPK))
-        spec = TreeSpec(str(most), "size", most)
-    elif spec.kind == "dynamic":  # the artifact's static tree is the T-node greedy tree (fixed-tree engines)
-        spec = TreeSpec(str(spec.size), "size", spec.size)
-    tree = tree_from_spec(spec, num_heads=num_heads, accuracies=lm.head_accuracies)
-    out = args.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
-    check_replaceable(Path(out), force=args.force, default=not args.out)  # again: a preset's folder, or one made during the open
-    if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
-        texts, ids = prompt_ids(lm, prompts)
-        for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
-            print(f"[note: {note}]", file=sys.stderr, flush=True)
-    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=auto, tree_policy=policy)
-    _print_summary(path, time.perf_counter() - t0, lm, opening=opening)
-    print_machine_tree(path)
-    return after_build(args, path)
-
-
-def default_out(name: str, spec, size: int | None, precision: str, graph: str) -> str | None:
-    """``build``'s default ``--out``: ``artifacts/<model>-t<tree>-<precision>[-fused]``.
-
-    Args:
-        name: the model's registry name (or its folder's name).
-        spec: the ``--tree`` asked for (a :class:`~medusa_runtime.treespec.TreeSpec`): ``auto`` names the
-            folder ``tauto``, a per-step policy prefixes ``dyn``.
-        size: the built tree's node count, or None before the heads are open.
-        precision: ``--precision``; graph: ``--graph`` (``fused`` appends ``-fused``).
-
-    Returns:
-        The folder path, or None when it depends on ``size`` and that is not known yet (a preset or a
-        tree file: their node count depends on the heads' count).
-    """
-    n = "auto" if spec.kind == "auto" else spec.size if spec.kind in ("size", "dynamic") else size
-    if n is None:
-        return None
-    tree = f"dyn{n}" if spec.policy == "dynamic" else f"{n}"
-    return f"artifacts/{name}-t{tree}-{precision}{'-fused' if graph == 'fused' else ''}"
+    built = build(BuildRequest(args.model, tree=args.tree, out=args.out, force=args.force, model_path=args.model_path,
+                               heads=args.heads, trust_remote_code=args.trust_remote_code,
+                               prompt_file=args.prompt_file), cfg)
+    _print_summary(built.path, time.perf_counter() - t0, built.lm, opening=built.opening)
+    print_machine_tree(built.path)
+    return after_build(args, built.path)
 
 
 def print_machine_tree(path) -> None:
@@ -199,10 +140,10 @@ def print_machine_tree(path) -> None:
     tokens/s of each. Skipped, with the reason, when the artifact would not fit in memory on ONNX Runtime."""
     import psutil
 
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.errors import MedusaError
-    from medusa_runtime.session import MedusaSession
-    from medusa_runtime.treecache import DEFAULT_SPEC, TREE_ENV, default_spec
+    from medusa_runtime.front.session import MedusaSession
+    from medusa_runtime.tuning.treecache import DEFAULT_SPEC, TREE_ENV, default_spec
 
     if default_spec() != DEFAULT_SPEC:
         print(f"  on this machine: generate and chat run --tree {default_spec()} (${TREE_ENV}), not timed")
@@ -231,7 +172,7 @@ def print_machine_tree(path) -> None:
 
 def machine_tree_lines(choice, artifact_size: int) -> list[str]:
     """The build summary's lines on the artifact's tree against this machine's pick (``choice``: a
-    :class:`medusa_runtime.treecache.DefaultTree`)."""
+    :class:`medusa_runtime.tuning.treecache.DefaultTree`)."""
     r = choice.record
 
     def row(size: int, what: str) -> str:
@@ -270,7 +211,7 @@ def architecture_line(lm) -> str:
 def _print_summary(path, seconds: float, lm=None, opening: float | None = None) -> None:
     import json
 
-    from medusa_runtime.manifest import MANIFEST, Manifest
+    from medusa_runtime.contract.manifest import MANIFEST, Manifest
 
     from .trt import readiness_line
 
@@ -326,7 +267,7 @@ def _print_summary(path, seconds: float, lm=None, opening: float | None = None) 
 def cmd_verify(args) -> int:
     """Validate an existing artifact with the checks that fit (or those asked for); exit 1
     (:data:`EXIT_MISMATCH`) on a failure."""
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
 
     from ..export.config import ExportConfig
     from ..validation.checks import check_record, run_checks

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.artifact import MANIFEST
-from medusa_runtime.manifest import MANIFEST_SCHEMA, Manifest
-from medusa_runtime.tree import Tree
+from medusa_runtime.contract.artifact import MANIFEST
+from medusa_runtime.contract.manifest import MANIFEST_SCHEMA, Manifest
+from medusa_runtime.trees.tree import Tree
 
 from ..errors import ArtifactError
 from ..loading.registry import LoadedMedusa

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from medusa_runtime.artifact import step_batch
-from medusa_runtime.manifest import Manifest
+from medusa_runtime.contract.artifact import step_batch
+from medusa_runtime.contract.manifest import Manifest
 
 from ..errors import MedusaError
 from ..loading.draft_vocab import HeadsVocabError
@@ -133,14 +133,14 @@ class ExportConfig:
     def of_manifest(cls, manifest: Manifest, **overrides) -> ExportConfig:
         """The export options an artifact was built with, as far as its manifest records them: the precision,
         the step graph (:data:`FLAVOUR_GRAPHS` of its ``flavour``), the batch size (``batch.max_batch_size``,
-        :func:`medusa_runtime.artifact.step_batch`) and the context; the rest at their defaults.
+        :func:`medusa_runtime.contract.artifact.step_batch`) and the context; the rest at their defaults.
 
         Args:
             manifest: the artifact's manifest.
             overrides: fields to set instead (e.g. ``precision="fp32"`` for the truncated check's re-export).
 
         Raises:
-            ArtifactError: the manifest's ``batch`` entry is malformed (:func:`~medusa_runtime.artifact.step_batch`).
+            ArtifactError: the manifest's ``batch`` entry is malformed (:func:`~medusa_runtime.contract.artifact.step_batch`).
             UnknownPrecisionError, UnsupportedGraphError: as the constructor.
         """
         recorded = dict(precision=manifest.precision_name, graph=FLAVOUR_GRAPHS.get(manifest.flavour, "portable"),

@@ -54,7 +54,7 @@ SAMPLER_OUTPUTS = (
 
 
 def step_sampler_json() -> dict:
-    """The manifest's ``step_sampler`` entry (the runtime's ``medusa_runtime.artifact.step_sampler`` reads it)."""
+    """The manifest's ``step_sampler`` entry (the runtime's ``medusa_runtime.contract.artifact.step_sampler`` reads it)."""
     return {"version": STEP_SAMPLER_VERSION, "spec": "docs/sampling.md"}
 
 

@@ -15,7 +15,7 @@ rows of the backbone's input embedding (the same weights entry as the step graph
 to RMS 1 in float32 (``rms_normalized``), ``[h_t, n(e(root)), .., n(e(x_{j-1}))]`` per row, head
 j's first block ``R x + SiLU(W x + b)`` and its further residual blocks, the shared projection,
 LogSoftmax, TopK. The runtime runs level 1 on the root and each later level on the paths it expands
-(:mod:`medusa_runtime.candidates`).
+(:mod:`medusa_runtime.decode.candidates`).
 
 With a vocabulary subset (``--heads-vocab N``, FR-Spec) each projection is an ``[N, d]`` tensor of
 gathered rows (its own weights entry, so int8 / int4 quantize the smaller matrix), top-k runs over N

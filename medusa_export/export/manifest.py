@@ -2,7 +2,7 @@
 
 Functions of the loaded model, the build options and the files already written into the
 artifact folder (their checksums); :func:`build_manifest` returns the whole document as the runtime's
-typed :class:`~medusa_runtime.manifest.Manifest` (the contract), :func:`write_manifest` writes it and
+typed :class:`~medusa_runtime.contract.manifest.Manifest` (the contract), :func:`write_manifest` writes it and
 :func:`write_schema` the JSON Schema beside it.
 """
 
@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from medusa_runtime.acceptance import TypicalConfig
-from medusa_runtime.artifact import sha256_file
-from medusa_runtime.manifest import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, MANIFEST_SCHEMA, Batch, Checksum,
+from medusa_runtime.decode.acceptance import TypicalConfig
+from medusa_runtime.contract.artifact import sha256_file
+from medusa_runtime.contract.manifest import (ARTIFACT_FORMAT, ARTIFACT_VERSION, MANIFEST, MANIFEST_SCHEMA, Batch, Checksum,
                                      Exporter, Graph, Heads, HeadsVocab, KvLayout, Manifest, ModelInfo, Precision,
                                      StepSampler, TokenizerInfo, TreeInfo, TypicalDefaults, Weights, schema_text)
-from medusa_runtime.tree import Tree
+from medusa_runtime.trees.tree import Tree
 
 from ..loading.draft_vocab import DRAFT_VOCAB_FILE
 from ..loading.registry import LoadedMedusa
@@ -269,7 +269,7 @@ def _heads_graphs_json(h, hidden_size: int, dtype: str, topk: int, files: dict[s
 
 def selection_json(table: list, chosen: int) -> dict:
     """The manifest's ``tree.selection`` for ``--tree auto``: the timed candidates and the chosen size."""
-    from medusa_runtime.autotree import DEFAULT_MARGIN
+    from medusa_runtime.tuning.autotree import DEFAULT_MARGIN
 
     return {"method": "--tree auto: greedy trees (Medusa paper §2.3.3) timed on ONNX Runtime CPU on the build machine "
                       "(the tree step; plain decoding and the leading sizes also through the decode loop: loop_ms); "

@@ -4,5 +4,5 @@ their step and decode loop.
 Modules: ``families`` (one entry per supported family: its config mapping, defaults, GGUF name, test
 shapes), ``config`` (the backbone's geometry and feature switches), ``backbone`` (the decoder),
 ``heads`` (Medusa heads, Medusa paper §2.1.1), ``medusa`` (:class:`~medusa_export.model.medusa.MedusaModel`
-and its tree step), ``decode`` (the PyTorch engine for ``medusa_runtime.loop``).
+and its tree step), ``decode`` (the PyTorch engine for ``medusa_runtime.decode.loop``).
 """

@@ -1,6 +1,6 @@
 """The PyTorch reference Medusa decode loop, batch size 1 (Medusa paper, Algorithm).
 
-The loop itself is ``medusa_runtime.loop.generate`` (written once, shared with the
+The loop itself is ``medusa_runtime.decode.loop.generate`` (written once, shared with the
 deployed runtime); here it drives a :class:`TorchEngine`, which runs
 :meth:`MedusaModel.step` and the heads in PyTorch. Tree buffers, acceptance, KV
 compaction and stops are the pure functions of ``medusa_runtime``.
@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from medusa_runtime.acceptance import SamplingConfig, draw_tokens
-from medusa_runtime.treespec import DynamicTree
+from medusa_runtime.decode.acceptance import SamplingConfig, draw_tokens
+from medusa_runtime.trees.dynamic import StepTree
 from medusa_runtime.engines.base import Capabilities, SamplerInputs, StepResult
 from medusa_runtime.engines.kvcache import KVCache
-from medusa_runtime.loop import GenerationResult, causal_mask, generate
-from medusa_runtime.tree import Tree
+from medusa_runtime.decode.loop import GenerationResult, causal_mask, generate
+from medusa_runtime.trees.tree import Tree
 
 from .medusa import STEP_TOPK, MedusaModel, acceptance_outputs
 
@@ -37,7 +37,7 @@ class TorchEngine:
             ``max_position_embeddings``).
         sampler: also act as a step graph with the in-graph sampler (docs/sampling.md): ``step``
             then takes ``sampling=SamplerInputs(...)`` and returns ``sampled_ids``, drawn from the
-            whole vocabulary with :func:`medusa_runtime.acceptance.draw_tokens` (rows with a negative
+            whole vocabulary with :func:`medusa_runtime.decode.acceptance.draw_tokens` (rows with a negative
             uniform, or every row at top_k -1, give -1): the reference of the graph contract.
         device: where the model is (a torch device name): numpy inputs are moved there and outputs back.
     """
@@ -120,7 +120,7 @@ class TorchEngine:
 def medusa_generate(
     model: MedusaModel,
     prompt_ids: Sequence[int],
-    tree: Tree | DynamicTree,
+    tree: StepTree,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -129,7 +129,7 @@ def medusa_generate(
     on_tokens: Callable[[list[int]], bool | int | None] | None = None,
     sampler: bool = False,
 ) -> GenerationResult:
-    """Generate with the PyTorch reference; see :func:`medusa_runtime.loop.generate`.
+    """Generate with the PyTorch reference; see :func:`medusa_runtime.decode.loop.generate`.
 
     Greedy by default: the output equals plain greedy decoding of the backbone. With
     ``sampling`` at temperature > 0, exact sampling (or typical acceptance).

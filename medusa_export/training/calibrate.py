@@ -8,7 +8,7 @@ tree by simulation (:func:`simulate_acceptance`), without running the decode loo
 
 ``accuracies.json`` (beside ``heads.safetensors``) holds ``accuracies[k-1][i]`` = a_k^(i),
 the probability that head k's i-th choice (0-based) is the right token; each row sums to
-the head's top-k accuracy (<= 1). :func:`medusa_runtime.tree.greedy_tree` builds trees from it;
+the head's top-k accuracy (<= 1). :func:`medusa_runtime.trees.tree.greedy_tree` builds trees from it;
 :func:`medusa_export.loading.accuracies.load_accuracies` reads it.
 """
 
@@ -21,9 +21,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from medusa_runtime.treespec import DynamicTree
-from medusa_runtime.candidates import ProbabilityMap, Proposal, dynamic_levels, dynamic_medusa
-from medusa_runtime.tree import Tree
+from medusa_runtime.trees.dynamic import DynamicTree
+from medusa_runtime.decode.candidates import Proposal, dynamic_levels, dynamic_medusa
+from medusa_runtime.trees.calibration import ProbabilityMap
+from medusa_runtime.trees.tree import Tree
 from torch import nn
 
 from ..loading.accuracies import ACCURACIES_FILE, ACCURACIES_FORMAT
@@ -255,7 +256,7 @@ def simulate_dynamic(heads: nn.Module, hidden: torch.Tensor, tokens: Sequence[in
                      max_new_tokens: int, eos_token_ids: Sequence[int] = (),
                      topk: tuple[np.ndarray, np.ndarray] | None = None,
                      vocab_ids: np.ndarray | None = None) -> list[int]:
-    """Tokens per step with per-step trees (:mod:`medusa_runtime.candidates`) on a known greedy reply.
+    """Tokens per step with per-step trees (:mod:`medusa_runtime.decode.candidates`) on a known greedy reply.
 
     Medusa heads: the tree comes from the heads' top-k at the step's hidden state (``topk`` = the
     :func:`heads_topk` ids and log-probabilities of the reply, or computed here). Path-conditioned

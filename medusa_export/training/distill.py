@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from medusa_runtime.prompts import jsonl_records
+from medusa_runtime.front.prompts import jsonl_records
 
 from ..model.heads import HeadsConfig, MedusaHeads
 
@@ -103,7 +103,7 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
     A record's source is its ``source`` field, else the file's stem; its id its ``id`` or
     ``question_id`` field, else its 0-based line index. Lines are read by the shared
-    :func:`medusa_runtime.prompts.jsonl_records`.
+    :func:`medusa_runtime.front.prompts.jsonl_records`.
 
     Raises:
         PromptFileError: the file is missing, or a line is not a JSON object (names file and line).

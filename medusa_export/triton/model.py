@@ -9,7 +9,7 @@ The model is decoupled: a request gets one response (``stream`` false) or one re
 per tree step followed by a final one carrying the finish reason (``stream`` true); the
 last response has the FINAL flag. A malformed request gets one response with a
 ``TritonError`` (INVALID_ARG) at once and the model goes on serving. Each model instance
-owns one :class:`MedusaSession` and one :class:`~medusa_runtime.serving.BatchServer`: a
+owns one :class:`MedusaSession` and one :class:`~medusa_runtime.front.serving.BatchServer`: a
 background thread whose scheduler runs up to ``batch_size`` requests in each step
 (in-flight batching: a request joins at the next step boundary and leaves when it ends,
 each with the tokens it would get alone). ``execute`` only checks and queues requests and
@@ -17,8 +17,8 @@ returns; the responses are sent from that thread. More instances (``instance_gro
 serve side by side, each with its own batch.
 
 Inputs (all optional but one prompt; also accepted as request parameters, see
-medusa_runtime/serving.py's FIELDS): text_input, messages, input_ids, max_new_tokens, one per sampling
-setting (medusa_runtime.acceptance.SAMPLING_SETTINGS, SamplingConfig's fields: temperature, acceptance,
+medusa_runtime/front/serving.py's FIELDS): text_input, messages, input_ids, max_new_tokens, one per sampling
+setting (medusa_runtime.decode.acceptance.SAMPLING_SETTINGS, SamplingConfig's fields: temperature, acceptance,
 top_k, top_p, posterior_threshold, posterior_alpha, seed), stop, stream, raw; the request parser
 turns them into one SamplingConfig. Outputs: output_ids, text_output, finish_reason, num_input_tokens,
 tokens_per_step.
@@ -26,7 +26,7 @@ tokens_per_step.
 Model parameters (config.pbtxt): artifact_dir (absolute, or relative to this file's
 folder), backend (medusa_runtime engine backend), precision (for tensorrt), threads,
 max_context, max_new_tokens_limit, batch_size (requests sharing a step; default
-medusa_runtime.batch.DEFAULT_BATCH_SIZE).
+medusa_runtime.decode.batch.DEFAULT_BATCH_SIZE).
 """
 
 import json
@@ -40,10 +40,10 @@ if sys.path[:1] != [_HERE]:
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from medusa_runtime.batch import DEFAULT_BATCH_SIZE  # noqa: E402
+from medusa_runtime.decode.batch import DEFAULT_BATCH_SIZE  # noqa: E402
 from medusa_runtime.errors import MedusaError  # noqa: E402
-from medusa_runtime.serving import FIELDS, BatchServer, RequestError, merge_fields, parse_request  # noqa: E402
-from medusa_runtime.session import MedusaSession  # noqa: E402
+from medusa_runtime.front.serving import FIELDS, BatchServer, RequestError, merge_fields, parse_request  # noqa: E402
+from medusa_runtime.front.session import MedusaSession  # noqa: E402
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

@@ -37,11 +37,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from medusa_runtime.acceptance import SAMPLING_SETTINGS
-from medusa_runtime.artifact import MANIFEST, Artifact, load_artifact
-from medusa_runtime.batch import DEFAULT_BATCH_SIZE
+from medusa_runtime.decode.acceptance import SAMPLING_SETTINGS
+from medusa_runtime.contract.artifact import MANIFEST, Artifact, load_artifact
+from medusa_runtime.decode.batch import DEFAULT_BATCH_SIZE
 from medusa_runtime.engines import backend_spec
-from medusa_runtime.manifest import Graph
+from medusa_runtime.contract.manifest import Graph
 
 from .. import __version__
 from ..errors import ArtifactError, MedusaError
@@ -52,8 +52,8 @@ TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TY
                  "int32": "TYPE_INT32", "int8": "TYPE_INT8", "bool": "TYPE_BOOL", "string": "TYPE_STRING"}
 _TEMPLATE = Path(__file__).with_name("model.py")
 
-#: The ``medusa`` model's inputs: (name, Triton type, dims); every one is optional (see medusa_runtime.serving).
-#: The sampling settings are SamplingConfig's fields (medusa_runtime.acceptance.SAMPLING_SETTINGS), one value each.
+#: The ``medusa`` model's inputs: (name, Triton type, dims); every one is optional (see medusa_runtime.front.serving).
+#: The sampling settings are SamplingConfig's fields (medusa_runtime.decode.acceptance.SAMPLING_SETTINGS), one value each.
 GENERATION_INPUTS = (
     ("text_input", "TYPE_STRING", [1]),
     ("messages", "TYPE_STRING", [1]),
@@ -92,7 +92,7 @@ class TritonConfig:
         max_new_tokens_limit: largest max_new_tokens a request may ask (None: the context).
         tree: the model parameter ``tree``: a ``--tree`` spec (None: the runtime's default, the tree
             fastest on the serving machine, timed when the instance loads and cached;
-            :mod:`medusa_runtime.treecache`).
+            :mod:`medusa_runtime.tuning.treecache`).
     """
 
     model_name: str = "medusa"
@@ -297,7 +297,7 @@ also be given as request parameters): {fields}. Sampling: temperature 0 (default
 above 0, acceptance "sample" (default; the output is distributed exactly as plain sampling with
 the same temperature, top_k, top_p) or "typical" (faster, lossy; posterior_threshold and
 posterior_alpha are its epsilon and delta); seed makes it reproducible. Defaults and ranges:
-medusa_runtime/serving.py.
+medusa_runtime/front/serving.py.
 Outputs: {outs}. With stream=true one response per tree step (that step's ids and text), then
 a final one with the finish reason; otherwise one response. Use gRPC streaming (decoupled model).
 

@@ -23,7 +23,7 @@ import numpy as np
 from medusa_runtime.engines.cuda import device_key, import_cudart
 from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, plan_sources, profile_shapes
 from medusa_runtime.errors import ArtifactError, BackendUnavailableError
-from medusa_runtime.manifest import Manifest, as_manifest
+from medusa_runtime.contract.manifest import Manifest, as_manifest
 
 from .commands import fp32_node_names, strongly_typed
 from .config import CALIBRATION_CACHE, TIMING_CACHE, EngineConfig

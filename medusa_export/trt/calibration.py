@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.artifact import step_sampler
+from medusa_runtime.contract.artifact import step_sampler
 from medusa_runtime.engines.base import sampler_feed
 from medusa_runtime.engines.trt_plan import model_profiles
-from medusa_runtime.loop import causal_mask
-from medusa_runtime.manifest import Manifest, as_manifest
+from medusa_runtime.decode.loop import causal_mask
+from medusa_runtime.contract.manifest import Manifest, as_manifest
 
 _NP = {"float32": np.float32, "float16": np.float16}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import onnx
 
 from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, profile_shapes
-from medusa_runtime.manifest import Manifest, as_manifest
+from medusa_runtime.contract.manifest import Manifest, as_manifest
 
 from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS, TIMING_CACHE
 

@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_runtime.artifact import load_artifact
+from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.trt_plan import ENGINE_DIR, plan_files, profiles_json
-from medusa_runtime.manifest import Manifest
+from medusa_runtime.contract.manifest import Manifest
 
 from ..validation.manifest_update import update_manifest
 from .builder import build_engines, tensorrt_version

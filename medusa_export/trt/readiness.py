@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 import onnx
 from onnx import shape_inference
 
-from medusa_runtime.manifest import MANIFEST, Manifest, as_manifest
+from medusa_runtime.contract.manifest import MANIFEST, Manifest, as_manifest
 
 from ..export.precisions import Column
 

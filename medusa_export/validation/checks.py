@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from medusa_runtime.artifact import Artifact, load_artifact
+from medusa_runtime.contract.artifact import Artifact, load_artifact
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.loop import generate
-from medusa_runtime.manifest import Manifest, as_manifest
-from medusa_runtime.tree import make_tree
+from medusa_runtime.decode.loop import generate
+from medusa_runtime.contract.manifest import Manifest, as_manifest
+from medusa_runtime.trees.tree import make_tree
 
 from ..export.build import write_artifact
 from ..export.config import ExportConfig

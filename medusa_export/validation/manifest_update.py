@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
-from medusa_runtime.artifact import sha256_file
-from medusa_runtime.manifest import MANIFEST, Manifest
+from medusa_runtime.contract.artifact import sha256_file
+from medusa_runtime.contract.manifest import MANIFEST, Manifest
 
 
 def update_manifest(folder: str | Path, patch: dict, files: list[str] = ()) -> Manifest:

@@ -9,7 +9,7 @@ local path needs that path again.
 from __future__ import annotations
 
 from medusa_runtime.errors import ArtifactError
-from medusa_runtime.manifest import Manifest
+from medusa_runtime.contract.manifest import Manifest
 
 from ..errors import MedusaError
 
@@ -23,7 +23,7 @@ def check_same_geometry(model, config, where: str) -> None:
     Gather with INVALID_ARGUMENT).
 
     Args:
-        model: the artifact's :class:`medusa_runtime.manifest.ModelInfo`.
+        model: the artifact's :class:`medusa_runtime.contract.manifest.ModelInfo`.
         config: the checkpoint's :class:`~medusa_export.model.config.BackboneConfig`.
         where: the checkpoint, for the message.
 

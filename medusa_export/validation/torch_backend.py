@@ -15,7 +15,7 @@ int8 / int4 artifacts run as the fp32 reference they were quantized from).
 
 from __future__ import annotations
 
-from medusa_runtime.artifact import Artifact, step_limits
+from medusa_runtime.contract.artifact import Artifact, step_limits
 from medusa_runtime.engines import BackendSpec, register_backend
 from medusa_runtime.errors import BackendUnavailableError
 

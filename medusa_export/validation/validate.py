@@ -30,14 +30,14 @@ from pathlib import Path
 
 import numpy as np
 
-from medusa_runtime.artifact import Artifact
+from medusa_runtime.contract.artifact import Artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.errors import EXIT_MISMATCH
-from medusa_runtime.loop import causal_mask, generate
-from medusa_runtime.manifest import Manifest
-from medusa_runtime.prompts import read_first_turns
-from medusa_runtime.tree import make_tree
+from medusa_runtime.decode.loop import causal_mask, generate
+from medusa_runtime.contract.manifest import Manifest
+from medusa_runtime.front.prompts import read_first_turns
+from medusa_runtime.trees.tree import make_tree
 
 from ..errors import MedusaError
 from ..export.precisions import Column, Tolerance
@@ -221,7 +221,7 @@ def default_prompts() -> list[str]:
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """First user turns from a JSONL file: records with "prompt", "turns" (MT-Bench) or "messages".
 
-    The shared reader :func:`medusa_runtime.prompts.read_first_turns`.
+    The shared reader :func:`medusa_runtime.front.prompts.read_first_turns`.
 
     Raises:
         PromptFileError: the file is missing, a line is not a JSON object or has none of those keys.

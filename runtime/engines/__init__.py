@@ -14,7 +14,7 @@ name                      what                                                  
                           :class:`~.trt_batched.TrtBatchEngine`)
 ========================  ==========================================================  =========
 
-A factory takes the loaded :class:`~medusa_runtime.artifact.Artifact` and keyword options (``threads``,
+A factory takes the loaded :class:`~medusa_runtime.contract.artifact.Artifact` and keyword options (``threads``,
 ``spin``, ``device_id``; each factory ignores what it does not use) and returns an engine. The facts of a
 backend (batched step graphs, GPU, fixed tree, library version, what its Python needs) are its entry's,
 read by :func:`create_engine`, the session, the CLIs (``--backend`` choices), the Triton repository, doctor
@@ -27,7 +27,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from ..artifact import Artifact, step_batch
+from ..contract.artifact import Artifact, step_batch
 from ..errors import BackendUnavailableError, MedusaError
 
 DEFAULT_BACKEND = "onnxruntime"
@@ -62,7 +62,7 @@ class BackendSpec:
 
     def version(self) -> str | None:
         """The library's ``__version__`` here, None when it cannot be imported (part of the tree cache's
-        backend fingerprint, :func:`medusa_runtime.treecache.backend_fingerprint`, and of doctor's report)."""
+        backend fingerprint, :func:`medusa_runtime.tuning.treecache.backend_fingerprint`, and of doctor's report)."""
         try:
             return str(importlib.import_module(self.library).__version__)
         except (ImportError, OSError, AttributeError):  # not installed, a broken install, no version said

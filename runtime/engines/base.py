@@ -2,7 +2,7 @@
 declares it can do (:class:`Capabilities`), the step's inputs (:class:`RowInputs`, :class:`SamplerInputs`)
 and outputs (:class:`StepResult`).
 
-The loop (:mod:`medusa_runtime.loop`) and the batch scheduler are written against these alone; the
+The loop (:mod:`medusa_runtime.decode.loop`) and the batch scheduler are written against these alone; the
 backends (:mod:`.ort`, :mod:`.ort_batched`, :mod:`.ort_cuda`, :mod:`.trt`, and the PyTorch reference
 ``medusa_export.model.decode.TorchEngine``) implement them.
 """
@@ -14,7 +14,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from ..manifest import HEAD_TYPES
+from ..contract.manifest import HEAD_TYPES
 
 
 @dataclass(frozen=True)
@@ -23,20 +23,20 @@ class Capabilities:
     ``--tree auto`` read these (``engine.capabilities``) instead of probing the engine for methods.
 
     Attributes:
-        head_type: the heads it runs, one of :data:`~medusa_runtime.manifest.HEAD_TYPES`: "medusa"
+        head_type: the heads it runs, one of :data:`~medusa_runtime.contract.manifest.HEAD_TYPES`: "medusa"
             (``heads`` and, with ``heads_logprobs`` below, ``Engine.heads_logprobs``) or "hydra"
             (path-conditioned heads, ``heads_level``: their log-probabilities come with them).
         heads_logprobs: ``heads_logprobs`` returns the Medusa heads' log-probabilities (the heads
             graph has ``medusa_topk_logprobs``): what per-step trees (``--tree dynamic:T``) of
-            Medusa heads need (:func:`medusa_runtime.loop.runs_dynamic_trees`).
+            Medusa heads need (:func:`medusa_runtime.decode.loop.runs_dynamic_trees`).
         sampler: the step graph has the in-graph sampler (docs/sampling.md): ``step`` accepts
             ``sampling=SamplerInputs(...)`` and returns ``StepResult.sampled_ids``.
         own_cache: ``make_cache(capacity)`` makes the KV cache the step reads (a device cache, or a
             head-major one written in place); otherwise the loop's numpy
             :class:`~medusa_runtime.engines.kvcache.KVCache` of the engine's geometry.
         batched: ``step_rows(caches, inputs)`` runs every row of a step in one call (a
-            :class:`~medusa_runtime.batch.BatchEngine` over a batched step graph); otherwise the
-            scheduler loops over the rows with ``step`` (:class:`~medusa_runtime.batch.LoopedBatchEngine`).
+            :class:`~medusa_runtime.decode.batch.BatchEngine` over a batched step graph); otherwise the
+            scheduler loops over the rows with ``step`` (:class:`~medusa_runtime.decode.batch.LoopedBatchEngine`).
         max_context: the KV capacity the graphs were built for, tokens (the artifact's
             ``model.max_context``: default capacity and its upper bound); None: not said, a
             generation then names its own.
@@ -44,13 +44,13 @@ class Capabilities:
             None: read from the prefill's outputs.
         vocab_size: V, the embedding table's rows (prompt ids are checked against it); None: unchecked.
         device_id: the CUDA device the engine runs on; None on the host (part of the tree cache's
-            backend fingerprint, :mod:`medusa_runtime.treecache`).
+            backend fingerprint, :mod:`medusa_runtime.tuning.treecache`).
 
     Whether the tree is fixed when the engine is built is a fact of the backend, not of one engine:
     :attr:`medusa_runtime.engines.BackendSpec.fixed_tree`.
 
     Raises:
-        ValueError: a head type outside :data:`~medusa_runtime.manifest.HEAD_TYPES` (an engine's own
+        ValueError: a head type outside :data:`~medusa_runtime.contract.manifest.HEAD_TYPES` (an engine's own
             declaration: a programming error, not user input).
     """
 
@@ -71,7 +71,7 @@ class Capabilities:
     @classmethod
     def with_limits(cls, limits, **facts) -> "Capabilities":
         """The capabilities ``facts`` with the limits of an artifact's step graph (``max_context``,
-        ``step_topk``, ``vocab_size`` of a :class:`medusa_runtime.artifact.StepLimits`)."""
+        ``step_topk``, ``vocab_size`` of a :class:`medusa_runtime.contract.artifact.StepLimits`)."""
         return cls(max_context=limits.max_context, step_topk=limits.step_topk, vocab_size=limits.vocab_size, **facts)
 
 
@@ -133,8 +133,8 @@ class Engine(Protocol):
         """Free what the engine holds outside the garbage collector's reach (device memory); the engine is
         unusable afterwards. Host engines: nothing."""
 
-    # Declared by ``capabilities`` (see :func:`~medusa_runtime.loop.run_heads` and
-    # :func:`~medusa_runtime.loop.check_heads`):
+    # Declared by ``capabilities`` (see :func:`~medusa_runtime.decode.loop.run_heads` and
+    # :func:`~medusa_runtime.decode.loop.check_heads`):
     # * ``heads_logprobs(hidden [R, d], topk) -> (ids int64 [R, K, topk], logprobs float32 [R, K, topk])``:
     #   Medusa heads with their log-probabilities (per-step trees), when ``capabilities.heads_logprobs``;
     # * ``heads_level(depth, hidden [N, d], path_ids int64 [R, depth], topk) -> (ids [R, topk], logprobs [R, topk])``:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
+from ..contract.artifact import Artifact, kv_layout, level_graph, step_batch, step_limits
 from ..errors import ArtifactError, ContextOverflowError, MedusaError
 from .base import Capabilities, RowInputs, SamplerInputs, StepResult, sampler_feed
 from .kvcache import HeadMajorKVCache, InPlacePast, KVCache

@@ -2,7 +2,7 @@
 
 Artifacts built with ``build --batch-size N`` (N > 1, manifest ``batch``) have a step graph with a
 dynamic batch dimension B and per-row past lengths (docs/batching.md). :class:`OrtBatchEngine` is the
-:class:`~medusa_runtime.batch.BatchEngine` the scheduler drives for them: ``step_rows`` packs the
+:class:`~medusa_runtime.decode.batch.BatchEngine` the scheduler drives for them: ``step_rows`` packs the
 rows into one call (:func:`~.ort_rows.run_rows`: padding, the packed past kept between calls) and
 hands each row its own :class:`~medusa_runtime.engines.base.StepResult`.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from ..artifact import Artifact
+from ..contract.artifact import Artifact
 from ..errors import ArtifactError
 from .base import RowInputs, StepResult
 from .ort import OrtEngine
@@ -22,10 +22,10 @@ from .ort_rows import PackedPast, run_rows
 
 
 class OrtBatchEngine(OrtEngine):
-    """:class:`~.ort.OrtEngine` for a batched artifact, with the :class:`~medusa_runtime.batch.BatchEngine`
+    """:class:`~.ort.OrtEngine` for a batched artifact, with the :class:`~medusa_runtime.decode.batch.BatchEngine`
     interface: ``step_rows`` runs every row in one ONNX Runtime call (see the module docstring).
 
-    ``step`` (one sequence: :func:`~medusa_runtime.loop.generate`, validation) runs the same graph
+    ``step`` (one sequence: :func:`~medusa_runtime.decode.loop.generate`, validation) runs the same graph
     as a batch of one.
 
     Args:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..artifact import Artifact, kv_layout, step_limits
+from ..contract.artifact import Artifact, kv_layout, step_limits
 from ..errors import BackendUnavailableError, InvalidSettingError
 from .base import Capabilities, StepResult, sampler_feed
 from .cuda import DeviceRows, DeviceSlice

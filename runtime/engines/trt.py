@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..artifact import Artifact, step_batch, step_limits
+from ..contract.artifact import Artifact, step_batch, step_limits
 from ..errors import ArtifactError, BackendUnavailableError, ContextOverflowError, InvalidSettingError, MedusaError
 from .base import Capabilities, StepResult, sampler_feed
 from .cuda import Buffers, Cuda, CudaError, DeviceRows, DeviceSlice
@@ -392,7 +392,7 @@ class TrtEngine:
 
     def heads_logprobs(self, hidden, topk: int) -> tuple[np.ndarray, np.ndarray]:
         """hidden as for :meth:`heads` -> (ids int64 [R, K, topk], log-probabilities float32 [R, K, topk]): what a
-        per-step tree (``--tree dynamic:T``, :func:`~medusa_runtime.candidates.dynamic_medusa`) reads.
+        per-step tree (``--tree dynamic:T``, :func:`~medusa_runtime.decode.candidates.dynamic_medusa`) reads.
 
         Raises:
             ArtifactError: the heads plan has no ``medusa_topk_logprobs`` output (its graph was built before it).

@@ -2,7 +2,7 @@
 
 Artifacts built with ``build --batch-size N`` (N > 1, manifest ``batch``) have a step graph with a dynamic
 batch dimension B and per-row past lengths (docs/batching.md); their plans' profiles cover B in [1, N]
-(:func:`~.trt_plan.model_profiles`). :class:`TrtBatchEngine` is the :class:`~medusa_runtime.batch.BatchEngine`
+(:func:`~.trt_plan.model_profiles`). :class:`TrtBatchEngine` is the :class:`~medusa_runtime.decode.batch.BatchEngine`
 the scheduler drives for them on TensorRT, the device twin of :class:`~.ort_batched.OrtBatchEngine`:
 
 * each sequence owns a :class:`~.trt.TrtKVCache` (one device allocation, freed on ``release``);
@@ -31,7 +31,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from ..artifact import Artifact, kv_layout, step_batch
+from ..contract.artifact import Artifact, kv_layout, step_batch
 from ..errors import ArtifactError
 from .base import RowInputs, StepResult
 from .cuda import CudaError, DeviceRows
@@ -49,7 +49,7 @@ class _Packed(NamedTuple):
 
 
 class TrtBatchEngine(TrtEngine):
-    """:class:`~.trt.TrtEngine` for a batched artifact, with the :class:`~medusa_runtime.batch.BatchEngine`
+    """:class:`~.trt.TrtEngine` for a batched artifact, with the :class:`~medusa_runtime.decode.batch.BatchEngine`
     interface (see the module docstring). ``step`` (one sequence) runs the plan as a batch of one.
 
     Args:

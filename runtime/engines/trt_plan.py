@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..artifact import level_graph
+from ..contract.artifact import level_graph
 from ..errors import ArtifactError, MedusaError
-from ..manifest import Manifest, TensorSpec, as_manifest
+from ..contract.manifest import Manifest, TensorSpec, as_manifest
 from .kvcache import compaction_slots
 
 #: Order of the model graph's optimization profiles in an engine (profile index = position).

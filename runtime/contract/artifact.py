@@ -14,11 +14,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .candidates import ProbabilityMap
-from .errors import ArtifactError, MedusaError
+from ..trees.calibration import ProbabilityMap
+from ..errors import ArtifactError, MedusaError
 from .manifest import MANIFEST, Manifest, ModelInfo, as_manifest  # noqa: F401  (MANIFEST: for the exporter)
 from .onnx_io import DeclaredTensor, declared_io
-from .tree import Tree, tree_from_json
+from ..trees.tree import Tree, tree_from_json
 
 def level_graph(depth: int) -> str:
     """The manifest's ``graphs`` / ``files`` key of the level-``depth`` graph of path-conditioned heads."""
@@ -43,7 +43,7 @@ class Artifact:
 
     Attributes:
         path: the directory.
-        manifest: the parsed, checked manifest.json (:class:`~medusa_runtime.manifest.Manifest`).
+        manifest: the parsed, checked manifest.json (:class:`~medusa_runtime.contract.manifest.Manifest`).
         tree: the tree the artifact was built for.
         head_accuracies: float64 [K, topk] calibrated a_k^(i) the tree was built from
             (Medusa paper §2.3.3), or None when the build had no calibration.
@@ -288,7 +288,7 @@ def check_graph_files(manifest: Manifest | dict, path: Path) -> None:
     """Each graph's I/O list in the manifest must match the inputs and outputs its ONNX file declares.
 
     Names (as sets), element types and every fixed dim are compared; symbolic dims may have other
-    names. The files are read with :func:`medusa_runtime.onnx_io.declared_io` (their I/O fields only).
+    names. The files are read with :func:`medusa_runtime.contract.onnx_io.declared_io` (their I/O fields only).
     With :func:`check_model_vs_graphs` this ties each manifest field the graphs fix to the graphs themselves.
 
     Raises:

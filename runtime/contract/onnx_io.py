@@ -1,6 +1,6 @@
 """The declared inputs and outputs of an ONNX file, read from its protobuf without the ``onnx`` package.
 
-Opening an artifact checks its manifest against the graphs themselves (:func:`medusa_runtime.artifact.check_graph_files`);
+Opening an artifact checks its manifest against the graphs themselves (:func:`medusa_runtime.contract.artifact.check_graph_files`);
 that needs only each graph's input and output names, element types and shapes, which sit in a few small
 fields of the file. This reader walks the protobuf wire format (https://protobuf.dev/programming-guides/encoding/)
 and seeks over everything else (nodes, initializers, whose raw data may be large), so it reads kilobytes of
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 #: ``TensorProto.DataType`` numbers -> the names the manifest uses (onnx/onnx.proto).
 ELEM_TYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 9: "bool",

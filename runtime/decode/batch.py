@@ -1,8 +1,8 @@
 """Many sequences through one engine: the batched engine interface, its looped reference, and the
 in-flight scheduler.
 
-Each sequence runs the decode loop of :class:`~medusa_runtime.loop.Decoding` (the same code as
-batch-1 :func:`~medusa_runtime.loop.generate`): its own KV cache, sampling stream (a generator
+Each sequence runs the decode loop of :class:`~medusa_runtime.decode.loop.Decoding` (the same code as
+batch-1 :func:`~medusa_runtime.decode.loop.generate`): its own KV cache, sampling stream (a generator
 seeded with its own seed), acceptance, stops and streaming callback. The :class:`Scheduler`
 only decides who runs when:
 
@@ -13,7 +13,7 @@ only decides who runs when:
   ``capabilities.batched``, else B calls (the looped reference below); the heads of the sequences that
   need them run after it (one call over the B rows, or one per row likewise): Medusa heads in
   one call, path-conditioned heads one call per tree level, each over the paths every sequence
-  chose at the level before (:class:`~medusa_runtime.candidates.HeadsCall`).
+  chose at the level before (:class:`~medusa_runtime.decode.candidates.HeadsCall`).
 
 KV rows are per sequence (``BatchEngine.row_cache``): compaction after acceptance
 (:meth:`~medusa_runtime.engines.kvcache.KVCache.keep`) writes only the slots of the sequence's own row.
@@ -52,13 +52,12 @@ import numpy as np
 
 from .acceptance import SamplingConfig
 from .candidates import HeadsCall
-from .engines.base import Capabilities, Engine, RowInputs, StepResult
-from .engines.kvcache import KVCache
-from .errors import ContextOverflowError, InvalidSettingError
+from ..engines.base import Capabilities, Engine, RowInputs, StepResult
+from ..engines.kvcache import KVCache
+from ..errors import ContextOverflowError, InvalidSettingError
 from .loop import (Decoding, GenerationResult, check_request, context_capacity, engine_sampling_route, engine_step,
                    run_heads)
-from .tree import Tree
-from .treespec import DynamicTree
+from ..trees.dynamic import StepTree
 
 #: Sequences per step when none is given (the CLI's --batch-size; Triton's batch_size parameter).
 DEFAULT_BATCH_SIZE = 8
@@ -93,10 +92,10 @@ def run_heads_rows(engine, rows: Sequence, calls: Sequence[HeadsCall]) -> list:
     Args:
         engine: the backend.
         rows: each sequence's [1, d] hidden row (host arrays).
-        calls: each sequence's :class:`~medusa_runtime.candidates.HeadsCall`.
+        calls: each sequence's :class:`~medusa_runtime.decode.candidates.HeadsCall`.
 
     Returns:
-        Per sequence, what :func:`~medusa_runtime.loop.run_heads` would return for it alone.
+        Per sequence, what :func:`~medusa_runtime.decode.loop.run_heads` would return for it alone.
     """
     kind, topk = calls[0].kind, calls[0].topk
     if kind == "topk":
@@ -116,7 +115,7 @@ class LoopedBatchEngine:
     """The reference :class:`BatchEngine`: one batch-1 call of ``engine`` per row.
 
     Works with every artifact (their step graphs take one sequence); each row's tokens are
-    those of :func:`~medusa_runtime.loop.generate` by construction. Its geometry and capabilities
+    those of :func:`~medusa_runtime.decode.loop.generate` by construction. Its geometry and capabilities
     are the engine's, ``batched`` False (one call per row); the heads methods are the engine's.
 
     Args:
@@ -173,7 +172,7 @@ class SequenceRequest:
         prompt_ids: the prompt's token ids (chat template applied), length >= 1.
         max_new_tokens: reply budget, exact, >= 0.
         sampling: the sequence's settings and seed (default: greedy).
-        on_tokens: the sequence's streaming callback, as :func:`~medusa_runtime.loop.generate`'s
+        on_tokens: the sequence's streaming callback, as :func:`~medusa_runtime.decode.loop.generate`'s
             (called with each step's emitted tokens; True or an int stops it).
         tree: the sequence's tree (default: the scheduler's), e.g. the root-only tree for
             plain one-token steps.
@@ -184,7 +183,7 @@ class SequenceRequest:
     max_new_tokens: int
     sampling: SamplingConfig | None = None
     on_tokens: Callable[[list[int]], bool | int | None] | None = None
-    tree: Tree | DynamicTree | None = None
+    tree: StepTree | None = None
     tag: object = None
 
 
@@ -234,7 +233,7 @@ class Scheduler:
     """In-flight batching: sequences join and leave at step boundaries; each runs its own decode loop.
 
     Not thread-safe: one thread calls :meth:`submit` and :meth:`step` (a server funnels its
-    requests to that thread, see :class:`medusa_runtime.serving.BatchServer`).
+    requests to that thread, see :class:`medusa_runtime.front.serving.BatchServer`).
 
     Args:
         engine: a :class:`BatchEngine` (or any batch-1 engine, wrapped in :class:`LoopedBatchEngine`).
@@ -244,11 +243,11 @@ class Scheduler:
         eos_token_ids: tokens that end a sequence (not emitted).
 
     Raises:
-        InvalidSettingError: ``max_batch`` < 1, or a bad ``capacity`` (:func:`~medusa_runtime.loop.context_capacity`).
+        InvalidSettingError: ``max_batch`` < 1, or a bad ``capacity`` (:func:`~medusa_runtime.decode.loop.context_capacity`).
         ContextOverflowError: ``capacity`` exceeds the engine's context.
     """
 
-    def __init__(self, engine, tree: Tree | DynamicTree, *, max_batch: int = DEFAULT_BATCH_SIZE, capacity: int | None = None,
+    def __init__(self, engine, tree: StepTree, *, max_batch: int = DEFAULT_BATCH_SIZE, capacity: int | None = None,
                  eos_token_ids: Sequence[int] = ()):
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise InvalidSettingError(f"the batch size must be an integer >= 1, got {max_batch!r}")

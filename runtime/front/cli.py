@@ -16,14 +16,14 @@ import time
 from contextlib import contextmanager
 from typing import TextIO
 
-from .acceptance import SAMPLING_SETTINGS, SamplingConfig
-from .engines import BACKENDS, DEFAULT_BACKEND
-from .engines.trt_plan import ENGINE_PRECISIONS
-from .batch import DEFAULT_BATCH_SIZE
-from .errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
+from ..decode.acceptance import SAMPLING_SETTINGS, SamplingConfig
+from ..engines import BACKENDS, DEFAULT_BACKEND
+from ..engines.trt_plan import ENGINE_PRECISIONS
+from ..decode.batch import DEFAULT_BATCH_SIZE
+from ..errors import (EXIT_CODES_HELP, EXIT_INTERRUPTED, ChatTemplateError, ContextOverflowError, InvalidSettingError,
                      MedusaError)
 from .prompts import PROMPT_FILE_FORMAT, read_prompt_file
-from .tokenizer import NO_TEMPLATE_MESSAGE
+from ..contract.tokenizer import NO_TEMPLATE_MESSAGE
 
 #: The argparse type of each sampling setting's wire dtype (runtime.acceptance.SETTING_DTYPES).
 _CLI_TYPES = {"float32": float, "int32": int, "int64": int, "string": str}
@@ -48,7 +48,7 @@ def sampling_from_args(args) -> SamplingConfig:
         InvalidSettingError: a value out of its range (named with the valid range), before any
             model is loaded; also a negative --max-new-tokens.
     """
-    from .errors import InvalidSettingError
+    from ..errors import InvalidSettingError
 
     if args.max_new_tokens < 0:
         raise InvalidSettingError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -112,13 +112,9 @@ def _session(args):
 
     check_threads(args.threads)
 
-    from .autotree import format_table
-    from .treespec import is_auto
+    from ..tuning.autotree import format_table
 
     tree = getattr(args, "tree", None)
-    auto = is_auto(tree)
-    if auto:
-        print("--tree auto: timing the tree step at several sizes on this engine ...", file=sys.stderr, flush=True)
     device = {} if getattr(args, "device_id", None) is None else {"device_id": args.device_id}
     precision = getattr(args, "engine_precision", None)
     if precision is not None:
@@ -128,9 +124,10 @@ def _session(args):
         device["precision"] = precision
     session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
                             max_context=getattr(args, "max_context", None), tree=tree, **device)
-    if auto:
+    if session.tree_resolution.timed_now:
         print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
-        print(f"--tree auto chose {session.tree.size} nodes (* above: most expected tokens/s)", file=sys.stderr)
+        print(f"{session.tree_source.split(',')[0]} chose {session.tree.size} nodes (* above: most expected tokens/s)",
+              file=sys.stderr)
     return session
 
 

@@ -23,8 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ArtifactError, ChatTemplateError
-from .stops import find_stop_string
+from ..errors import ArtifactError, ChatTemplateError
+from ..stops import find_stop_string
 
 #: transformers' ``clean_up_tokenization`` replacements, in its order.
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
@@ -113,7 +113,7 @@ class RuntimeTokenizer:
 
     @classmethod
     def from_artifact(cls, artifact) -> "RuntimeTokenizer":
-        """The tokenizer of a loaded :class:`~medusa_runtime.artifact.Artifact`.
+        """The tokenizer of a loaded :class:`~medusa_runtime.contract.artifact.Artifact`.
 
         Raises:
             ArtifactError: the manifest has no tokenizer section or a file is missing.

@@ -1,6 +1,6 @@
 """Candidates for a tree step: which tree, and which token on each node (pure numpy, no model).
 
-Four cases, one interface (:class:`Proposal` = a :class:`~medusa_runtime.tree.Tree` and the token
+Four cases, one interface (:class:`Proposal` = a :class:`~medusa_runtime.trees.tree.Tree` and the token
 of each of its nodes):
 
 ===================  ==========================================  =========================================
@@ -18,7 +18,7 @@ conditioned)         depth-(d-1) node with children, level by     per level (EAG
 backbone's greedy continuation that lies in the tree, so with v(n) = P(every node on the path
 root -> n is right), E[tokens per step] = 1 + sum_{n != root} v(n). We estimate
 v(n) = prod_{a on the path} c_d(q(a)), with q(a) the probability the head of depth d gave a and
-c_d the head's calibration map (:class:`ProbabilityMap`: P(right | ancestors right, q)). Since
+c_d the head's calibration map (:class:`~medusa_runtime.trees.calibration.ProbabilityMap`: P(right | ancestors right, q)). Since
 c_d <= 1, a child's v never exceeds its parent's, so the best T-node tree is the root plus the
 T - 1 nodes of largest v (ties to the shallower node): that set is always a tree.
 
@@ -29,15 +29,14 @@ positions and tokens (all derived from the :class:`Tree` each step).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Callable, Generator, NamedTuple, Sequence
 
 import numpy as np
 
-from .errors import InvalidTreeError
-from .manifest import HEAD_TYPES  # noqa: F401  (medusa heads read h_t alone; hydra heads also read the path)
-from .tree import Tree, gather_candidates, make_tree
-from .treespec import DynamicTree
+from ..errors import InvalidTreeError
+from ..contract.manifest import HEAD_TYPES  # medusa heads read h_t alone; hydra heads also read the path
+from ..trees.tree import Tree, gather_candidates, make_tree
+from ..trees.dynamic import DynamicTree, StepTree
 
 #: ``run_level(depth, path_ids int64 [R, depth]) -> (ids int64 [R, k], logprobs float32 [R, k])``: the
 #: path-conditioned head of that depth on R paths (root first), best first.
@@ -53,7 +52,7 @@ class Proposal(NamedTuple):
 
 class HeadsCall(NamedTuple):
     """One run of the heads a step's candidates need; the driver runs it on the engine (:func:`run_heads`
-    in :mod:`medusa_runtime.loop`, or batched over many sequences by :mod:`medusa_runtime.batch`) and sends
+    in :mod:`medusa_runtime.decode.loop`, or batched over many sequences by :mod:`medusa_runtime.decode.batch`) and sends
     the result back into the :data:`Plan`.
 
     ``kind`` and the result the plan expects:
@@ -75,54 +74,13 @@ class HeadsCall(NamedTuple):
 Plan = Generator[HeadsCall, object, Proposal]
 
 
-@dataclass(frozen=True)
-class ProbabilityMap:
-    """Per head, a monotone map from the head's log-probability of a candidate to P(the candidate is right).
-
-    Fitted on held-out replies by ``medusa-export calibrate`` (isotonic regression over
-    log-probability bins); stored as ``calibration`` in ``accuracies.json`` and the artifact's
-    ``tree.json``.
-
-    Attributes:
-        logprobs: float64 [B], increasing bin centres (log-probabilities <= 0).
-        p_right: float64 [K, B], non-decreasing along B, in [0, 1]; head k's P(right) at each centre.
-    """
-
-    logprobs: np.ndarray
-    p_right: np.ndarray
-
-    def __call__(self, depth: int, logprobs: np.ndarray) -> np.ndarray:
-        """P(right) of candidates of the head at ``depth`` (1-based) given their log-probabilities (any shape)."""
-        row = self.p_right[min(depth, len(self.p_right)) - 1]
-        return np.interp(np.asarray(logprobs, dtype=np.float64), self.logprobs, row)
-
-    def to_json(self) -> dict:
-        return {"logprobs": [round(float(x), 5) for x in self.logprobs],
-                "p_right": [[round(float(p), 6) for p in row] for row in self.p_right]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ProbabilityMap":
-        """Inverse of :meth:`to_json`.
-
-        Raises:
-            InvalidTreeError: shapes that do not match, bins not increasing, or values outside [0, 1].
-        """
-        x = np.asarray(data["logprobs"], dtype=np.float64)
-        p = np.asarray(data["p_right"], dtype=np.float64)
-        if x.ndim != 1 or p.ndim != 2 or p.shape[1] != x.size or np.any(np.diff(x) <= 0) \
-                or np.any((p < 0) | (p > 1)):
-            raise InvalidTreeError(f"bad calibration map: logprobs {x.shape} must increase and p_right "
-                                   f"{p.shape} be [heads, {x.size}] probabilities")
-        return cls(x, p)
-
-
 # ---------------------------------------------------------------------------
 # Static trees
 # ---------------------------------------------------------------------------
 
 
 def static_medusa(root: int, heads_ids: np.ndarray, tree: Tree) -> Proposal:
-    """Medusa heads on a static tree: :func:`~medusa_runtime.tree.gather_candidates`.
+    """Medusa heads on a static tree: :func:`~medusa_runtime.trees.tree.gather_candidates`.
 
     Args:
         root: the backbone's next token.
@@ -303,7 +261,14 @@ def dynamic_levels(root: int, run_level: RunLevel, spec: DynamicTree) -> Proposa
     return run_plan(plan_dynamic_levels(root, spec), _levels(run_level))
 
 
-def plan_for(head_type: str, tree: "Tree | DynamicTree") -> Callable[[int], Plan]:
+#: The candidate plan of each (head type, tree policy): the table in :func:`plan_for`.
+PLANS: dict[tuple[str, str], Callable[[int, StepTree], Plan]] = {
+    ("medusa", "static"): plan_static_medusa, ("medusa", "dynamic"): plan_dynamic_medusa,
+    ("hydra", "static"): plan_static_levels, ("hydra", "dynamic"): plan_dynamic_levels,
+}
+
+
+def plan_for(head_type: str, tree: StepTree) -> Callable[[int], Plan]:
     """The candidate choice of a step for a head type and a tree policy: ``root -> Plan``.
 
     ========  ============================  =============================
@@ -316,12 +281,10 @@ def plan_for(head_type: str, tree: "Tree | DynamicTree") -> Callable[[int], Plan
     Raises:
         InvalidTreeError: a head type other than :data:`HEAD_TYPES`.
     """
-    dynamic = isinstance(tree, DynamicTree)
-    if head_type == "hydra":
-        return (lambda root: plan_dynamic_levels(root, tree)) if dynamic else (lambda root: plan_static_levels(root, tree))
-    if head_type != "medusa":
+    if head_type not in HEAD_TYPES:
         raise InvalidTreeError(f"unknown head type {head_type!r}; the runtime runs {', '.join(HEAD_TYPES)} heads")
-    return (lambda root: plan_dynamic_medusa(root, tree)) if dynamic else (lambda root: plan_static_medusa(root, tree))
+    plan = PLANS[head_type, tree.policy]
+    return lambda root: plan(root, tree)
 
 
 def expected_tokens(scores_per_node: Sequence[float]) -> float:

@@ -1,7 +1,7 @@
 """The ``--tree`` grammar, in one place: what a tree spec may say, and the tree it resolves to.
 
 Pure (no engine, no model); the only I/O is reading a tree JSON file. ``medusa-export build``, the
-runtime's CLIs, :class:`~medusa_runtime.session.MedusaSession`, Triton and the tree cache all parse a
+runtime's CLIs, :class:`~medusa_runtime.front.session.MedusaSession`, Triton and the tree cache all parse a
 spec with :func:`parse_tree_spec` and resolve it with :func:`tree_from_spec`; no other module spells a
 spec's words.
 
@@ -14,12 +14,12 @@ spec                kind             meaning
 ``auto``            ``auto``         the size with the most expected tokens/s, timed on an engine
 ``auto:dynamic``    ``auto``         the same over per-step trees
 ``artifact``        ``artifact``     the tree an artifact was built with
-``FILE``            ``file``         a JSON file of ``medusa_choices`` (:func:`~medusa_runtime.tree.load_tree`)
+``FILE``            ``file``         a JSON file of ``medusa_choices`` (:func:`~medusa_runtime.trees.tree.load_tree`)
 ==================  ===============  ======================================================================
 
 ``auto`` and ``artifact`` need an artifact (an engine to time, a tree it was built with), so
 :func:`tree_from_spec` refuses them; the session and the build resolve them (the session through
-:mod:`medusa_runtime.autotree` and :mod:`medusa_runtime.treecache`).
+:mod:`medusa_runtime.tuning.autotree` and :mod:`medusa_runtime.tuning.treecache`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from .errors import InvalidTreeError
-from .tree import DEFAULT_TOPK, Tree, chain_tree, default_accuracies, greedy_tree, load_tree, make_tree
+from ..errors import InvalidTreeError
+from .dynamic import DynamicTree, StepTree
+from .tree import DEFAULT_TOPK, chain_tree, default_accuracies, greedy_tree, load_tree, make_tree
 
-#: ``--tree auto``: time the tree step at several sizes on the engine, keep the fastest (medusa_runtime.autotree).
+#: ``--tree auto``: time the tree step at several sizes on the engine, keep the fastest (medusa_runtime.tuning.autotree).
 AUTO = "auto"
 #: ``--tree auto:dynamic``: the same over per-step trees.
 AUTO_DYNAMIC = f"{AUTO}:dynamic"
@@ -49,9 +49,6 @@ PRESETS = {
 }
 #: The kinds of spec (:attr:`TreeSpec.kind`).
 KINDS = ("size", "preset", "dynamic", "auto", "artifact", "file")
-
-#: Beam width W of per-step trees for path-conditioned heads (EAGLE-2 uses 10 on a GPU).
-DEFAULT_WIDTH = 8
 
 _FILE_OR_PRESET = f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
 #: What a spec may be, for error messages.
@@ -150,59 +147,6 @@ def most_nodes(num_heads: int, topk: int) -> int:
     return 1 + sum(topk**d for d in range(1, num_heads + 1))
 
 
-def raw_probability(depth: int, logprobs: np.ndarray) -> np.ndarray:
-    """The uncalibrated estimate of a candidate being right: P(right) = exp(log-probability), float64, any shape."""
-    return np.exp(np.asarray(logprobs, dtype=np.float64))
-
-
-@dataclass(frozen=True)
-class DynamicTree:
-    """A per-step tree of fixed size: what ``--tree dynamic:T`` asks for (chosen each step by
-    :mod:`medusa_runtime.candidates`).
-
-    Attributes:
-        size: T, nodes per step (root included), the same every step.
-        num_heads: heads K (the depth limit).
-        topk: candidates taken per head and parent.
-        width: W, nodes expanded per level by path-conditioned heads (the beam; EAGLE-2 uses 10).
-        calibration: the heads' calibration map ``(depth, logprobs) -> P(right)`` (a
-            :class:`~medusa_runtime.candidates.ProbabilityMap`), or None for raw probabilities.
-
-    Raises:
-        InvalidTreeError: size < 1, width/topk/num_heads < 1, or more nodes than K heads of top-k with
-            beam W can give (the message names the most).
-    """
-
-    size: int
-    num_heads: int
-    topk: int = DEFAULT_TOPK
-    width: int = DEFAULT_WIDTH
-    calibration: Callable[[int, np.ndarray], np.ndarray] | None = None
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise InvalidTreeError(f"a per-step tree needs at least 1 node (the root), got {self.size}")
-        if self.width < 1 or self.topk < 1 or self.num_heads < 1:
-            raise InvalidTreeError(f"width, topk and num_heads must be >= 1, got {self.width}, {self.topk}, "
-                                   f"{self.num_heads}")
-        most, level = 0, 1
-        for _ in range(self.num_heads):  # each level expands at most W of the previous level's nodes
-            level = min(level, self.width) * self.topk
-            most += level
-        if self.size - 1 > most:
-            raise InvalidTreeError(f"a per-step tree of {self.size} nodes needs more candidates than {self.num_heads} "
-                                   f"heads x top-{self.topk} (beam {self.width}) give ({most}); choose at most "
-                                   f"{most + 1} nodes")
-
-    @property
-    def max_depth(self) -> int:
-        return self.num_heads if self.size > 1 else 0
-
-    def probability(self) -> Callable[[int, np.ndarray], np.ndarray]:
-        """The map log-probability -> P(right) it uses (calibrated, or :func:`raw_probability`)."""
-        return self.calibration if self.calibration is not None else raw_probability
-
-
 def tree_from_spec(
     spec: str | int | TreeSpec,
     *,
@@ -210,20 +154,20 @@ def tree_from_spec(
     accuracies: np.ndarray | None = None,
     topk: int = DEFAULT_TOPK,
     calibration=None,
-) -> Tree | DynamicTree:
+) -> StepTree:
     """Resolve a ``--tree`` value that needs no artifact: a node budget, a preset, ``dynamic:T`` or a JSON file.
 
     Args:
         spec: a spec (see :func:`parse_tree_spec`) or an already parsed :class:`TreeSpec`.
         num_heads: number of Medusa heads K.
-        accuracies: float [K', topk] calibrated a_k^(i), or None (:func:`~medusa_runtime.tree.default_accuracies`).
+        accuracies: float [K', topk] calibrated a_k^(i), or None (:func:`~medusa_runtime.trees.tree.default_accuracies`).
             Rows beyond K are ignored.
         topk: candidate top-k for presets, budgets and JSON lists without their own.
-        calibration: the heads' :class:`~medusa_runtime.candidates.ProbabilityMap` for per-step trees (None:
+        calibration: the heads' :class:`~medusa_runtime.trees.calibration.ProbabilityMap` for per-step trees (None:
             raw probabilities).
 
     Returns:
-        A :class:`~medusa_runtime.tree.Tree`, or a :class:`DynamicTree` for ``dynamic:T``.
+        A :class:`~medusa_runtime.trees.tree.Tree`, or a :class:`DynamicTree` for ``dynamic:T``.
 
     Raises:
         InvalidTreeError: everything :func:`parse_tree_spec` raises; ``auto`` or ``artifact`` (they need an

@@ -28,8 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InvalidSettingError, UnsupportedSamplingError
-from .tree import Tree
+from ..errors import InvalidSettingError, UnsupportedSamplingError
+from ..trees.tree import Tree
 
 #: Largest accepted sampling temperature. The step computes log-softmax(logits / T) in float32, whose
 #: spacing near a log-probability of -log(V) (about -7 to -12 for vocabularies of 1e3 to 2e5 tokens, binade
@@ -90,7 +90,7 @@ def _setting(default, dtype: str, help: str, choices: Callable[[], tuple[str, ..
 @dataclass(frozen=True)
 class SamplingConfig:
     """How a generation picks its tokens; the one place the defaults of every sampling setting live
-    (the CLIs, :class:`~medusa_runtime.session.MedusaSession` and the Triton request parser read them here).
+    (the CLIs, :class:`~medusa_runtime.front.session.MedusaSession` and the Triton request parser read them here).
 
     Attributes:
         temperature: 0 = greedy decoding; > 0 = sample from softmax(logits / temperature).
@@ -109,7 +109,7 @@ class SamplingConfig:
 
     Every field is a setting of every entry point, declared once here with :func:`_setting`: the
     CLI's ``--name-with-dashes`` option (``add_sampling_args``), the serving request field of the
-    same name (``medusa_runtime.serving``) and the Triton model's input (``medusa-export triton``)
+    same name (``medusa_runtime.front.serving``) and the Triton model's input (``medusa-export triton``)
     are made from :data:`SAMPLING_SETTINGS`, so a setting added here (e.g. a new rule's parameter)
     reaches all of them.
 

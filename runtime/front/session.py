@@ -9,7 +9,7 @@ engine on the chosen backend and the tokenizer, and offers:
   ``vanilla=True`` for one token per step through the same engine (the root-only tree), and
   a streaming callback that receives text deltas;
 * :meth:`MedusaSession.generate_batch`: many prompts, up to ``batch_size`` sequences sharing
-  each step (in-flight batching, :mod:`medusa_runtime.batch`), each decoded exactly as
+  each step (in-flight batching, :mod:`medusa_runtime.decode.batch`), each decoded exactly as
   :meth:`~MedusaSession.generate` decodes it alone;
 * :meth:`MedusaSession.chat`: multi-turn chat with the chat template. The KV cache is
   kept between turns and reused for the longest prefix of token ids that the new
@@ -26,19 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .acceptance import SamplingConfig, sampling_config
-from .artifact import Artifact, load_artifact
-from .autotree import TreeTiming, auto_tree, candidate_trees
-from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
-from .engines import DEFAULT_BACKEND, backend_spec, create_engine
-from .engines.kvcache import KVCache
-from .errors import ChatTemplateError, MedusaError
-from .loop import GenerationResult, engine_sampling_route, generate, runs_dynamic_trees
-from .tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
-from .tree import Tree, default_accuracies, make_tree
-from .treecache import ( DEFAULT_SPEC, DefaultTree, artifact_identity, backend_fingerprint,
-                        TREE_ENV, cached_choice, default_spec, machine_fingerprint, timing_key)
-from .treespec import DynamicTree, auto_policy, is_artifact, is_auto, tree_from_spec
+from ..contract.artifact import Artifact, load_artifact
+from ..contract.tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
+from ..decode.acceptance import SamplingConfig, sampling_config
+from ..decode.batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
+from ..decode.loop import GenerationResult, engine_sampling_route, generate
+from ..engines import DEFAULT_BACKEND, create_engine
+from ..engines.kvcache import KVCache
+from ..errors import ChatTemplateError, MedusaError
+from ..trees.tree import Tree, make_tree
+from ..tuning.autotree import TreeTiming
+from ..tuning.resolve import ResolvedTree, TreeContext, resolve_tree
+from ..tuning.treecache import DefaultTree
 
 #: Reply budget when none is given (generate, the CLIs, Triton requests).
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -171,7 +170,7 @@ class MedusaSession:
         threads: intra-op threads for CPU work (None: ONNX Runtime's default).
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
         tree: the tree to run. Default (None): ``$MEDUSA_EXPORT_TREE``, else the tree that is fastest
-            on this engine and machine, timed once and cached (:mod:`medusa_runtime.treecache`; per-step
+            on this engine and machine, timed once and cached (:mod:`medusa_runtime.tuning.treecache`; per-step
             trees when the artifact was built with ``--tree dynamic:T``; :attr:`default_tree` says how
             it was obtained); engines built for the artifact's tree (TensorRT plans) run that tree. Else a
             :class:`Tree` or a ``--tree`` spec: "artifact" (the tree it was built with, per-step when built
@@ -179,7 +178,7 @@ class MedusaSession:
             from the heads' calibrated probabilities); on TensorRT plans a tree of another size runs on the
             prefill profile. ``"auto"`` times the tree step
             at several sizes now, uncached, and keeps the one with the most expected tokens per second
-            (:mod:`medusa_runtime.autotree`); ``"auto:dynamic"`` does so for per-step trees. The timed
+            (:mod:`medusa_runtime.tuning.autotree`); ``"auto:dynamic"`` does so for per-step trees. The timed
             table is in :attr:`tree_timings`.
         full_verify: hash every file, even the large weights, when opening.
         progress: called with a line per measurement of ``tree="auto"`` (default: silent).
@@ -206,83 +205,20 @@ class MedusaSession:
         self.tokenizer = RuntimeTokenizer.from_artifact(self.artifact)
         self.backend = backend
         self.engine = create_engine(self.artifact, backend, threads=threads, **engine_options)
-        self._progress = progress
-        self.tree_timings: list[TreeTiming] = []
+        ctx = TreeContext.of_artifact(self.artifact, self.engine, backend=backend, threads=threads,
+                                      capacity=self.max_context, progress=progress, notice=notice)
+        #: The resolved tree: where it came from, the timed table (``auto``), how the default was obtained.
+        self.tree_resolution: ResolvedTree = resolve_tree(tree, ctx)
+        self.tree = self.tree_resolution.tree
         #: How the default tree was obtained (timed now or cached); None when a tree was given.
-        self.default_tree: DefaultTree | None = None
+        self.default_tree: DefaultTree | None = self.tree_resolution.default
         #: Where the tree comes from, for summaries ("fastest here, cached", "given", ...).
-        self.tree_source = f"--tree {tree}" if isinstance(tree, str) else "as given"
-        self.tree = self._resolve_tree(tree, threads, notice)
+        self.tree_source = self.tree_resolution.source
+        self.tree_timings: list[TreeTiming] = list(self.tree_resolution.timings)
         self.vanilla_tree = make_tree([], num_heads=self.engine.num_heads, topk=self.tree.topk)
         self._chat = _Chat()
         self._batch_engine = None
         self._closed = False
-
-    def _resolve_tree(self, tree: Tree | DynamicTree | str | None, threads: int | None,
-                      notice: Callable[[str], None] | None) -> Tree | DynamicTree:
-        base = self.artifact.tree
-        if tree is None:
-            tree = default_spec()
-            if backend_spec(self.backend).fixed_tree:  # e.g. TensorRT plans: BackendSpec.fixed_tree
-                self.tree_source = "the tree the engine was built for"
-                if notice:
-                    notice(f"the {self.backend} engine is built for the artifact's {base.size}-node tree: running it "
-                           f"(no timing of other sizes; --tree picks another)")
-                return base
-            if tree == DEFAULT_SPEC:
-                return self._fastest_tree(threads, notice)
-            self.tree_source = f"${TREE_ENV}={tree}"
-        if is_artifact(tree):
-            # the artifact's tree, or the per-step trees it was built for (build --tree dynamic:T)
-            self.tree_source = "the artifact's"
-            tree = self.artifact.manifest.tree.policy
-            if not tree or not runs_dynamic_trees(self.engine.capabilities):  # heads without log-probabilities
-                return base
-        acc = self.artifact.head_accuracies
-        art = self.artifact
-        if is_auto(tree):
-            self.tree_source = f"--tree {tree.strip()}, timed now"
-            tree, self.tree_timings = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk,
-                                                progress=self._progress, policy=auto_policy(tree),
-                                                calibration=art.calibration, simulated=art.simulated)
-            return tree
-        if not isinstance(tree, (Tree, DynamicTree)):
-            tree = tree_from_spec(tree, num_heads=self.engine.num_heads, topk=base.topk, accuracies=acc,
-                                  calibration=art.calibration)
-        if tree.topk > base.topk or tree.max_depth > self.engine.num_heads:
-            raise MedusaError(f"tree (topk {tree.topk}, depth {tree.max_depth}) exceeds the artifact's heads graph "
-                              f"(topk {base.topk}, {self.engine.num_heads} heads)")
-        return tree
-
-    def _policy(self) -> str:
-        """The tree policy the artifact was built for: "dynamic" (per-step trees, when the engine runs them)."""
-        dynamic = self.artifact.manifest.tree.policy and runs_dynamic_trees(self.engine.capabilities)
-        return "dynamic" if dynamic else "static"
-
-    def _fastest_tree(self, threads: int | None, notice: Callable[[str], None] | None) -> Tree | DynamicTree:
-        """The default tree: the cached ``--tree auto`` choice for this artifact, machine and backend, timed and
-        cached when there is none or it is stale (:mod:`medusa_runtime.treecache`)."""
-        art, base, policy = self.artifact, self.artifact.tree, self._policy()
-        key = timing_key(artifact=artifact_identity({f: c.sha256 for f, c in art.manifest.checksums.items()}),
-                         machine=machine_fingerprint(), backend=backend_fingerprint(self.backend, self.engine, threads),
-                         capacity=self.max_context, policy=policy)
-        acc = art.head_accuracies if art.head_accuracies is not None else \
-            default_accuracies(self.engine.num_heads, base.topk)
-
-        def measure():
-            tree, table = auto_tree(self.engine, acc, capacity=self.max_context, topk=base.topk, progress=self._progress,
-                                    policy=policy, calibration=art.calibration, simulated=art.simulated,
-                                    sizes=key["sizes"], margin=key["margin"])
-            return tree.size, table
-
-        choice = cached_choice(art.path, key, measure)
-        self.default_tree, self.tree_timings = choice, list(choice.record.table)
-        self.tree_source = choice.describe()
-        if choice.timed and notice:
-            notice(choice.notice())
-        # the chosen size's tree, as auto_tree made it (greedy trees are a function of the accuracies)
-        return candidate_trees(acc, [choice.record.chosen], num_heads=self.engine.num_heads, topk=base.topk,
-                               policy=policy, calibration=art.calibration)[choice.record.chosen]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -392,7 +328,7 @@ class MedusaSession:
         """Generate replies to many prompts, up to ``batch_size`` sequences sharing each step.
 
         Sequences join as rows free up and leave when they finish (in-flight batching,
-        :class:`~medusa_runtime.batch.Scheduler`). Each sequence decodes exactly as
+        :class:`~medusa_runtime.decode.batch.Scheduler`). Each sequence decodes exactly as
         :meth:`generate` would decode it alone (its own seed, stops and KV row): the same
         tokens for the same prompt and settings.
 
@@ -456,7 +392,7 @@ class MedusaSession:
 
     @property
     def batch_engine(self):
-        """The engine as a :class:`~medusa_runtime.batch.BatchEngine` (one batch-1 call per row for
+        """The engine as a :class:`~medusa_runtime.decode.batch.BatchEngine` (one batch-1 call per row for
         artifacts whose step graphs take one sequence)."""
         if self._batch_engine is None:
             self._batch_engine = batch_engine(self.engine)

@@ -3,12 +3,12 @@
 prefill -> candidates from the heads -> one step over the tree (tree mask, position =
 past length + depth) -> host-side acceptance -> KV compaction -> stops, repeated.
 
-The loop is written once and driven by an :class:`~.engines.base.Engine`: ONNX Runtime or TensorRT in
+The loop is written once and driven by an :class:`~medusa_runtime.engines.base.Engine`: ONNX Runtime or TensorRT in
 deployment, PyTorch for the reference (``medusa_export.model.decode.TorchEngine``). It owns the
 KV buffers (numpy, sequence-major ``[1, capacity, H_kv, D]`` per layer and K/V), hands the
 engine views of their valid prefix (no copy) and keeps only the accepted nodes' K/V. Engines
 whose step writes into the cache itself bring their own cache (``make_cache``), e.g. the
-head-major :class:`~.engines.kvcache.HeadMajorKVCache` of ``ort-fused`` artifacts.
+head-major :class:`~medusa_runtime.engines.kvcache.HeadMajorKVCache` of ``ort-fused`` artifacts.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 
 from .acceptance import PositionUniforms, SamplingConfig, draw_tokens, sampling_route
 from .candidates import HeadsCall, Plan, Proposal, plan_for, run_plan
-from .engines.base import Capabilities, Engine, RowInputs, SamplerInputs, StepResult
-from .engines.kvcache import KVCache, fits
-from .errors import ContextOverflowError, InvalidPromptError, InvalidSettingError, InvalidTreeError
-from .stops import apply_stops
-from .tree import Tree, make_tree
-from .treespec import DynamicTree
+from ..engines.base import Capabilities, Engine, RowInputs, SamplerInputs, StepResult
+from ..engines.kvcache import KVCache, fits
+from ..errors import ContextOverflowError, InvalidPromptError, InvalidSettingError, InvalidTreeError
+from ..stops import apply_stops
+from ..trees.tree import make_tree
+from ..trees.dynamic import StepTree
 
 
 def runs_dynamic_trees(caps: Capabilities) -> bool:
@@ -36,22 +36,22 @@ def runs_dynamic_trees(caps: Capabilities) -> bool:
     return caps.head_type == "hydra" or caps.heads_logprobs
 
 
-def check_heads(engine: Engine, tree: Tree | DynamicTree) -> None:
+def check_heads(engine: Engine, tree: StepTree) -> None:
     """Refuse a tree policy the engine's heads cannot run (before any work), from its declared
-    :class:`~.engines.base.Capabilities`.
+    :class:`~medusa_runtime.engines.base.Capabilities`.
 
     Raises:
         InvalidTreeError: a per-step tree on an engine that cannot run one (:func:`runs_dynamic_trees`:
             Medusa heads whose graph returns no log-probabilities; the message says to rebuild the
             artifact or use a static tree).
     """
-    if tree.size > 1 and isinstance(tree, DynamicTree) and not runs_dynamic_trees(engine.capabilities):
+    if tree.size > 1 and tree.policy == "dynamic" and not runs_dynamic_trees(engine.capabilities):
         raise InvalidTreeError("per-step trees (--tree dynamic:T) need the heads' log-probabilities, which this "
                                "artifact's heads graph does not return: rebuild it, or use a static --tree")
 
 
 def run_heads(engine: Engine, hidden_row, call: HeadsCall):
-    """Answer one :class:`~medusa_runtime.candidates.HeadsCall` of one sequence with the engine's heads.
+    """Answer one :class:`~medusa_runtime.decode.candidates.HeadsCall` of one sequence with the engine's heads.
 
     Args:
         engine: the backend.
@@ -60,7 +60,7 @@ def run_heads(engine: Engine, hidden_row, call: HeadsCall):
         call: what the sequence's candidate choice needs.
 
     Returns:
-        What the call's kind expects (see :class:`~medusa_runtime.candidates.HeadsCall`).
+        What the call's kind expects (see :class:`~medusa_runtime.decode.candidates.HeadsCall`).
     """
     if call.kind == "topk":
         return engine.heads(hidden_row, call.topk)[0]
@@ -70,14 +70,14 @@ def run_heads(engine: Engine, hidden_row, call: HeadsCall):
     return engine.heads_level(call.depth, hidden_row, call.path_ids, call.topk)
 
 
-def proposer(engine: Engine, tree: Tree | DynamicTree, timed: Callable = lambda f, *a: f(*a)
+def proposer(engine: Engine, tree: StepTree, timed: Callable = lambda f, *a: f(*a)
              ) -> Callable[[object, int], Proposal]:
     """A step's candidates for the engine's head type and the tree policy, the heads run at once
     (benchmarks and ``--tree auto`` time it; the decode loop runs the same plan through :class:`Decoding`).
 
     Args:
         engine: the backend (``capabilities.head_type`` and the heads methods, see :class:`Engine`).
-        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.treespec.DynamicTree` (per-step
+        tree: a static :class:`Tree`, or a :class:`~medusa_runtime.trees.dynamic.DynamicTree` (per-step
             trees of fixed size).
         timed: ``timed(fn, *args)`` calls ``fn(*args)`` (e.g. adding its time to a total).
 
@@ -163,7 +163,7 @@ def context_capacity(engine: Engine, max_context: int | None) -> int:
 
 
 def engine_sampling_route(engine: Engine, sampling: SamplingConfig, step_topk: int | None = None) -> str:
-    """:func:`~medusa_runtime.acceptance.sampling_route` for an engine ("greedy", "host" or "graph").
+    """:func:`~medusa_runtime.decode.acceptance.sampling_route` for an engine ("greedy", "host" or "graph").
 
     Args:
         engine: the backend (its ``capabilities``: ``step_topk``, ``vocab_size``, ``sampler``).
@@ -213,7 +213,7 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None) -> np.nd
     return np.asarray(ids, dtype=np.int64)
 
 
-def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree | DynamicTree,
+def check_request(engine: Engine, prompt_ids: Sequence[int], tree: StepTree,
                   max_new_tokens: int) -> np.ndarray:
     """The prompt as int64 [n] after checking a generation's settings against the engine.
 
@@ -234,7 +234,7 @@ def check_request(engine: Engine, prompt_ids: Sequence[int], tree: Tree | Dynami
 
 class Decoding:
     """One sequence's decode loop, one engine call at a time: what :func:`generate` runs, and what
-    the batch scheduler (:mod:`medusa_runtime.batch`) runs for each of its sequences.
+    the batch scheduler (:mod:`medusa_runtime.decode.batch`) runs for each of its sequences.
 
     The driver asks :meth:`inputs` for the next call (the prefill first, then tree steps), runs
     the engine on them over :attr:`cache`'s past, hands the result to :meth:`advance`
@@ -244,8 +244,8 @@ class Decoding:
     None. Everything that depends on the sequence (its sampling stream, stops, cache) lives
     here, so sequences never share state.
 
-    The next step's candidates are a :data:`~medusa_runtime.candidates.Plan` of the engine's head
-    type and the tree policy (:func:`~medusa_runtime.candidates.plan_for`): Medusa heads need one
+    The next step's candidates are a :data:`~medusa_runtime.decode.candidates.Plan` of the engine's head
+    type and the tree policy (:func:`~medusa_runtime.decode.candidates.plan_for`): Medusa heads need one
     heads call (their top-k, with log-probabilities for a per-step tree); path-conditioned heads
     one call per tree level, each on the paths the level before chose. Whoever drives the
     sequence runs the calls, so the batch scheduler runs a level for all its sequences at once.
@@ -259,7 +259,7 @@ class Decoding:
         ContextOverflowError: the prompt does not fit the cache.
     """
 
-    def __init__(self, engine: Engine, prompt_ids: Sequence[int], tree: Tree | DynamicTree, *, max_new_tokens: int,
+    def __init__(self, engine: Engine, prompt_ids: Sequence[int], tree: StepTree, *, max_new_tokens: int,
                  cache,
                  eos_token_ids: Sequence[int] = (), sampling: SamplingConfig | None = None,
                  on_tokens: Callable[[list[int]], bool | int | None] | None = None):
@@ -277,7 +277,7 @@ class Decoding:
         self.done = max_new_tokens == 0
         self.root_tree = make_tree([], num_heads=engine.num_heads, topk=tree.topk)
         self.mode = self.sampling.mode
-        self.rule = self.sampling.rule  # medusa_runtime.acceptance.ACCEPTANCE_RULES
+        self.rule = self.sampling.rule  # medusa_runtime.decode.acceptance.ACCEPTANCE_RULES
         self.rule_params = self.rule.params(self.sampling) if self.rule.params is not None else None
         self.temperature = self.sampling.temperature if self.rule.sampled else 1.0
         self.uniforms = PositionUniforms(self.sampling.seed)
@@ -424,7 +424,7 @@ class Decoding:
 def generate(
     engine: Engine,
     prompt_ids: Sequence[int],
-    tree: Tree | DynamicTree,
+    tree: StepTree,
     *,
     max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -435,7 +435,7 @@ def generate(
 ) -> GenerationResult:
     """Generate with Medusa: greedy (lossless vs plain greedy), exact sampling, or typical acceptance.
 
-    Tokens are drawn as :mod:`medusa_runtime.acceptance` describes: the token of generated
+    Tokens are drawn as :mod:`medusa_runtime.decode.acceptance` describes: the token of generated
     position m with the m-th uniform of one generator seeded with ``sampling.seed``, from the
     step's top-k outputs on the host, or by the in-graph sampler (``sampled_ids``) when the
     settings need the whole vocabulary and the engine has it (:func:`engine_sampling_route`).
@@ -446,7 +446,7 @@ def generate(
         prompt_ids: the prompt's token ids (chat template applied), length >= 1. With
             ``cache`` given, these are the tokens *after* the cache's valid prefix.
         tree: the token tree; ``make_tree([])`` (root only) gives plain one-token steps; a
-            :class:`~medusa_runtime.treespec.DynamicTree` chooses a tree of its size every step.
+            :class:`~medusa_runtime.trees.dynamic.DynamicTree` chooses a tree of its size every step.
         max_new_tokens: maximum emitted tokens (exact), >= 0.
         eos_token_ids: tokens that end generation (not emitted).
         max_context: KV capacity in tokens (default: the engine's ``max_context``, i.e. the
@@ -458,7 +458,7 @@ def generate(
             generation after them (finish_reason "stop"; used for stop strings); returning an
             int n stops after the first n of them; None or False continues.
         cache: a cache to continue from (multi-turn chat; the caller frees it); a new one when None, freed
-            (:meth:`~.engines.kvcache.CacheState.free`) when the generation ends, even by an exception.
+            (:meth:`~medusa_runtime.engines.kvcache.CacheState.free`) when the generation ends, even by an exception.
 
     Raises:
         InvalidSettingError: empty prompt, max_new_tokens < 0, a bad max_context.

@@ -26,7 +26,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ArtifactError
+from ..errors import ArtifactError
 
 ARTIFACT_FORMAT = "medusa-export-artifact"
 #: The ``format_version`` the exporter writes.

@@ -1,8 +1,8 @@
 """The default tree: ``--tree auto`` measured once per artifact, machine and backend, and cached.
 
-When no ``--tree`` is given, ``generate``, ``chat``, :class:`~medusa_runtime.session.MedusaSession`
+When no ``--tree`` is given, ``generate``, ``chat``, :class:`~medusa_runtime.front.session.MedusaSession`
 and the Triton model run the tree that is fastest on the engine and machine they run on: the
-choice of :func:`medusa_runtime.autotree.auto_tree` (tree step and heads timed at several sizes,
+choice of :func:`medusa_runtime.tuning.autotree.auto_tree` (tree step and heads timed at several sizes,
 expected tokens per second from the heads' calibration). The timing takes a few seconds, so it is
 made once and kept in a small JSON file per artifact in the user cache (:func:`cache_dir`), one
 record per key it was measured under: the artifact's identity (the SHA-256 of its checksum table),
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from .autotree import DEFAULT_MARGIN, DEFAULT_SIZES, TreeTiming
-from .engines import BACKENDS
-from .treespec import ARTIFACT, AUTO
+from ..engines import BACKENDS
+from ..trees.treespec import ARTIFACT, AUTO
 
 #: Environment variable: the tree spec used when no ``--tree`` is given.
 TREE_ENV = "MEDUSA_EXPORT_TREE"
@@ -126,7 +126,7 @@ class TreeRecord:
     Attributes:
         key: :func:`timing_key` it was measured under.
         chosen: node count of the chosen tree (1 = plain decoding).
-        table: every timed size (:class:`~medusa_runtime.autotree.TreeTiming`).
+        table: every timed size (:class:`~medusa_runtime.tuning.autotree.TreeTiming`).
         seconds: how long the timing took, seconds.
         measured_at: when (Unix time, seconds).
     """

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import InvalidTreeError
+from ..errors import InvalidTreeError
 
 #: Candidate top-k taken from each Medusa head when a tree does not say otherwise
 #: (FasterDecoding/Medusa uses 10).
@@ -82,6 +82,15 @@ class Tree:
     def max_depth(self) -> int:
         """Depth of the deepest node (0 for a root-only tree)."""
         return max((len(c) for c in self.choices), default=0)
+
+    #: A static tree (:data:`~medusa_runtime.trees.dynamic.StepTree`'s "static"): the same nodes every step.
+    policy = "static"
+    #: The manifest's ``tree.policy`` of a static tree: none.
+    policy_spec = ""
+
+    def static_shape(self, accuracies=None) -> "Tree":
+        """Itself (a per-step tree answers with the static tree of its size; ``accuracies`` is unused here)."""
+        return self
 
     def buffers(self) -> TreeBuffers:
         """Derive the tree buffers (cached on first call). See :class:`TreeBuffers`."""
@@ -331,7 +340,7 @@ def greedy_tree(budget: int, accuracies: np.ndarray, *, topk: int | None = None)
 
 
 # ---------------------------------------------------------------------------
-# Presets and JSON (the --tree grammar: medusa_runtime.treespec)
+# Presets and JSON (the --tree grammar: medusa_runtime.trees.treespec)
 # ---------------------------------------------------------------------------
 
 

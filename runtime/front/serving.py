@@ -37,7 +37,7 @@ field              value                            meaning
 =================  ===============================  ============================================
 
 Exactly one of ``text_input``, ``messages`` and ``input_ids`` is given. The sampling
-settings' defaults are :class:`~medusa_runtime.acceptance.SamplingConfig`'s.
+settings' defaults are :class:`~medusa_runtime.decode.acceptance.SamplingConfig`'s.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from .acceptance import SAMPLING_SETTINGS, SamplingConfig
-from .errors import ChatTemplateError, InvalidSettingError, MedusaError
-from .batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest
-from .loop import generate
+from ..decode.acceptance import SAMPLING_SETTINGS, SamplingConfig
+from ..errors import ChatTemplateError, InvalidSettingError, MedusaError
+from ..decode.batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest
+from ..decode.loop import generate
 from .session import DEFAULT_MAX_NEW_TOKENS, Completion, MedusaSession, ReplyText
 
 PROMPT_FIELDS = ("text_input", "messages", "input_ids")
@@ -313,7 +313,7 @@ class _Job:
 
 
 class BatchServer:
-    """Checked requests from any thread, served together: one :class:`~medusa_runtime.batch.Scheduler`
+    """Checked requests from any thread, served together: one :class:`~medusa_runtime.decode.batch.Scheduler`
     on a background thread runs up to ``batch_size`` of them in each step (in-flight batching).
 
     Each request decodes exactly as :func:`serve` decodes it alone (its own seed, stops and KV

@@ -10,7 +10,7 @@ where E[...] is what ``medusa-export calibrate`` simulated for the head type and
 use (``simulated`` in ``accuracies.json`` / ``tree.json``: static greedy trees or per-step trees
 of N nodes, on held-out replies), else the expected accepted length of the greedy tree of N
 nodes under the calibrated head accuracies (Medusa paper §2.3.3,
-:func:`medusa_runtime.tree.expected_accept_length`), and the times are measured on the target
+:func:`medusa_runtime.trees.tree.expected_accept_length`), and the times are measured on the target
 engine: the tree step, and the heads with the candidate selection (per size: per-step trees and
 path-conditioned heads cost more with more nodes). N = 1 is plain decoding (no heads run).
 
@@ -27,10 +27,10 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .candidates import ProbabilityMap
-from .errors import InvalidTreeError
-from .tree import DEFAULT_TOPK, Tree, default_accuracies, expected_accept_length, greedy_tree, make_tree
-from .treespec import DEFAULT_WIDTH, DynamicTree
+from ..trees.calibration import ProbabilityMap
+from ..errors import InvalidTreeError
+from ..trees.tree import DEFAULT_TOPK, default_accuracies, expected_accept_length, greedy_tree, make_tree
+from ..trees.dynamic import DEFAULT_WIDTH, DynamicTree, StepTree
 
 #: Tree policies: one fixed tree, or a tree of fixed size chosen every step.
 POLICIES = ("static", "dynamic")
@@ -95,7 +95,7 @@ class TreeTiming:
 
 def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: int,
                     topk: int = DEFAULT_TOPK, policy: str = "static", calibration: ProbabilityMap | None = None,
-                    width: int = DEFAULT_WIDTH) -> dict[int, Tree | DynamicTree]:
+                    width: int = DEFAULT_WIDTH) -> dict[int, StepTree]:
     """The tree of each size under a policy (size 1: the root alone).
 
     Args:
@@ -115,7 +115,7 @@ def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: 
     if policy not in POLICIES:
         raise InvalidTreeError(f"unknown tree policy {policy!r}; choose {' or '.join(POLICIES)}")
     acc = acc[:num_heads, :topk]
-    out: dict[int, Tree | DynamicTree] = {}
+    out: dict[int, StepTree] = {}
     for n in sorted(set(int(s) for s in sizes)):
         if n < 1:
             raise InvalidTreeError(f"tree sizes must be >= 1 node, got {n}")
@@ -128,7 +128,7 @@ def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: 
     return out
 
 
-def expected_tokens(tree: Tree | DynamicTree, accuracies: np.ndarray,
+def expected_tokens(tree: StepTree, accuracies: np.ndarray,
                     simulated: Mapping[int, float] | None = None) -> float:
     """Expected tokens per step of a tree: the simulated value for its size when there is one, else the
     greedy tree's expected accepted length under ``accuracies`` (Medusa paper §2.3.3; for a per-step tree a
@@ -138,13 +138,12 @@ def expected_tokens(tree: Tree | DynamicTree, accuracies: np.ndarray,
     if simulated and tree.size in simulated:
         return float(simulated[tree.size])
     acc = np.asarray(accuracies, dtype=np.float64)
-    static = tree if isinstance(tree, Tree) else greedy_tree(tree.size, acc, topk=min(tree.topk, acc.shape[1]))
-    return expected_accept_length(static, acc)
+    return expected_accept_length(tree.static_shape(acc), acc)
 
 
-def choose_tree(trees: Mapping[int, Tree | DynamicTree], accuracies: np.ndarray, step_ms: Mapping[int, float],
+def choose_tree(trees: Mapping[int, StepTree], accuracies: np.ndarray, step_ms: Mapping[int, float],
                 heads_ms: float | Mapping[int, float], simulated: Mapping[int, float] | None = None,
-                margin: float = DEFAULT_MARGIN) -> tuple[Tree | DynamicTree, list[TreeTiming]]:
+                margin: float = DEFAULT_MARGIN) -> tuple[StepTree, list[TreeTiming]]:
     """Pick the tree with the most expected tokens per second (pure; no timing).
 
     Args:
@@ -221,9 +220,9 @@ def refine_with_loop(table: Sequence[TreeTiming], loop_ms: Callable[[int], float
     return [rows[n] for n in sorted(rows)]
 
 
-def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEFAULT_PAST_LENGTH,
+def time_decode_loop(engine, tree: StepTree, *, past_length: int = DEFAULT_PAST_LENGTH,
                      new_tokens: int = LOOP_TOKENS, repeats: int = 2, seed: int = 0) -> float:
-    """Milliseconds per step of the decode loop (:func:`medusa_runtime.loop.generate`, greedy) with ``tree``,
+    """Milliseconds per step of the decode loop (:func:`medusa_runtime.decode.loop.generate`, greedy) with ``tree``,
     after ``past_length`` cached tokens as :func:`time_tree_steps` times them (zeros: the cost of the dense
     kernels does not depend on the values, nor much on what is accepted): (engine + host time - the
     one-token prefill) / steps, the fastest of ``repeats`` runs of ``new_tokens`` tokens.
@@ -231,7 +230,7 @@ def time_decode_loop(engine, tree: Tree | DynamicTree, *, past_length: int = DEF
     Raises:
         InvalidTreeError: the past, the tokens and the tree do not fit the engine's context.
     """
-    from .loop import generate
+    from ..decode.loop import generate
 
     capacity = past_length + 1 + new_tokens + tree.size
     caps = engine.capabilities
@@ -264,14 +263,14 @@ def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
 def _cache_after(engine, capacity: int, past_length: int, cache=None):
     """A KV cache of ``capacity`` slots (``cache`` itself when given) whose first ``past_length`` slots count as
     valid (zeros, tokens unknown): what the timings run their steps after."""
-    from .engines.kvcache import KVCache
+    from ..engines.kvcache import KVCache
 
     cache = cache if cache is not None else KVCache.for_engine(engine, capacity)
     cache.length, cache.tokens = past_length, [-1] * past_length
     return cache
 
 
-def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_length: int = DEFAULT_PAST_LENGTH,
+def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int = DEFAULT_PAST_LENGTH,
                     repeats: int = 5, warmup: int = 1,
                     progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Time one tree step of each tree, and the heads with the candidate selection, on ``engine``.
@@ -279,7 +278,7 @@ def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_len
     Each step runs a T-node tree's real attention mask and positions after ``past_length``
     cached tokens (zeros; the values do not change the cost of dense kernels; a per-step tree
     is timed on a fixed tree of its size, the same shapes). The heads are timed as the decode
-    loop runs them (:func:`medusa_runtime.loop.proposer`): Medusa heads once, path-conditioned
+    loop runs them (:func:`medusa_runtime.decode.loop.proposer`): Medusa heads once, path-conditioned
     heads level by level, plus the host's choice of a per-step tree.
 
     Args:
@@ -294,13 +293,13 @@ def time_tree_steps(engine, trees: Mapping[int, Tree | DynamicTree], *, past_len
     Returns:
         (size -> median step ms, size -> median heads ms (0 for size 1)).
     """
-    from .loop import proposer
+    from ..decode.loop import proposer
 
     cache = _cache_after(engine, past_length + max(trees), past_length)
     out = None
     steps = {}
     for n, tree in sorted(trees.items()):
-        shape = tree if isinstance(tree, Tree) else greedy_tree(n, default_accuracies(tree.num_heads, tree.topk))
+        shape = tree.static_shape()
         b = shape.buffers()
         ids = np.zeros((1, n), dtype=np.int64)
         pos = (past_length + b.depth)[None].astype(np.int64)
@@ -343,13 +342,13 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
               sizes: Sequence[int] = DEFAULT_SIZES, past_length: int = DEFAULT_PAST_LENGTH, repeats: int = 5,
               topk: int = DEFAULT_TOPK, progress: Callable[[str], None] | None = None, policy: str = "static",
               calibration: ProbabilityMap | None = None, simulated: Mapping[str, Mapping[int, float]] | None = None,
-              margin: float = DEFAULT_MARGIN, loop: bool = True) -> tuple[Tree | DynamicTree, list[TreeTiming]]:
+              margin: float = DEFAULT_MARGIN, loop: bool = True) -> tuple[StepTree, list[TreeTiming]]:
     """Measure, then choose: the tree with the most expected tokens per second on ``engine``.
 
     Args:
         engine: the target engine (its heads count bounds the depth).
         accuracies: float [K, topk] calibrated a_k^(i) (the artifact's or ``accuracies.json``);
-            None: the prior of :func:`medusa_runtime.tree.default_accuracies`.
+            None: the prior of :func:`medusa_runtime.trees.tree.default_accuracies`.
         capacity: the KV capacity steps must fit in (None: unbounded); sizes above half of it
             are dropped and ``past_length`` shrinks so that the largest tree fits after it.
         sizes: node counts to try (1 = plain decoding).

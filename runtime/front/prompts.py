@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from .errors import PromptFileError
+from ..errors import PromptFileError
 
 #: What ``generate --prompt-file`` reads, for help texts and errors.
 PROMPT_FILE_FORMAT = ("JSONL, one object a line with 'prompt' (a user message), 'messages' (a conversation) or "
@@ -36,12 +36,12 @@ MT_BENCH_RELPATH = Path("data") / "eval" / "mt_bench" / "question.jsonl"
 def shared_dir() -> Path:
     """The project's shared folder: ``$MEDUSA_EXPORT_SHARED`` when set, else ``shared/`` beside the checkout.
 
-    "Beside the checkout" is the parent of the folder holding this package's source (``<checkout>/runtime``),
+    "Beside the checkout" is the parent of the folder holding this package's source (``<checkout>/runtime/front``),
     so a checkout at ``/work/main`` reads ``/work/shared``. The folder is not checked here (callers that
     need a file in it check that file, naming it and this variable).
     """
     env = os.environ.get(SHARED_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared"
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared"
 
 
 def mt_bench_questions() -> Path:
