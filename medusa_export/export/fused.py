@@ -44,7 +44,7 @@ from onnx import TensorProto, helper
 
 from ..model.config import BackboneConfig, rope_cos_sin
 from ..model.medusa import STEP_TOPK
-from .acceptance import acceptance_outputs, batched_acceptance_outputs
+from .step_outputs import acceptance_outputs, batched_acceptance_outputs
 from .contract import TensorSpec, step_token_io
 from .graph import GraphBuilder
 from .portable import Masks, _rope, attend, layer_key, lm_head_key

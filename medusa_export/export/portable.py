@@ -32,7 +32,7 @@ import numpy as np
 
 from ..model.config import BackboneConfig, rope_inv_freq
 from ..model.medusa import STEP_TOPK
-from .acceptance import acceptance_outputs, batched_acceptance_outputs
+from .step_outputs import acceptance_outputs, batched_acceptance_outputs
 from .contract import TensorSpec, step_io
 from .graph import GraphBuilder
 from .quantize import WeightOnlyConfig
