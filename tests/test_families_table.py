@@ -107,10 +107,10 @@ def test_the_variant_exports_and_decodes_as_transformers(variant, variant_dir, g
     """Loading + export (both graph writers) + greedy decode of the written step == transformers' greedy."""
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_export.loading.sources import open_model
-    from medusa_runtime.artifact import load_artifact
+    from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines.ort import OrtEngine
-    from medusa_runtime.loop import generate
-    from medusa_runtime.tree import make_tree
+    from medusa_runtime.decode.loop import generate
+    from medusa_runtime.trees.tree import make_tree
 
     hf, path = variant_dir
     lm = open_model(str(path))
@@ -124,6 +124,21 @@ def test_the_variant_exports_and_decodes_as_transformers(variant, variant_dir, g
     ref = plain_greedy(hf, PROMPT, N_NEW)
     assert len(set(ref)) > 3
     assert generate(eng, PROMPT, art.tree, max_new_tokens=N_NEW, max_context=256).tokens == ref
+
+
+def test_the_variant_self_distils_through_the_batched_decoder(variant, variant_dir):
+    """Head training's decoder (training/batch_decode.py) reads the family table's switches and windows, so the
+    variant's biases (MLP ones included) decode there as in transformers."""
+    import torch
+
+    from medusa_export.training.batch_decode import BatchedDecoder, DecodeRequest
+
+    hf, _ = variant_dir
+    got = {}
+    BatchedDecoder(hf, batch_size=1, capacity=64, dtype=torch.float32).run(
+        [DecodeRequest("p", tuple(PROMPT))], max_new_tokens=N_NEW, eos_token_ids=[],
+        on_reply=lambda r, toks: got.__setitem__(r.id, toks))
+    assert got["p"] == plain_greedy(hf, PROMPT, N_NEW)
 
 
 def test_make_random_checkpoint_makes_the_variant(variant):

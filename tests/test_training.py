@@ -23,7 +23,8 @@ from medusa_export.training.replies import decode_requests, generate_to_store
 from medusa_export.training.reply_store import ReplyStore, StoredReply
 from medusa_runtime.trees.tree import expected_accept_length, greedy_tree, make_tree
 
-from conftest import make_tiny_tokenizer
+from conftest import FAMILIES as FAMILY_FIXTURES
+from conftest import make_family_hf, make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,19 @@ def test_batched_decoder_equals_transformers_greedy_with_refills_and_eos(tiny):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
                           pad_token_id=0)[0, len(p):].tolist()
         assert toks == ref
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FIXTURES))
+def test_batched_decoder_equals_transformers_greedy_in_every_family(family):
+    """Every family fixture (biases incl. MLP biases, q/k norms, sliding windows shorter than the reply, RoPE
+    scaling) decodes as transformers' own ``generate``: the decoder reads its switches and windows from the
+    family table (issue 38), so a switch the table names but the decoder ignores fails here."""
+    hf = make_family_hf(family)
+    prompts = [[5, 17, 42, 7, 99, 3, 11, 250, 8, 64, 12], [1, 2, 3]]  # the first longer than the 8-token windows
+    got = _decode(hf, prompts, batch_size=2, max_new_tokens=14, eos=[])
+    for p, toks in zip(prompts, got):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=14, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert toks == ref, family
 
 
 def test_sampled_replies_are_seeded_per_reply_not_per_batch(tiny):

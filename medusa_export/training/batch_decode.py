@@ -19,10 +19,12 @@ avoids both:
   default: oneDNN's AVX512-BF16 kernels; 4.4x fp32 on a teacher-forced forward here).
 
 It reads the weights of a transformers causal LM of the Llama family (Llama, Mistral, Qwen2,
-Qwen3: ``model.layers[i].self_attn.{q,k,v,o}_proj`` with optional biases and q/k norms,
-``mlp.{gate,up,down}_proj`` + ``act_fn``, ``model.rotary_emb`` for RoPE with its scaling), and
-applies sliding windows where the config puts them (:func:`layer_windows`: a query at position q
-sees the keys at q - W < p <= q, transformers ``masking_utils.sliding_window_overlay``).
+Qwen3: ``model.layers[i].self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj`` + ``act_fn``,
+``model.rotary_emb`` for RoPE with its scaling). Which biases and q/k norms a layer has, and which layers
+slide, come from the family table (:data:`~medusa_export.model.families.FAMILIES`: ``switches`` and
+``window_layers``, as for the reference and both graph writers), not from probing the modules; a sliding
+layer's query at position q sees the keys at q - W < p <= q (transformers
+``masking_utils.sliding_window_overlay``).
 Greedy replies in fp32 equal transformers ``generate``'s (tested); in bf16 they drift from the
 fp32 ones after some tokens, which is fine for training text (hidden states and teacher targets
 are recomputed from the token ids, :mod:`medusa_export.training.features`).
@@ -63,25 +65,38 @@ class DecodeRequest:
     seed: int = 0
 
 
-def layer_windows(cfg) -> list[int | None]:
-    """The sliding window of each layer of a transformers config (None: the whole past).
-
-    ``layer_types`` names the sliding layers where the config has it (Qwen2, Qwen3: derived from
-    ``use_sliding_window`` / ``max_window_layers``); otherwise ``sliding_window`` applies to every
-    layer when set (Mistral), as transformers' own models apply them.
+def family_of_config(cfg):
+    """The :class:`~medusa_export.model.families.Family` that computes a transformers config's model (by its
+    ``hf_model_type``; a variant that renames a model reads as the original).
 
     Raises:
-        UnsupportedModelError: a layer type other than full or sliding attention (the valid ones are named).
+        UnsupportedModelError: a ``model_type`` no family computes (the supported families named).
     """
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        other = sorted(set(types) - {"full_attention", "sliding_attention"})
-        if other:
-            raise UnsupportedModelError(f"batched decoding runs full_attention and sliding_attention layers; this "
-                                        f"model has {', '.join(other)}")
-        return [window if t == "sliding_attention" and window else None for t in types]
-    return [window or None] * cfg.num_hidden_layers
+    kind = getattr(cfg, "model_type", None)
+    fam = next((f for f in FAMILIES.values() if f.hf_model_type == kind), None)
+    if fam is None:
+        families = ", ".join(f"{f.name} ({f.hf_model_type})" for f in FAMILIES.values())
+        raise UnsupportedModelError(f"batched decoding runs the {families} families; this model is {kind!r}")
+    return fam
+
+
+def layer_windows(cfg) -> list[int | None]:
+    """The sliding window of each layer of a transformers config (None: the whole past), as the family table says
+    (:meth:`~medusa_export.model.families.Family.window_layers`, the same windows the reference and both graph
+    writers apply).
+
+    Raises:
+        UnsupportedModelError: a family the table lacks, or a layer type other than full or sliding attention (the
+            valid ones are named).
+    """
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:
+        raise UnsupportedModelError(f"batched decoding runs full_attention and sliding_attention layers; this "
+                                    f"model has {', '.join(other)}")
+    window, types = family_of_config(cfg).window_layers(cfg.to_dict())
+    if not types:
+        return [window or None] * cfg.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def check_decodable(hf_model) -> None:
@@ -92,11 +107,11 @@ def check_decodable(hf_model) -> None:
             (:data:`~medusa_export.model.families.FAMILIES`, by their transformers ``hf_model_type``), or a model of one without the
             Llama-style modules the loop reads (``model.rotary_emb``, ``model.layers[i].self_attn.q_proj``...).
     """
-    kind = getattr(hf_model.config, "model_type", None)
+    try:
+        family_of_config(hf_model.config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{exc} ({type(hf_model).__name__})") from None
     families = ", ".join(f"{f.name} ({f.hf_model_type})" for f in FAMILIES.values())
-    if kind not in {f.hf_model_type for f in FAMILIES.values()}:
-        raise UnsupportedModelError(f"batched decoding runs the {families} families; this model is "
-                                    f"{kind!r} ({type(hf_model).__name__})")
     inner = getattr(hf_model, "model", None)
     layer = getattr(inner, "layers", [None])[0]
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -118,6 +133,8 @@ class _Layer:
     bo: torch.Tensor | None
     w_gate_up: torch.Tensor  # [d, 2 I]
     w_down: torch.Tensor  # [I, d]
+    b_gate_up: torch.Tensor | None  # [2 I] (mlp_bias)
+    b_down: torch.Tensor | None  # [d]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     window: int | None = None
@@ -191,28 +208,31 @@ class BatchedDecoder:
         self.norm = inner.norm.weight.detach().to(dtype)
         self.lm_head = hf_model.lm_head.weight.detach().to(dtype)
         self.act = inner.layers[0].mlp.act_fn
+        #: The family's feature switches (biases, q/k norms) of this config (:data:`~medusa_export.model.families.SWITCHES`).
+        self.switches = family_of_config(cfg).switches(cfg.to_dict())
         self.layers = [self._layer(layer, w) for layer, w in zip(inner.layers, layer_windows(cfg))]
         self.keys: list[torch.Tensor] = []  # per layer [B, H_kv, slots, D] while decoding
         self.values: list[torch.Tensor] = []
 
     def _layer(self, layer, window: int | None) -> _Layer:
-        a, m, dt = layer.self_attn, layer.mlp, self.dtype
+        """One layer's weights, fused, with the biases and q/k norms the family's switches turn on
+        (:meth:`~medusa_export.model.families.Family.switches`, as the reference and the graph writers read them)."""
+        a, m, dt, on = layer.self_attn, layer.mlp, self.dtype, self.switches
 
         def t(w):
             return w.detach().to(dt)
 
-        biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-        bqkv = None
-        if any(b is not None for b in biases):
-            bqkv = torch.cat([t(b) if b is not None else torch.zeros(p.out_features, dtype=dt, device=self.device)
-                              for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))])
-        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        def cat_bias(*projections):
+            return torch.cat([t(p.bias) for p in projections])
+
         return _Layer(
             t(layer.input_layernorm.weight), t(layer.post_attention_layernorm.weight),
-            torch.cat([t(a.q_proj.weight), t(a.k_proj.weight), t(a.v_proj.weight)]).T.contiguous(), bqkv,
-            t(a.o_proj.weight).T.contiguous(), t(a.o_proj.bias) if a.o_proj.bias is not None else None,
+            torch.cat([t(a.q_proj.weight), t(a.k_proj.weight), t(a.v_proj.weight)]).T.contiguous(),
+            cat_bias(a.q_proj, a.k_proj, a.v_proj) if on["qkv_bias"] else None,
+            t(a.o_proj.weight).T.contiguous(), t(a.o_proj.bias) if on["o_bias"] else None,
             torch.cat([t(m.gate_proj.weight), t(m.up_proj.weight)]).T.contiguous(), t(m.down_proj.weight).T.contiguous(),
-            t(qn.weight) if qn is not None else None, t(kn.weight) if kn is not None else None,
+            cat_bias(m.gate_proj, m.up_proj) if on["mlp_bias"] else None, t(m.down_proj.bias) if on["mlp_bias"] else None,
+            t(a.q_norm.weight) if on["qk_norm"] else None, t(a.k_norm.weight) if on["qk_norm"] else None,
             window if window is not None and window < self.capacity else None)
 
     # -- the model ----------------------------------------------------------------------------
@@ -240,8 +260,11 @@ class BatchedDecoder:
             o = o + lay.bo
         x = x + o
         gu = _rms(x, lay.ln2, self.eps) @ lay.w_gate_up
+        if lay.b_gate_up is not None:
+            gu = gu + lay.b_gate_up
         g, u = gu.chunk(2, dim=-1)
-        return x + (self.act(g) * u) @ lay.w_down
+        down = (self.act(g) * u) @ lay.w_down
+        return x + (down if lay.b_down is None else down + lay.b_down)
 
     def forward(self, tokens: torch.Tensor, *, cache_row: int | None = None) -> torch.Tensor:
         """Teacher-forced causal pass: tokens int64 [B, S] (row b at positions 0..S-1) -> hidden [B, S, d].
