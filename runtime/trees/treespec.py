@@ -75,11 +75,6 @@ class TreeSpec:
     size: int | None = None
     policy: str = "static"
 
-    @property
-    def needs_artifact(self) -> bool:
-        """``auto`` and ``artifact``: only a session or a build (which has an artifact) can resolve them."""
-        return self.kind in ("auto", "artifact")
-
 
 def parse_tree_spec(spec: str | int) -> TreeSpec:
     """Parse a ``--tree`` value (see the module's table); nothing is read.
@@ -122,24 +117,6 @@ def parse_tree_spec(spec: str | int) -> TreeSpec:
     if path.suffix == ".json" or path.exists():
         return TreeSpec(text, "file")
     raise InvalidTreeError(f"unknown tree {text!r}: give {CHOICES}")
-
-
-def is_auto(spec) -> bool:
-    """True for ``auto`` and ``auto:dynamic`` (any surrounding whitespace); False for any other value, valid or not."""
-    return auto_policy(spec) is not None
-
-
-def auto_policy(spec) -> str | None:
-    """The tree policy of an auto spec: "static" for ``auto``, "dynamic" for ``auto:dynamic``, None for any
-    other value."""
-    if not isinstance(spec, str):
-        return None
-    return {AUTO: "static", AUTO_DYNAMIC: "dynamic"}.get(spec.strip())
-
-
-def is_artifact(spec) -> bool:
-    """True for ``artifact`` (any surrounding whitespace)."""
-    return isinstance(spec, str) and spec.strip() == ARTIFACT
 
 
 def most_nodes(num_heads: int, topk: int) -> int:

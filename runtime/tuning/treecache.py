@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 
 from .autotree import DEFAULT_MARGIN, DEFAULT_SIZES, TreeTiming
 from ..engines import BACKENDS
-from ..trees.treespec import ARTIFACT, AUTO
+from ..trees.treespec import AUTO
 
 #: Environment variable: the tree spec used when no ``--tree`` is given.
 TREE_ENV = "MEDUSA_EXPORT_TREE"
@@ -42,8 +42,6 @@ TREE_ENV = "MEDUSA_EXPORT_TREE"
 CACHE_ENV = "MEDUSA_EXPORT_CACHE"
 #: The default tree spec: measured on this machine, cached.
 DEFAULT_SPEC = AUTO
-#: The ``--tree`` spec of the tree the artifact was built with.
-ARTIFACT_SPEC = ARTIFACT
 #: Version of the record format and of the choice it holds (a new version re-times).
 RECORD_VERSION = 1
 #: Records kept per artifact (one per configuration it was timed under: threads, backend, capacity, ...).
