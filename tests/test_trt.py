@@ -24,8 +24,7 @@ from onnx import TensorProto, helper
 from conftest import rmsnorm_chains
 from medusa_export.cli.main import main
 from medusa_export.cli.trt import after_build
-from medusa_export.trt.calibration import calibration_feeds, calibration_windows, step_feeds
-from medusa_export.trt.commands import fp32_node_names, strongly_typed, trtexec_args
+from medusa_export.trt.commands import trtexec_args
 from medusa_export.trt.config import EXIT_NO_TENSORRT, EngineConfig
 from medusa_export.trt.readiness import check_artifact, check_external_data, check_fixed_shapes, check_ops
 from medusa_export.validation.manifest_update import update_manifest
@@ -309,22 +308,38 @@ def _expected_shapes(m: dict, graph: str) -> list[dict]:
     return out
 
 
-def test_fp32_layers_cover_every_rmsnorm_chain_and_softmax(art):
-    """Item 6 of issue 13: the layer list TensorRT keeps in fp32 holds every node of every RMSNorm chain (found
-    by structure: squaring, ReduceMean, the epsilon Add, Sqrt, Reciprocal, the normalising and the weight Mul)
-    and every softmax, so an fp16 engine of an fp32 artifact cannot overflow the variance."""
-    model = onnx.load(str(art / "model.onnx"), load_external_data=False)
-    pinned = set(fp32_node_names(model))
-    chains = rmsnorm_chains(model)
+def _node_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Each node's first output's element type, by ONNX's own type inference (not the typed pass' bookkeeping)."""
+    g = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output, *g.value_info]}
+    return {n.name: types.get(n.output[0]) for n in model.graph.node}
+
+
+def test_typed_graph_keeps_every_rmsnorm_chain_softmax_and_the_output_tail_in_fp32(art):
+    """Issue 39: the fp16 typed graph of an fp32 artifact computes every node of every RMSNorm chain (found by
+    structure in the artifact's graph: squaring, ReduceMean, the epsilon Add, Sqrt, Reciprocal, the normalising and
+    the weight Mul), every attention softmax and the log-softmax / entropy / top-k tail in float32, and every
+    weight MatMul in float16; its inputs and outputs keep the artifact's types."""
+    from medusa_export.trt.typed import write_typed_graphs
+
+    src = onnx.load(str(art / "model.onnx"), load_external_data=False)
+    write_typed_graphs(art, {"model": "model.onnx", "heads": "heads.onnx"}, "fp16")
+    typed = onnx.load(str(art / "engines/model.fp16.onnx"), load_external_data=False)
+    types = _node_types(typed)
+    chains = rmsnorm_chains(src)
     layers = load_artifact(art).model.num_layers
     assert len(chains) == 2 * layers + 1
     for chain in chains:
         assert [n.op_type for n in chain] == ["Pow", "ReduceMean", "Add", "Sqrt", "Reciprocal", "Mul", "Mul"]
-        missing = [n.name for n in chain if n.name not in pinned]
-        assert not missing, missing
-    softmax = [n.name for n in model.graph.node if n.op_type == "Softmax"]
-    assert len(softmax) == layers and set(softmax) <= pinned
-    assert not [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name in pinned]  # MatMuls stay fp16
+        assert {types[n.name] for n in chain} == {onnx.TensorProto.FLOAT}, [n.name for n in chain]
+    for op in ("Softmax", "LogSoftmax", "TopK", "ReduceSum", "Exp"):
+        assert {types[n.name] for n in typed.graph.node if n.op_type == op} == {onnx.TensorProto.FLOAT}, op
+    weight_products = [n.name for n in typed.graph.node if n.op_type in ("MatMul", "Gemm")
+                       and any(i.endswith(".weight.f16") for i in n.input)]
+    assert len(weight_products) == 7 * layers + 1  # q, k, v, o, gate, up, down per layer, and the lm_head
+    assert {types[n] for n in weight_products} == {onnx.TensorProto.FLOAT16}
+    io = lambda m: [(v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]]  # noqa: E731
+    assert io(typed) == io(src)
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed: `engine` builds instead of stopping")
@@ -338,30 +353,43 @@ def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
     assert {"engines/trtexec.fp16.txt", "engines/build_engine.sh"} <= set(m["checksums"])
     lines = [ln for ln in (art / "engines/trtexec.fp16.txt").read_text().splitlines() if not ln.startswith("#")]
     model_argv, heads_argv = (shlex.split(ln) for ln in lines)
-    assert model_argv[:2] == ["trtexec", "--onnx=model.onnx"] and heads_argv[1] == "--onnx=heads.onnx"
+    # fp16 of an fp32 artifact: the typed graphs written beside the plans (checksummed), validated on ONNX Runtime
+    assert model_argv[:2] == ["trtexec", "--onnx=engines/model.fp16.onnx"] and heads_argv[1] == "--onnx=engines/heads.fp16.onnx"
+    assert {"engines/model.fp16.onnx", "engines/heads.fp16.onnx", "engines/weights.fp16.bin"} <= set(m["checksums"])
+    assert rec["computes_in"] == "float16" and rec["typed_graph"]["validation"]["passed"]
     assert _parse_profiles(model_argv) == _expected_shapes(m, "model")
     assert _parse_profiles(heads_argv) == _expected_shapes(m, "heads")
-    for flag in ("--fp16", "--precisionConstraints=obey", "--timingCacheFile=engines/timing.cache",
-                 "--profilingVerbosity=detailed", "--saveEngine=engines/model.fp16.plan"):
+    for flag in ("--stronglyTyped", "--timingCacheFile=engines/timing.cache", "--profilingVerbosity=detailed",
+                 "--saveEngine=engines/model.fp16.plan"):
         assert flag in model_argv, flag
-    pinned = next(a for a in model_argv if a.startswith("--layerPrecisions=")).split("=", 1)[1].split(",")
-    names = {n.name: n.op_type for n in onnx.load(str(art / "model.onnx"), load_external_data=False).graph.node}
-    assert {names[p.rsplit(":", 1)[0]] for p in pinned} >= {"ReduceMean", "Softmax", "Pow", "LogSoftmax", "Add", "Mul"}
+    assert not {a.split("=")[0] for a in model_argv} & {"--fp16", "--int8", "--calib", "--layerPrecisions",
+                                                        "--precisionConstraints"}  # gone in trtexec 11
     # The script carries the same commands for every precision.
     script = (art / "engines/build_engine.sh").read_text()
     block = script.split("    run model fp16 \\\n")[1].split("\n    run heads")[0]
     assert shlex.split(block.replace("\\\n", " ")) == model_argv[1:]
-    assert "--int8" in script and "--calib=engines/calibration.cache" in script
+    assert "--int8" not in script and "--fp16" not in script
 
 
-def test_fp16_artifact_builds_strongly_typed(tiny_trt_artifact):
+def test_trtexec_lines_build_from_the_graph_that_carries_the_precision(tiny_trt_artifact):
+    """An fp16 artifact's fp16 plans build from its own graph; an fp32 artifact's from the typed graph beside the plans;
+    fp32 plans clear TF32 (--noTF32); no line carries a precision flag; int8 (implicit calibration, gone in
+    TensorRT 11) is refused with the reason."""
+    from medusa_runtime.errors import MedusaError
+
     m = _manifest(tiny_trt_artifact)
-    assert not strongly_typed(m, "fp16")
     m16 = {**m, "precision": {**m["precision"], "kv_dtype": "float16"}}
     args = trtexec_args(m16, "model", "fp16")
-    assert "--stronglyTyped" in args and "--fp16" not in args
-    int8 = trtexec_args(m, "model", "int8", fp32_nodes=["n1"], workspace_mib=2048)
-    assert {"--fp16", "--int8", "--calibProfile=0", "--layerPrecisions=n1:fp32", "--memPoolSize=workspace:2048M"} <= set(int8)
+    assert args[0] == "--onnx=model.onnx" and "--stronglyTyped" in args and "--fp16" not in args
+    assert trtexec_args(m, "model", "fp16")[0] == "--onnx=engines/model.fp16.onnx"
+    assert trtexec_args(m, "heads", "bf16")[0] == "--onnx=engines/heads.bf16.onnx"
+    fp32 = trtexec_args(m, "model", "fp32", workspace_mib=2048)
+    assert fp32[0] == "--onnx=model.onnx" and {"--noTF32", "--stronglyTyped", "--memPoolSize=workspace:2048M"} <= set(fp32)
+    assert "--noTF32" not in args
+    with pytest.raises(MedusaError, match="no implicit int8"):
+        trtexec_args(m, "model", "int8")
+    with pytest.raises(MedusaError, match="built from a float32 artifact, this one is float16"):
+        trtexec_args(m16, "model", "bf16")
 
 
 def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
@@ -378,18 +406,18 @@ def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
     assert (art / "engines/model.fp16.plan").is_file() and (art / "engines/heads.fp16.plan").is_file()
     record = json.loads((art / "engines/build_record.fp16.json").read_text())
     assert record["tensorrt"] == "10.15.0" and record["plans"] == ["engines/model.fp16.plan", "engines/heads.fp16.plan"]
-    r = run("int8")
-    assert r.returncode == 3 and "calibration.cache" in r.stderr
+    r = run("bf16")  # its typed graph is written by `medusa-export engine --precision bf16`, not run yet
+    assert r.returncode == 3 and "medusa-export engine --artifact . --precision bf16" in r.stderr
     r = run("fp16", exe="/nonexistent/trtexec")
     assert r.returncode == 3 and "not found" in r.stderr
-    assert run("bf16").returncode == 2
+    assert run("int8").returncode == 2  # not a precision this artifact builds: the usage line
 
 
 def test_build_engine_flag_runs_the_engine_step(art):
-    args = Namespace(engine="trt", engine_precision="int8", calibration=None, calibration_batches=2, workspace_mib=None,
+    args = Namespace(engine="trt", engine_precision="fp32", engine_prompts=None, workspace_mib=None,
                      engine_device_id=0)
     assert after_build(args, art) == (0 if HAVE_TRT else EXIT_NO_TENSORRT)
-    assert (art / "engines/trtexec.int8.txt").is_file()
+    assert (art / "engines/trtexec.fp32.txt").is_file()
     assert after_build(Namespace(engine="none"), art) == 0
 
 
@@ -414,18 +442,6 @@ def test_update_manifest_merges_and_rechecksums(art):
     assert not list(art.glob(".manifest.json.tmp*"))
 
 
-def test_calibration_inputs_have_the_prefill_opt_shape(tiny_trt_artifact):
-    m = _manifest(tiny_trt_artifact)
-    feeds = calibration_feeds(tiny_trt_artifact, m, ["Hello there", "What is a tree?"], batches=3)
-    s = model_profiles(m)[0].dims["S"][1]
-    assert len(feeds) == 3 and feeds[0]["input_ids"].shape == (1, s) and feeds[0]["new_token_mask"].shape == (s, s)
-    assert feeds[0]["past_key_values.0.key"].shape == (1, 0, m["model"]["num_kv_heads"], m["model"]["head_dim"])
-    assert set(feeds[0]) == {t["name"] for t in m["graphs"]["model"]["inputs"]}
-    w = calibration_windows([[1, 2, 3]], 4, 2)
-    assert [list(x) for x in w] == [[1, 2, 3, 1], [2, 3, 1, 2]]
-    assert step_feeds(m, w)[1]["position_ids"].tolist() == [[0, 1, 2, 3]]
-
-
 def test_doctor_reports_backends(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
@@ -439,8 +455,8 @@ def test_doctor_reports_backends(capsys):
 def test_engine_config_rejects_bad_options():
     from medusa_runtime.errors import MedusaError
 
-    with pytest.raises(MedusaError, match="fp16, int8, fp32"):
-        EngineConfig(precision="bf16")
+    with pytest.raises(MedusaError, match="fp16, bf16, fp32, int8"):
+        EngineConfig(precision="fp8")
     with pytest.raises(MedusaError, match="workspace"):
         EngineConfig(workspace_mib=0)
 

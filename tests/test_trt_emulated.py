@@ -421,7 +421,7 @@ def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emu
         main([*args, "--backend", "tensorrt", "--engine-precision", "fp8"])  # fp8', which engine refuses
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --engine-precision: invalid choice: 'fp8'" in err and all(p in err for p in ("fp16", "int8", "fp32"))
+    assert "argument --engine-precision: invalid choice: 'fp8'" in err and all(p in err for p in ("fp16", "bf16", "fp32"))
 
 
 def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art, emulated):
@@ -431,7 +431,7 @@ def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art
     from medusa_runtime.front.session import MedusaSession
 
     with pytest.raises(InvalidSettingError, match=r"unknown TensorRT engine precision 'fp8': choose one of fp16, "
-                                                  r"int8, fp32 \(built in .*: fp32\)"):
+                                                  r"bf16, fp32 \(built in .*: fp32\)"):
         MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp8")
 
 
@@ -535,9 +535,10 @@ def test_emulated_device_id_past_the_device_count_is_a_typed_error(engine_art, e
         create_engine(load_artifact(engine_art), "tensorrt", precision="fp32", device_id=7)
 
 
-def test_emulated_tensorrt_11_rejects_the_removed_apis(engine_art, tmp_path):
+def test_emulated_tensorrt_11_has_no_weak_typing_and_refuses_a_10_plan(engine_art, tmp_path):
     """Under the emulated TensorRT 11 (EMULATED_TENSORRT_VERSION=11.1.0): BuilderFlag.FP16 and the calibrators are
-    gone, an fp16 engine of an fp32 artifact is a typed error (exit 2) and fp32 plans build; a 10.x plan is refused."""
+    gone; fp32 plans build; int8 (implicit calibration) is refused with the reason and nothing written; a 10.x plan is
+    refused, naming both versions. tests/test_trt_typed.py builds and generates with typed fp16 / bf16 plans."""
     art = Path(shutil.copytree(engine_art, tmp_path / "art"))
     env = {**os.environ, "EMULATED_TENSORRT_VERSION": "11.1.0",
            "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path])}
@@ -546,16 +547,15 @@ def test_emulated_tensorrt_11_rejects_the_removed_apis(engine_art, tmp_path):
     r = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["False", "False", "False", "False"], r.stderr
     run = lambda *a: subprocess.run([sys.executable, "-m", "medusa_export.cli.main", *a], env=env,  # noqa: E731
-                                    capture_output=True, text=True, timeout=120)
-    r = run("engine", "--artifact", str(art), "--precision", "fp16")
-    assert r.returncode == 2 and "strongly typed networks only" in r.stderr and "--precision fp16" in r.stderr
-    engines = art / "engines"
-    assert not list(engines.glob("*.fp16.plan")) and not list(engines.glob(".*tmp*"))  # nothing half-written
+                                    capture_output=True, text=True, timeout=300)
     r = run("generate", "--artifact", str(art), "--backend", "tensorrt", "--prompt", "Hi", "--max-new-tokens", "4",
             "--tree", "artifact")
     assert r.returncode == 2 and "TensorRT 10.15.1" in r.stderr and "11.1.0" in r.stderr, r.stderr
     r = run("engine", "--artifact", str(art), "--precision", "fp32")
     assert r.returncode == 0 and "TensorRT 11.1.0" in r.stdout, r.stderr
+    r = run("engine", "--artifact", str(art), "--precision", "int8")
+    assert r.returncode == 2 and "no implicit int8" in r.stderr, r.stderr
+    assert not list((art / "engines").glob("*int8*")) and not list((art / "engines").glob(".*tmp*"))
 
 
 # ---------------------------------------------------------------- scripts/gpu_check.sh

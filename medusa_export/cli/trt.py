@@ -5,19 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..trt.config import ENGINE_PRECISIONS, EXIT_NO_TENSORRT, EngineConfig
+from ..trt.config import ENGINE_PRECISION_TABLE, EXIT_NO_TENSORRT, EngineConfig
 from .args import add_artifact_arg, add_prompt_file_arg
 
 
 def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    p.add_argument(f"--{prefix}precision", dest="engine_precision", choices=ENGINE_PRECISIONS,
+    rows = "; ".join(f"{n}: {'not built: ' + r.unavailable.split(':')[0] if r.unavailable else 'computes in ' + r.computes_in}"
+                     for n, r in ENGINE_PRECISION_TABLE.items())
+    p.add_argument(f"--{prefix}precision", dest="engine_precision", choices=list(ENGINE_PRECISION_TABLE),
                    default=EngineConfig.precision,
-                   help=f"engine precision: fp16 (norms and softmax kept fp32), int8 (calibrated on prompts, "
-                        f"fp16 elsewhere) or fp32 (default: {EngineConfig.precision})")
-    add_prompt_file_arg(p, "prompts for int8 calibration (default: the project's own prompts)",
-                        flag=f"--{prefix}prompt-file", dest="calibration", aliases=("--calibration",))
-    p.add_argument("--calibration-batches", type=int, default=EngineConfig.calibration_batches,
-                   help=f"calibration windows (default: {EngineConfig.calibration_batches})")
+                   help=f"engine precision, built strongly typed on TensorRT 10 and 11 ({rows}); fp16 and bf16 of an "
+                        f"fp32 artifact build from a typed graph written beside the plans, with float32 norms, softmax "
+                        f"and output tail (default: {EngineConfig.precision})")
+    add_prompt_file_arg(p, "prompts the typed graph is validated on (default: the project's own prompts)",
+                        flag=f"--{prefix}prompt-file", dest="engine_prompts")
     p.add_argument("--workspace", type=int, dest="workspace_mib", metavar="MIB",
                    help="builder workspace limit in MiB (default: TensorRT's, all free device memory)")
     p.add_argument(f"--{prefix}device-id", dest="engine_device_id", type=int, metavar="N",
@@ -26,9 +27,8 @@ def _add_engine_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def _engine_config(args) -> EngineConfig:
-    return EngineConfig(precision=args.engine_precision, calibration=args.calibration,
-                        calibration_batches=args.calibration_batches, workspace_mib=args.workspace_mib,
-                        device_id=args.engine_device_id)
+    return EngineConfig(precision=args.engine_precision, prompts=args.engine_prompts, workspace_mib=args.workspace_mib,
+                        device_id=args.engine_device_id, validate=not getattr(args, "no_validate", False))
 
 
 def run_engine(path, args) -> int:
@@ -87,9 +87,12 @@ def add_trt_commands(sub) -> None:
                     "trtexec commands (engines/trtexec.PRECISION.txt) and a build script (engines/build_engine.sh), "
                     "then, where TensorRT's Python package imports, build the engines with optimization profiles for "
                     "the prefill, the tree step and decoding, a timing cache and a build record in the manifest.",
-        epilog=f"exit codes: 0 engines built; 2 the ONNX is not ready for TensorRT (or other bad input); "
+        epilog=f"exit codes: 0 engines built; 1 a typed graph failed its validation; 2 the ONNX is not ready for "
+               f"TensorRT, a precision not built from this artifact, or other bad input; "
                f"{EXIT_NO_TENSORRT} TensorRT is not installed here (the commands and build script were written for a "
                f"GPU machine); 130 interrupted")
     add_artifact_arg(p)
     _add_engine_options(p)
+    p.add_argument("--no-validate", action="store_true",
+                   help="do not validate a typed graph on ONNX Runtime before building (it is validated by default)")
     p.set_defaults(func=cmd_engine)

@@ -3,7 +3,8 @@
 Written into every artifact the engine step sees, so that a user can build the engines
 on their own GPU machine with TensorRT alone. Everything is derived from the manifest:
 the shapes of every input for every optimization profile
-(``medusa_runtime.engines.trt_plan.profile_shapes``), the plan names and the precision flags.
+(``medusa_runtime.engines.trt_plan.profile_shapes``), the plan names and the ONNX each plan is built from
+(the precision is its types: no precision flag).
 """
 
 from __future__ import annotations
@@ -11,74 +12,58 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-import onnx
-
 from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, profile_shapes
 from medusa_runtime.contract.manifest import Manifest, as_manifest
 
-from .config import BUILD_SCRIPT, CALIBRATION_CACHE, ENGINE_PRECISIONS, FP32_OPS, TIMING_CACHE
+from .config import BUILD_SCRIPT, ENGINE_PRECISION_TABLE, TIMING_CACHE, TRTEXEC_COMMON, engine_precision
+from .typed import typed_paths
 
 
-def fp32_node_names(model: onnx.ModelProto) -> list[str]:
-    """Names of the nodes to keep in float32, in graph order: every node of every RMSNorm chain (the squaring,
-    ReduceMean, the epsilon Add, Sqrt, Reciprocal, the normalising Mul and the weight Mul: the graph writer
-    names them ``<norm>/rmsnorm/*``), every attention softmax, and the op types :data:`FP32_OPS` (the output
-    tail). A chain is pinned whole: with the epsilon Add left to fp16, a variance above 65504 becomes inf
-    and the norm outputs zeros (issue 13, item 6).
+def graph_sources(manifest: Manifest | dict, precision: str) -> dict[str, str]:
+    """The ONNX each graph's plan of ``precision`` is built from: the artifact's own graph, or the typed graph the
+    precision's row writes beside the plans (:func:`~.typed.typed_paths`), by graph.
 
-    TensorRT's ONNX parser names each layer after its node, so these names serve both
-    ``trtexec --layerPrecisions`` and the Python builder's per-layer constraints.
+    Raises:
+        MedusaError: the precision is not built, or not from this artifact's type (:meth:`EnginePrecision.source`).
     """
-    from ..export.graph import RMSNORM_MARK, SOFTMAX_MARK
-
-    return [n.name for n in model.graph.node if n.name and (
-        n.op_type in FP32_OPS or RMSNORM_MARK in n.name or n.name.endswith(SOFTMAX_MARK))]
-
-
-def strongly_typed(manifest: Manifest | dict, precision: str) -> bool:
-    """An fp16 artifact already carries its types (fp16 weights, explicit float32 casts for
-    norms and softmax): TensorRT then builds it strongly typed, exactly as the ONNX says."""
     manifest = as_manifest(manifest)
-    return precision == "fp16" and manifest.precision.kv_dtype == "float16"
+    graphs = plan_graphs(manifest)
+    if engine_precision(precision).source(manifest.precision.kv_dtype) == "typed":
+        typed = typed_paths(precision, graphs)
+        return {g: typed[g] for g in graphs}
+    return {g: manifest.graphs[g].file for g in graphs}
 
 
 def _dims(shape: tuple) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, fp32_nodes: list[str] = (),
+def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, onnx_file: str | None = None,
                  workspace_mib: int | None = None) -> list[str]:
-    """Arguments of one ``trtexec`` build, run from the artifact root.
+    """Arguments of one ``trtexec`` build, run from the artifact root; valid for TensorRT 10 and 11 alike
+    (:data:`~.config.TRTEXEC_COMMON`: strongly typed, no precision flag; the precision is the ONNX's types).
 
     Args:
         manifest: the artifact's manifest.
         graph: "model" (backbone step, profiles prefill / tree_step / decode), "heads" or a level graph
             ``heads_level{j}`` (path-conditioned heads).
-        precision: one of :data:`ENGINE_PRECISIONS`.
-        fp32_nodes: layer names pinned to float32 (weakly typed fp16 / int8 builds).
+        precision: a buildable row of :data:`~.config.ENGINE_PRECISION_TABLE`.
+        onnx_file: the ONNX to build from (default: :func:`graph_sources`).
         workspace_mib: builder workspace limit.
 
     Returns:
         argv without the program name.
     """
     manifest = as_manifest(manifest)
-    if precision not in ENGINE_PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}")
+    row = engine_precision(precision)
     g = manifest.graphs[graph]
-    args = [f"--onnx={g.file}"]
+    args = [f"--onnx={onnx_file or graph_sources(manifest, precision)[graph]}"]
     for i, prof in enumerate(graph_profiles(manifest, graph)):
         shapes = profile_shapes(g.inputs, prof)
         args.append(f"--profile={i}")
         for k, flag in enumerate(("--minShapes", "--optShapes", "--maxShapes")):
             args.append(f"{flag}=" + ",".join(f"{name}:{_dims(s[k])}" for name, s in shapes.items()))
-    if strongly_typed(manifest, precision):
-        args.append("--stronglyTyped")
-    elif precision in ("fp16", "int8"):
-        args.append("--fp16")
-        if precision == "int8" and graph == "model":
-            args += ["--int8", f"--calib={CALIBRATION_CACHE}", "--calibProfile=0"]
-        if fp32_nodes:
-            args += ["--precisionConstraints=obey", "--layerPrecisions=" + ",".join(f"{n}:fp32" for n in fp32_nodes)]
+    args += [*TRTEXEC_COMMON, *row.trtexec]
     if workspace_mib:
         args.append(f"--memPoolSize=workspace:{workspace_mib}M")
     tag = f"{graph}.{precision}"
@@ -88,36 +73,38 @@ def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, fp32_
     return args
 
 
-def _fp32_nodes(folder: Path, manifest: Manifest | dict, graph: str, precision: str) -> list[str]:
-    if precision == "fp32" or strongly_typed(manifest, precision):
-        return []
-    return fp32_node_names(onnx.load(str(folder / manifest.graphs[graph].file), load_external_data=False))
+def buildable(manifest: Manifest | dict) -> list[str]:
+    """The engine precisions this artifact's type can be built in (the table's rows that take it)."""
+    kv = as_manifest(manifest).precision.kv_dtype
+    return [n for n, r in ENGINE_PRECISION_TABLE.items() if not r.unavailable and kv in r.sources]
 
 
 def trtexec_commands(folder: Path, manifest: Manifest | dict, precision: str, workspace_mib: int | None = None) -> list[list[str]]:
     """argv (with ``trtexec``) of each graph's build, in :func:`~medusa_runtime.engines.trt_plan.plan_graphs`
     order (the model, then the heads graph or the level graphs of path-conditioned heads)."""
     manifest = as_manifest(manifest)
-    return [["trtexec", *trtexec_args(manifest, g, precision, fp32_nodes=_fp32_nodes(folder, manifest, g, precision),
-                                      workspace_mib=workspace_mib)] for g in plan_graphs(manifest)]
+    return [["trtexec", *trtexec_args(manifest, g, precision, workspace_mib=workspace_mib)] for g in plan_graphs(manifest)]
 
 
-def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | None = None) -> str:
-    """A bash script that builds the engines of any precision with ``trtexec``.
+def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | None = None,
+                 default: str = "fp32") -> str:
+    """A bash script that builds the engines of any precision this artifact takes (:func:`buildable`) with
+    ``trtexec`` of TensorRT 10 or 11 (the same lines for both: :func:`trtexec_args`).
 
-    Usage on the GPU machine: ``bash engines/build_engine.sh [fp16|int8|fp32]``.
+    Usage on the GPU machine: ``bash engines/build_engine.sh [PRECISION]`` (default ``default``).
     """
     manifest = as_manifest(manifest)
+    choices = "|".join(buildable(manifest))
     from .. import __version__
 
     cases = []
-    for prec in ENGINE_PRECISIONS:
+    for prec in buildable(manifest):
         lines = [f"  {prec})"]
-        if prec == "int8":
-            lines += [f"    if [ ! -f {CALIBRATION_CACHE} ]; then",
-                      f"      echo \"build_engine.sh: int8 needs {CALIBRATION_CACHE}: run 'medusa-export engine --artifact . "
-                      f"--precision int8 --prompt-file PROMPTS.jsonl' on a machine with TensorRT's Python package "
-                      f"(it calibrates, saves the cache and builds the engine)\" >&2",
+        if graph_sources(manifest, prec)["model"].startswith(f"{ENGINE_DIR}/"):  # a typed graph: written by `engine`
+            first = graph_sources(manifest, prec)["model"]
+            lines += [f"    if [ ! -f {first} ]; then",
+                      f"      echo \"build_engine.sh: {prec} engines build from the typed graph {first}: write it with "
+                      f"'medusa-export engine --artifact . --precision {prec}' (needs no GPU nor TensorRT)\" >&2",
                       "      exit 3", "    fi"]
         for graph, argv in zip(plan_graphs(manifest), trtexec_commands(folder, manifest, prec, workspace_mib)):
             body = " \\\n      ".join(shlex.quote(a) for a in argv[1:])
@@ -129,21 +116,22 @@ def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | N
                   "heads_level{j}.onnx (one per tree level): H hidden rows, R paths")
     plan_list = ", ".join(f'"{p}"' for p in plans)
     return f"""#!/usr/bin/env bash
-# Builds the TensorRT engines of this artifact on a machine with an NVIDIA GPU and TensorRT 10.x.
+# Builds the TensorRT engines of this artifact on a machine with an NVIDIA GPU and TensorRT 10.x or 11.x
+# (strongly typed: the precision is the ONNX's types; the same trtexec options for both majors).
 # Written by medusa-export {__version__} from manifest.json (model {manifest.model.name}, tree of
 # {manifest.tree.size} nodes, max context {manifest.model.max_context}); the shapes are the manifest's
 # optimization profiles: model.onnx profile 0 = prefill, 1 = tree step, 2 = decode; {heads_note}.
 #
-#   bash engines/build_engine.sh [fp16|int8|fp32]     (default fp16; TRTEXEC=/path/to/trtexec to choose)
+#   bash engines/build_engine.sh [{choices}]     (default {default}; TRTEXEC=/path/to/trtexec to choose)
 #
 # Outputs: {', '.join(plans).replace('$PRECISION', 'PRECISION')}, engines/timing.cache, engines/layers.*.json (per-layer
 # precisions, to check that norms and softmax stayed fp32), engines/build.*.log, engines/build_record.PRECISION.json.
 set -euo pipefail
 cd "$(dirname "${{BASH_SOURCE[0]}}")/.."   # the artifact root: ONNX external data resolves from here
-PRECISION="${{1:-fp16}}"
+PRECISION="${{1:-{default}}}"
 TRTEXEC="${{TRTEXEC:-trtexec}}"
 if ! command -v "$TRTEXEC" >/dev/null 2>&1; then
-  echo "build_engine.sh: $TRTEXEC not found: install TensorRT 10.x (trtexec ships in its bin/) or set TRTEXEC" >&2
+  echo "build_engine.sh: $TRTEXEC not found: install TensorRT 10.x or 11.x (trtexec ships in its bin/) or set TRTEXEC" >&2
   exit 3
 fi
 mkdir -p {ENGINE_DIR}
@@ -156,13 +144,13 @@ start=$(date +%s)
 case "$PRECISION" in
 {chr(10).join(cases)}
   *)
-    echo "usage: bash engines/build_engine.sh [fp16|int8|fp32]" >&2
+    echo "usage: bash engines/build_engine.sh [{choices}]" >&2
     exit 2
     ;;
 esac
 seconds=$(( $(date +%s) - start ))
 v=$(sed -n 's/.*\\[TensorRT v\\([0-9]*\\)\\].*/\\1/p' "{ENGINE_DIR}/build.model.$PRECISION.log" | head -n 1)
-trt=""  # trtexec prints its version as [TensorRT vMMmmpp] (10.x) or vMmpp (8.x)
+trt=""  # trtexec prints its version as [TensorRT vMMmmpp] (10.x, 11.x) or vMmpp (8.x)
 if [ -n "$v" ]; then
   if [ "$v" -ge 10000 ]; then trt="$((v / 10000)).$((v / 100 % 100)).$((v % 100))"; else trt="$((v / 1000)).$((v / 100 % 10)).$((v % 100))"; fi
 fi
@@ -182,6 +170,6 @@ def write_commands(folder: Path, manifest: Manifest | dict, precision: str, work
     text = "".join(shlex.join(argv) + "\n" for argv in trtexec_commands(folder, manifest, precision, workspace_mib))
     (folder / cmd_rel).write_text(f"# run from the artifact root; one build per line ({', '.join(manifest.graphs[g].file for g in plan_graphs(manifest))})\n" + text)
     script = folder / BUILD_SCRIPT
-    script.write_text(build_script(folder, manifest, workspace_mib))
+    script.write_text(build_script(folder, manifest, workspace_mib, default=precision))
     script.chmod(0o755)
     return [cmd_rel, BUILD_SCRIPT]

@@ -1,7 +1,8 @@
 """``medusa-export engine --artifact DIR``: readiness check -> trtexec commands -> engines (where TensorRT is).
 
-Exit codes (also :class:`EngineOutcome.code`): 0 engines built and recorded; 2 the ONNX
-is not ready for TensorRT (the errors are printed); 3 (:data:`EXIT_NO_TENSORRT`) TensorRT
+Exit codes (also :class:`EngineOutcome.code`): 0 engines built and recorded; 1 a typed graph failed its
+validation on ONNX Runtime; 2 the ONNX is not ready for TensorRT (the errors are printed), a precision not built
+from this artifact, or a GPU too old for it; 3 (:data:`EXIT_NO_TENSORRT`) TensorRT
 does not import here: the ``trtexec`` commands and ``engines/build_engine.sh`` were
 written into the artifact for a GPU machine, and the manifest records the engine as
 pending.
@@ -10,17 +11,21 @@ pending.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
+
 from medusa_runtime.contract.artifact import load_artifact
-from medusa_runtime.engines.trt_plan import ENGINE_DIR, plan_files, profiles_json
+from medusa_runtime.engines.trt_plan import ENGINE_DIR, plan_files, plan_graphs, profiles_json
+from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.contract.manifest import Manifest
 
 from ..validation.manifest_update import update_manifest
-from .builder import build_engines, tensorrt_version
+from .builder import EngineBuildError, build_engines, gpu_key, tensorrt_version
 from .commands import write_commands
-from .config import BUILD_SCRIPT, EXIT_NO_TENSORRT, EngineConfig
+from .config import BUILD_SCRIPT, EXIT_NO_TENSORRT, EngineConfig, engine_precision
 from .readiness import TARGET, check_artifact
 
 
@@ -48,43 +53,99 @@ def _pending_record(manifest: Manifest, cfg: EngineConfig, files: list[str]) -> 
     }
 
 
+def _check_gpu(cfg: EngineConfig) -> None:
+    """Refuse a precision the visible GPU cannot compute in (its row's ``min_compute_capability``); nothing is
+    checked where no GPU answers (the commands are written for another machine).
+
+    Raises:
+        EngineBuildError: the device's compute capability is below the row's, naming both and the fix.
+    """
+    row = engine_precision(cfg.precision)
+    cc = str(gpu_key(cfg.device_id).get("compute_capability", "unknown"))  # "major.minor" (cudaGetDeviceProperties)
+    if not row.min_compute_capability or cc == "unknown":
+        return
+    if tuple(int(x) for x in cc.split(".")) < row.min_compute_capability:
+        need = ".".join(map(str, row.min_compute_capability))
+        raise EngineBuildError(f"{cfg.precision} engines need a GPU of compute capability {need} or newer; device "
+                               f"{cfg.device_id} has {cc}: build --precision fp16 (or fp32) engines there")
+
+
+def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[dict, dict]:
+    """Write (and validate on ONNX Runtime) the typed graphs of ``cfg.precision``; return (their files by graph and
+    ``weights``, the record of what was written and how it validated)."""
+    from ..validation.validate import read_prompts
+    from .typed import typed_paths, write_typed_graphs
+    from .typed_check import validate_typed
+
+    graphs = plan_graphs(manifest)
+    print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
+          file=sys.stderr, flush=True)
+    report = write_typed_graphs(folder, {g: manifest.graphs[g].file for g in graphs}, cfg.precision)
+    record = report.to_json()
+    if cfg.validate:
+        print("validating them on ONNX Runtime ...", file=sys.stderr, flush=True)
+        prompts = read_prompts(cfg.prompts) if cfg.prompts else None
+        record["validation"] = validate_typed(folder, report, prompts=prompts)
+    return typed_paths(cfg.precision, graphs), record
+
+
 def run_engine_step(path: str | Path, cfg: EngineConfig = EngineConfig()) -> EngineOutcome:
-    """Check, write the build commands, and build the engines if TensorRT imports.
+    """Check, write the typed graph where the precision needs one, write the build commands, and build the engines
+    if TensorRT imports.
 
     Raises:
         ArtifactError: ``path`` is not a valid artifact.
+        MedusaError: the precision is not built (int8), or not from this artifact's type (the row says which).
+        EngineBuildError: the visible GPU is too old for the precision.
     """
     art = load_artifact(path)
     folder, manifest = art.path, art.manifest
+    row = engine_precision(cfg.precision)
+    source = row.source(manifest.precision.kv_dtype)
+    _check_gpu(cfg)
     report = check_artifact(folder, manifest)
-    files = write_commands(folder, manifest, cfg.precision, cfg.workspace_mib)
-    record = _pending_record(manifest, cfg, files)
     patch = {"trt_readiness": report.to_json()}
     if not report.passed:
-        record["status"] = "blocked: the TensorRT readiness check failed"
+        files = write_commands(folder, manifest, cfg.precision, cfg.workspace_mib)
+        record = {**_pending_record(manifest, cfg, files), "status": "blocked: the TensorRT readiness check failed"}
         update_manifest(folder, {**patch, "engines": {cfg.precision: record}}, files)
         errors = "\n  ".join(str(e) for e in report.errors)
         return EngineOutcome(2, f"the ONNX is not ready for TensorRT {report.tensorrt}:\n  {errors}", files)
-    if tensorrt_version() is None:
+    if source == "artifact" and row.computes_in != "float32":  # an fp16 artifact's own graphs: typed as exported
+        from .typed import check_strong_typing
+
+        for g in plan_graphs(manifest):
+            check_strong_typing(onnx.load(str(folder / manifest.graphs[g].file), load_external_data=False),
+                                where=manifest.graphs[g].file)
+    typed_files, typed_record = (_typed_graphs(folder, manifest, cfg) if source == "typed" else (None, None))
+    files = write_commands(folder, manifest, cfg.precision, cfg.workspace_mib)
+    record = _pending_record(manifest, cfg, files)
+    record["computes_in"] = row.computes_in
+    if typed_files:
+        record.update(typed_graphs=typed_files, typed_graph=typed_record)
+        files = [*typed_files.values(), *files]
+    if typed_record and not typed_record.get("validation", {"passed": True})["passed"]:
+        record["status"] = "blocked: the typed graph failed its validation on ONNX Runtime"
         update_manifest(folder, {**patch, "engines": {cfg.precision: record}}, files)
+        bad = [p for p in typed_record["validation"]["prompts"] if not p["passed"]]
+        return EngineOutcome(EXIT_MISMATCH, (
+            f"the {cfg.precision} typed graph leaves plain greedy decoding of itself on {len(bad)} prompt(s) beyond a "
+            f"near-tie (first: {bad[0]['prompt']!r} at token {bad[0]['medusa_divergence']}, margin "
+            f"{bad[0]['medusa_margin']}); no engine was built"), files)
+    manifest = update_manifest(folder, {**patch, "engines": {cfg.precision: record}}, files)
+    if tensorrt_version() is None:
         return EngineOutcome(EXIT_NO_TENSORRT, (
             "TensorRT is not available here (`import tensorrt` failed), so no engine was built.\n"
             f"Wrote {', '.join(files)} into {folder}.\n"
-            f"On a machine with an NVIDIA GPU and TensorRT 10.x, run from the artifact: bash {BUILD_SCRIPT} {cfg.precision}\n"
-            f"(or `medusa-export engine --artifact {folder} --precision {cfg.precision}` where TensorRT's Python package is installed)."),
-            files)
-    feeds = None
-    if cfg.precision == "int8":
-        from ..validation.validate import default_prompts, read_prompts
-        from .calibration import calibration_feeds
-
-        prompts = read_prompts(cfg.calibration) if cfg.calibration else default_prompts()
-        feeds = calibration_feeds(folder, manifest, prompts, cfg.calibration_batches)
-    built, built_files = build_engines(folder, manifest, cfg, feeds)
+            f"On a machine with an NVIDIA GPU and TensorRT 10.x or 11.x, run from the artifact: bash {BUILD_SCRIPT} "
+            f"{cfg.precision}\n(or `medusa-export engine --artifact {folder} --precision {cfg.precision}` where "
+            f"TensorRT's Python package is installed)."), files)
+    built, built_files = build_engines(folder, manifest, cfg, typed_files)
     record.update(built)
     rec_rel = f"{ENGINE_DIR}/build_record.{cfg.precision}.json"
     (folder / rec_rel).write_text(json.dumps(record, indent=2) + "\n")
     update_manifest(folder, {**patch, "engines": {cfg.precision: record}}, files + built_files + [rec_rel])
     built_plans = " and ".join(plan_files(manifest, cfg.precision).values())
-    return EngineOutcome(0, (f"built {built_plans} with TensorRT {record['tensorrt']} "
-                             f"on {record['gpu']} in {record['build_seconds']}s"), files + built_files + [rec_rel])
+    return EngineOutcome(0, (f"built {built_plans} with TensorRT {record['tensorrt']} on {record['gpu']} in "
+                             f"{record['build_seconds']}s (strongly typed, computing in {row.computes_in})"),
+                         files + built_files + [rec_rel])

@@ -207,7 +207,7 @@ class TrtEngine:
 
     Args:
         artifact: a loaded artifact whose engines were built (``medusa-export engine``).
-        precision: which engines ("fp16", "int8", "fp32"; None: the first built, :func:`~.trt_plan.default_precision`).
+        precision: which engines ("fp16", "bf16", "fp32"; None: the first built, :func:`~.trt_plan.default_precision`).
         device_id: the CUDA device.
         **_: options of other backends (``threads``), ignored.
 
@@ -255,7 +255,7 @@ class TrtEngine:
         self._scratch = 0
         try:  # the stream is destroyed when the plans are refused
             current = {"tensorrt": trt.__version__, **self.cuda.device_name(), "precision": precision,
-                       "profiles": profiles_json(manifest), "sources": plan_sources(manifest)}
+                       "profiles": profiles_json(manifest), "sources": plan_sources(manifest, precision)}
             _check_plan_key((manifest.engines or {}).get(precision, {}), current, artifact.path, precision)
             self._logger = trt.Logger(trt.Logger.WARNING)
             self._runtime = trt.Runtime(self._logger)

@@ -166,7 +166,7 @@ def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
 #: The plans' precision when none is asked for and the manifest records no built plans.
 #: The precisions ``medusa-export engine --precision`` builds plans in (``engines/*.PRECISION.plan``); the one
 #: table the exporter's options and the runtime's ``--engine-precision`` both read.
-ENGINE_PRECISIONS = ("fp16", "int8", "fp32")
+ENGINE_PRECISIONS = ("fp16", "bf16", "fp32")
 DEFAULT_PRECISION = "fp16"
 
 
@@ -359,13 +359,19 @@ def profiles_json(manifest: Manifest | dict) -> dict[str, list[dict]]:
             for g in plan_graphs(manifest)}
 
 
-def plan_sources(manifest: Manifest | dict) -> dict[str, str]:
-    """SHA-256 of the files a plan is built from (the model and heads graphs and their external weights), by
-    artifact-relative path, from the manifest's checksum table (files it does not list are left out)."""
+def plan_sources(manifest: Manifest | dict, precision: str | None = None) -> dict[str, str]:
+    """SHA-256 of the files a plan is built from, by artifact-relative path, from the manifest's checksum table
+    (files it does not list are left out): the model and heads graphs and their external weights, or, where the
+    engine record of ``precision`` names ``typed_graphs`` (a typed graph written beside the plans from a float32
+    artifact, ``medusa-export engine --precision fp16|bf16``), those files."""
     m = as_manifest(manifest)
-    files = [m.graphs[g].file for g in plan_graphs(m) if g in m.graphs]
-    if m.weights is not None:
-        files.append(m.weights.file)
+    typed = ((m.engines or {}).get(precision) or {}).get("typed_graphs") if precision else None
+    if typed:
+        files = list(typed.values())
+    else:
+        files = [m.graphs[g].file for g in plan_graphs(m) if g in m.graphs]
+        if m.weights is not None:
+            files.append(m.weights.file)
     return {f: m.checksums[f].sha256 for f in files if f in m.checksums}
 
 

@@ -12,7 +12,8 @@ and its ``tensorrt`` runtime backend (``medusa_runtime`` TrtEngine) end to end:
   version or GPU model, as TensorRT does, and one whose ONNX changed since the build.
 * ``IExecutionContext.execute_async_v3`` runs the ONNX with ONNX Runtime on the CPU, reading inputs from
   and writing outputs to the emulated device memory of :mod:`cuda.bindings.runtime` (also emulated).
-  Precision flags change nothing numerically: an "fp16" emulated engine computes what ONNX Runtime does.
+  A strongly typed network computes in the ONNX's types: ONNX Runtime runs float16 as float16 and a bfloat16
+  graph with its bfloat16 rounding points computed in float32 (it has no bfloat16 MatMul). TF32 changes nothing.
 
 Strict where TensorRT is; each rule cites the header (``include/NvInferRuntime.h``, ``include/NvInfer.h``
 of github.com/NVIDIA/TensorRT) or guide it comes from. ``EMULATED_TENSORRT_VERSION`` (default 10.15.1)
@@ -324,7 +325,8 @@ class ITimingCache:
 
 class IBuilderConfig:
     def __init__(self):
-        self.flags: set = set()
+        # NvInfer.h BuilderFlag::kTF32: "Enable TF32 ... This is enabled by default" (10.x and 11.x).
+        self.flags: set = {BuilderFlag.TF32}
         self.profiles: list[IOptimizationProfile] = []
         self.pool_limits: dict = {}
         self.profiling_verbosity = ProfilingVerbosity.LAYER_NAMES_ONLY
@@ -535,7 +537,16 @@ def _session(path: str, sha: str):
         if (path, sha) not in _SESSIONS:
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = 1
-            _SESSIONS[(path, sha)] = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+            model = onnx.load(path, load_external_data=False)
+            if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
+                # ONNX Runtime's CPU has no bfloat16 MatMul: the graph runs with its bfloat16 rounding points computed
+                # in float32 (medusa_export.trt.typed.rounded_in_float32), as the project validates it.
+                from medusa_export.trt.typed import rounded_in_float32
+
+                source = rounded_in_float32(model, Path(path).parent).SerializeToString()
+            else:
+                source = path
+            _SESSIONS[(path, sha)] = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
         return _SESSIONS[(path, sha)]
 
 

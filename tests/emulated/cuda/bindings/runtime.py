@@ -17,7 +17,7 @@ Emulator-only helpers (not cuda-python API): :func:`emulator_live_device_bytes`,
 :func:`emulator_device_view` and :func:`emulator_check_stream`.
 
 Environment: ``EMULATED_CUDA_DEVICES`` (default 2) emulated devices, each named
-"Emulated GPU (host memory)" (``EMULATED_CUDA_NAME``) with compute capability 9.0.
+"Emulated GPU (host memory)" (``EMULATED_CUDA_NAME``) with compute capability 9.0 (``EMULATED_CUDA_CC``, e.g. 7.5).
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ EMULATED = True
 DEVICE_COUNT = int(os.environ.get("EMULATED_CUDA_DEVICES", "2"))
 #: The emulated devices' model name (cudaDeviceProp.name): ``EMULATED_CUDA_NAME``.
 NAME = os.environ.get("EMULATED_CUDA_NAME", "Emulated GPU (host memory)")
+#: The emulated devices' compute capability (cudaDeviceProp.major / minor): ``EMULATED_CUDA_CC``.
+CC = tuple(int(x) for x in os.environ.get("EMULATED_CUDA_CC", "9.0").split("."))
 #: Bytes of device memory per emulated device (what cudaMemGetInfo reports as total).
 DEVICE_BYTES = 8 << 30
 #: cudaMalloc: "The allocated memory is suitably aligned for any kind of variable" (256 bytes in practice).
@@ -278,7 +280,7 @@ def cudaGetDeviceProperties(device: int):  # noqa: N802
     if not 0 <= int(device) < DEVICE_COUNT:
         return _fail(cudaError_t.cudaErrorInvalidDevice, f"device {device}; this machine has {DEVICE_COUNT}")
     # Every emulated device is the same model (as the GPUs of one machine usually are): one name for all.
-    return _ok(cudaDeviceProp(name=NAME.encode(), major=9, minor=0,
+    return _ok(cudaDeviceProp(name=NAME.encode(), major=CC[0], minor=CC[1],
                               totalGlobalMem=DEVICE_BYTES))
 
 

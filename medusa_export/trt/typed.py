@@ -1,0 +1,427 @@
+"""Strongly typed graphs for TensorRT: an artifact's float32 graphs rewritten in float16 or bfloat16 with float32
+islands of explicit Casts, so that TensorRT 10 (``NetworkDefinitionCreationFlag.STRONGLY_TYPED``) and 11 (every
+network strongly typed: NVIDIA's "TensorRT 10.x to 11.x" migration pages) build exactly the precision the ONNX
+says, with no builder precision flag.
+
+Each node is one of three kinds (:data:`HEAVY_OPS`, :func:`island`, else *follow*):
+
+==========  ===================================================================  ===========================
+kind        which nodes                                                          computes in
+==========  ===================================================================  ===========================
+heavy       the weight products: MatMul, Gemm, and Gather from a weight table    the low type (fp16 / bf16)
+island      every RMSNorm chain (``*/rmsnorm/*``: q/k norms too), the attention  float32
+            softmax (``*/softmax``), the output tail's ops (:data:`FP32_OPS`:
+            log-softmax, exp, the entropy's sum, top-k) and subgraphs (the
+            in-graph sampler's ``If``: its arithmetic stays float32)
+follow      everything else (adds, the residual stream, reshapes, RoPE, masks)   float32 if any input computed
+                                                                                 so (never silently lowered),
+                                                                                 else the low type
+==========  ===================================================================  ===========================
+
+An explicit Cast is inserted wherever a tensor meets a node of the other type (one Cast per tensor and type), so
+the attention scores meet their mask and the softmax in float32 (the mask's float32 minimum is never cast down),
+the logits are divided by the temperature in float32, and the graph's inputs and outputs keep the artifact's types
+(the runtime, the manifest and the C++ contract are unchanged; the past K/V are cast inside the step). Weights feed
+their consumers in the consumer's type: those of heavy nodes are stored in the low type in ``engines/weights.<p>.bin``
+(read and converted one tensor at a time: memory stays at one tensor), those of islands (norm weights) stay float32;
+a weight whose magnitude exceeds the low type's range stays float32 and is cast by a node (as ModelOpt AutoCast's
+``init_max``).
+
+Why our own pass rather than ModelOpt's AutoCast (``modelopt.onnx.autocast.convert_to_mixed_precision``, the field's
+tool for the same conversion): run on the embedded model's step graph (539 MB of fp32 weights) with
+``keep_io_types=True`` and the same islands excluded, AutoCast took 162 s and 15.0 GB of memory (it loads the
+whole model and runs a reference inference to classify nodes), which does not scale to the 7B graphs we export in
+6 GB; this pass streams the weights. Measured 2026-12-07 on the 2-core development host; the islands are the same
+by construction (AutoCast was given them as ``nodes_to_exclude`` / ``op_types_to_exclude``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..errors import MedusaError
+from ..export.graph import RMSNORM_MARK, SOFTMAX_MARK
+from .config import FP32_OPS
+
+#: The low types a typed graph computes its heavy nodes in, by engine precision.
+LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+#: The largest finite magnitude of each low type: a weight beyond it stays float32.
+LOW_MAX = {TensorProto.FLOAT16: 65504.0, TensorProto.BFLOAT16: 3.3895313892515355e38}
+#: Ops that compute in the low type (their float inputs are cast to it).
+HEAVY_OPS = frozenset({"MatMul", "Gemm", "Conv", "Einsum"})
+#: Ops that always compute in float32 (with the nodes :func:`island` names).
+ISLAND_OPS = frozenset(FP32_OPS) | {"If", "Loop", "Scan"}
+#: Alignment of each tensor in the typed weights file (as the artifact's ``weights.bin``).
+ALIGN = 4096
+_NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}
+
+
+class TypedGraphError(MedusaError):
+    """A typed graph cannot be written (an op whose float inputs would disagree), or breaks strong typing."""
+
+
+def island(node: onnx.NodeProto) -> bool:
+    """True for the nodes that stay float32: :data:`ISLAND_OPS`, every RMSNorm chain node, every attention softmax."""
+    return node.op_type in ISLAND_OPS or RMSNORM_MARK in node.name or node.name.endswith(SOFTMAX_MARK)
+
+
+def _low_array(arr: np.ndarray, low: int) -> np.ndarray:
+    if low == TensorProto.FLOAT16:
+        return arr.astype(np.float16)
+    import ml_dtypes
+
+    return arr.astype(ml_dtypes.bfloat16)  # round to nearest even
+
+
+@dataclass
+class TypedReport:
+    """What :func:`write_typed_graphs` wrote: per graph the node counts by type and the Casts it inserted."""
+
+    precision: str
+    graphs: dict = field(default_factory=dict)
+    weights_file: str = ""
+    weights_bytes: int = 0
+    kept_fp32_weights: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"precision": self.precision, "graphs": self.graphs, "weights": self.weights_file,
+                "weights_bytes": self.weights_bytes, "fp32_weights": self.kept_fp32_weights[:20]}
+
+
+class _Weights:
+    """The typed weights file: converted tensors appended one at a time, deduplicated by (source, type)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fh = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.done: dict[tuple, tuple[int, int]] = {}
+
+    def add(self, key: tuple, data: bytes) -> tuple[int, int]:
+        if key in self.done:
+            return self.done[key]
+        pad = (-self.fh.tell()) % ALIGN
+        if pad:
+            self.fh.write(b"\0" * pad)
+            self.sha.update(b"\0" * pad)
+        offset = self.fh.tell()
+        self.fh.write(data)
+        self.sha.update(data)
+        self.done[key] = (offset, len(data))
+        return self.done[key]
+
+    def close(self) -> int:
+        size = self.fh.tell()
+        self.fh.close()
+        return size
+
+
+def _read_initializer(t: TensorProto, base: Path) -> np.ndarray:
+    """An initializer's values (external data read from ``base``, memory-mapped), float32 or int."""
+    if t.data_location == TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in t.external_data}
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        n = int(np.prod(t.dims, dtype=np.int64))
+        return np.memmap(base / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                         shape=(n,)).reshape(tuple(t.dims))
+    return numpy_helper.to_array(t)
+
+
+class _Typer:
+    """One graph's rewrite (the module docstring's rules)."""
+
+    def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
+                 kept: list):
+        self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
+            weights_rel, kept
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        g = inferred.graph
+        self.floats = {v.name for v in [*g.input, *g.output, *g.value_info] if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+        self.floats |= {t.name for t in g.initializer if t.data_type == TensorProto.FLOAT}
+        self.inits = {t.name: t for t in model.graph.initializer}
+        self.cur: dict[str, int] = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
+        self.alias: dict[str, str] = {}
+        self.casts: dict[tuple[str, int], str] = {}
+        self.init_as: dict[tuple[str, int], str] = {}
+        self.new_inits: list[TensorProto] = []
+        self.nodes: list[onnx.NodeProto] = []
+        self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0}
+
+    # -- tensors in a type -------------------------------------------------------------------
+
+    def _initializer(self, name: str, want: int) -> str:
+        key = (name, want)
+        if key in self.init_as:
+            return self.init_as[key]
+        t = self.inits[name]
+        if t.data_type != TensorProto.FLOAT:  # integer constants (shapes, axes) are kept as they are
+            self.new_inits.append(t)
+            out = name
+        elif want == TensorProto.FLOAT:
+            out = name  # kept float32 (copied into the typed weights file when external)
+            if t.data_location == TensorProto.EXTERNAL:
+                out = self._store(name, np.asarray(_read_initializer(t, self.base), dtype=np.float32),
+                                  TensorProto.FLOAT, name)
+            else:
+                self.new_inits.append(t)
+        else:
+            arr = np.asarray(_read_initializer(t, self.base), dtype=np.float32)
+            if arr.size and float(np.abs(arr).max()) > LOW_MAX[want]:  # would overflow: keep fp32, cast by a node
+                self.kept.append(name)
+                out = self._cast(self._initializer(name, TensorProto.FLOAT), want)
+            else:
+                out = self._store(name, _low_array(arr, want), want, f"{name}.{_short(want)}")
+        self.init_as[key] = out
+        return out
+
+    def _store(self, src: str, arr: np.ndarray, dtype: int, name: str) -> str:
+        if arr.nbytes < 1024:  # small constants stay inline
+            t = numpy_helper.from_array(np.asarray(arr), name) if dtype != TensorProto.BFLOAT16 else \
+                helper.make_tensor(name, dtype, arr.shape, arr.view(np.uint16).tobytes(), raw=True)
+            self.new_inits.append(t)
+            return name
+        data = np.ascontiguousarray(arr).view(np.uint8).tobytes() if dtype == TensorProto.BFLOAT16 else \
+            np.ascontiguousarray(arr).tobytes()
+        offset, length = self.weights.add((src, dtype), data)
+        t = TensorProto(name=name, data_type=dtype, dims=list(arr.shape), data_location=TensorProto.EXTERNAL)
+        for k, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        self.new_inits.append(t)
+        return name
+
+    def _cast(self, name: str, to: int) -> str:
+        key = (name, to)
+        if key not in self.casts:
+            out = f"{name}/as_{_short(to)}"
+            self.nodes.append(helper.make_node("Cast", [name], [out], name=f"{name}/cast_{_short(to)}", to=to))
+            self.counts["casts"] += 1
+            self.cur[out] = to
+            self.casts[key] = out
+        return self.casts[key]
+
+    def _as(self, name: str, want: int) -> str:
+        name = self.alias.get(name, name)
+        if name in self.inits:
+            return self._initializer(name, want)
+        return name if self.cur.get(name) == want else self._cast(name, want)
+
+    # -- nodes ------------------------------------------------------------------------------
+
+    def _kind_type(self, node: onnx.NodeProto) -> int:
+        if island(node):
+            return TensorProto.FLOAT
+        data = [x for x in node.input if x in self.floats]
+        if node.op_type in HEAVY_OPS or (node.op_type == "Gather" and node.input[0] in self.inits):
+            return self.low
+        computed = [self.cur.get(self.alias.get(x, x)) for x in data if x not in self.inits]
+        if any(t == TensorProto.FLOAT for t in computed):
+            return TensorProto.FLOAT  # never lower what another node computed in float32
+        return self.low if computed else TensorProto.FLOAT
+
+    def _outer_refs(self, node: onnx.NodeProto) -> set[str]:
+        """Names a node's subgraphs read from the enclosing graph."""
+        out = set()
+        for a in node.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                made = {o for n in sub.node for o in n.output} | {i.name for i in sub.input} | \
+                    {t.name for t in sub.initializer}
+                for n in sub.node:
+                    out |= {x for x in n.input if x and x not in made}
+                    out |= self._outer_refs(n) - made
+        return out
+
+    def _rename_in_subgraphs(self, node: onnx.NodeProto, names: dict[str, str]) -> None:
+        for a in node.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                for n in sub.node:
+                    for i, x in enumerate(n.input):
+                        if x in names:
+                            n.input[i] = names[x]
+                    self._rename_in_subgraphs(n, names)
+
+    def run(self) -> onnx.ModelProto:
+        g = self.model.graph
+        outputs = {o.name for o in g.output}
+        for node in g.node:
+            node = onnx.NodeProto.FromString(node.SerializeToString())
+            want = self._kind_type(node)
+            if node.op_type == "Cast":  # an explicit cast keeps its target (the step's positions to float32)
+                node.input[0] = self.alias.get(node.input[0], node.input[0])
+                if node.input[0] in self.inits:
+                    node.input[0] = self._initializer(node.input[0], self.inits[node.input[0]].data_type)
+                to = next(a.i for a in node.attribute if a.name == "to")
+                self.cur[node.output[0]] = to
+                self.nodes.append(node)
+                continue
+            for i, x in enumerate(node.input):
+                if x and x in self.floats:
+                    node.input[i] = self._as(x, want)
+                elif x and x in self.inits:
+                    node.input[i] = self._initializer(x, self.inits[x].data_type)  # an integer constant
+            refs = self._outer_refs(node)
+            renames = {x: self._as(x, TensorProto.FLOAT) if x in self.floats else
+                       self._initializer(x, self.inits[x].data_type) for x in refs if x in self.floats or x in self.inits}
+            renames = {k: v for k, v in renames.items() if k != v}
+            if renames:
+                self._rename_in_subgraphs(node, renames)
+            for i, out in enumerate(node.output):
+                if out not in self.floats:
+                    self.cur[out] = -1
+                    continue
+                if out in outputs and want != TensorProto.FLOAT:  # the graph's outputs keep their float32 type
+                    node.output[i] = f"{out}/{_short(want)}"
+                    self.alias[out] = node.output[i]
+                self.cur[node.output[i]] = want
+            self.counts["float32_nodes" if want == TensorProto.FLOAT else "low_nodes"] += 1
+            self.nodes.append(node)
+        for out in g.output:
+            if out.name in self.alias:
+                self.nodes.append(helper.make_node("Cast", [self.alias[out.name]], [out.name],
+                                                   name=f"{out.name}/cast_f32", to=TensorProto.FLOAT))
+                self.counts["casts"] += 1
+        new = helper.make_graph(self.nodes, g.name, list(g.input), list(g.output), initializer=self.new_inits)
+        model = helper.make_model(new, opset_imports=list(self.model.opset_import), ir_version=self.model.ir_version,
+                                  producer_name="medusa-export typed graph")
+        return model
+
+
+def _short(t: int) -> str:
+    return {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}[t]
+
+
+def typed_paths(precision: str, graphs: list[str]) -> dict[str, str]:
+    """Artifact-relative paths of the typed graph files: ``engines/<graph>.<precision>.onnx`` by graph, and
+    ``weights`` -> ``engines/weights.<precision>.bin`` (one file the graphs share)."""
+    out = {g: f"engines/{g}.{precision}.onnx" for g in graphs}
+    out["weights"] = f"engines/weights.{precision}.bin"
+    return out
+
+
+def write_typed_graphs(folder: Path, files: dict[str, str], precision: str) -> TypedReport:
+    """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules).
+
+    Args:
+        folder: the artifact.
+        files: graph name -> artifact-relative ONNX file (the model graph, the heads graph or level graphs).
+        precision: a key of :data:`LOW_TYPES`.
+
+    Returns:
+        The :class:`TypedReport`; the files are :func:`typed_paths`. Each is written beside its final name and renamed
+        into place, so an interrupted run leaves no half-written graph.
+
+    Raises:
+        TypedGraphError: a graph that is not float32 (already typed: build its engine from it), or a written graph
+            that breaks strong typing (:func:`check_strong_typing`).
+    """
+    low = LOW_TYPES[precision]
+    paths = typed_paths(precision, list(files))
+    (folder / "engines").mkdir(exist_ok=True)
+    weights_path = folder / paths["weights"]
+    tmp_weights = weights_path.with_name(f".{weights_path.name}.tmp-{os.getpid()}")
+    weights = _Weights(tmp_weights)
+    report, written = TypedReport(precision, weights_file=paths["weights"]), []
+    try:
+        for graph, rel in files.items():
+            src = folder / rel
+            model = onnx.load(str(src), load_external_data=False)
+            if any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer):
+                raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
+            typer = _Typer(model, src.parent, low, weights, Path(paths["weights"]).name, report.kept_fp32_weights)
+            typed = typer.run()
+            check_strong_typing(typed, where=paths[graph])
+            out = folder / paths[graph]
+            tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+            onnx.save(typed, str(tmp))
+            written.append((tmp, out))
+            report.graphs[graph] = {"file": paths[graph], **typer.counts}
+        report.weights_bytes = weights.close()
+        os.replace(tmp_weights, weights_path)
+        for tmp, out in written:
+            os.replace(tmp, out)
+    finally:
+        if not weights.fh.closed:
+            weights.fh.close()
+        tmp_weights.unlink(missing_ok=True)
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+    return report
+
+
+#: Ops whose float inputs must all have one type (ONNX's type constraint ``T`` over these inputs).
+_SAME_TYPE_INPUTS = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Pow": (0,), "MatMul": None, "Gemm": None,
+                     "Concat": None, "Where": (1, 2), "Max": None, "Min": None, "Sum": None, "Equal": None}
+
+
+def check_strong_typing(model: onnx.ModelProto, where: str = "the typed graph") -> None:
+    """Check a typed graph before any build: every op's same-typed float inputs agree (a strongly typed network
+    takes each tensor's type as given and has no implicit cast), by ONNX's own type inference.
+
+    Raises:
+        TypedGraphError: the first op whose inputs disagree, naming the node, its input types and the fix.
+    """
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    g = inferred.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output, *g.value_info]}
+    types |= {t.name: t.data_type for t in g.initializer}
+    for node in g.node:
+        if node.op_type not in _SAME_TYPE_INPUTS:
+            continue
+        idx = _SAME_TYPE_INPUTS[node.op_type] or range(len(node.input))
+        seen = {node.input[i]: types.get(node.input[i]) for i in idx if i < len(node.input) and node.input[i]}
+        kinds = {t for t in seen.values() if t}
+        if len(kinds) > 1:
+            named = ", ".join(f"{k}: {TensorProto.DataType.Name(v)}" for k, v in seen.items() if v)
+            raise TypedGraphError(f"{where}: node {node.name or node.op_type} ({node.op_type}) mixes input types "
+                                  f"({named}); a strongly typed network has no implicit cast: insert a Cast")
+
+
+def rounded_in_float32(model: onnx.ModelProto, base: Path) -> onnx.ModelProto:
+    """A bfloat16 typed graph computed in float32 with a bfloat16 rounding after every node that computes in
+    bfloat16 and at every cast to it: what ONNX Runtime's CPU can run (it has no bfloat16 MatMul), and the same
+    rounding points as the typed graph; only the accumulation inside a product differs (float32 here, as GPUs
+    accumulate). Weights are read from ``base`` and held in memory (a validation-size model).
+
+    Args:
+        model: the typed graph (its external data not loaded).
+        base: the folder its external data is relative to.
+
+    Returns:
+        A float32 model with inline weights.
+    """
+    g = model.graph
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.input, *inferred.output, *inferred.value_info]}
+    inits = []
+    for t in g.initializer:
+        if t.data_type == TensorProto.BFLOAT16:
+            arr = _read_initializer(t, base).astype(np.float32)  # exact: bf16 values are float32 values
+            inits.append(numpy_helper.from_array(arr, t.name))
+        elif t.data_location == TensorProto.EXTERNAL:
+            inits.append(numpy_helper.from_array(np.asarray(_read_initializer(t, base)), t.name))
+        else:
+            inits.append(t)
+    nodes = []
+    for node in g.node:
+        node = onnx.NodeProto.FromString(node.SerializeToString())
+        if node.op_type == "Cast" and any(a.name == "to" and a.i == TensorProto.BFLOAT16 for a in node.attribute):
+            out = node.output[0]
+            node.output[0] = f"{out}/bf16"
+            nodes += [node, helper.make_node("Cast", [node.output[0]], [out], to=TensorProto.FLOAT)]
+            continue
+        rounded = [o for o in node.output if types.get(o) == TensorProto.BFLOAT16]
+        nodes.append(node)
+        for i, out in enumerate(node.output):
+            if out in rounded:
+                node.output[i] = f"{out}/f32"
+                nodes += [helper.make_node("Cast", [node.output[i]], [f"{out}/bf16"], to=TensorProto.BFLOAT16),
+                          helper.make_node("Cast", [f"{out}/bf16"], [out], to=TensorProto.FLOAT)]
+    new = helper.make_graph(nodes, g.name, list(g.input), list(g.output), initializer=inits)
+    return helper.make_model(new, opset_imports=list(model.opset_import), ir_version=model.ir_version)
