@@ -26,20 +26,12 @@ os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from medusa_export.model.families import FAMILIES as _FAMILY_TABLE  # noqa: E402
-from medusa_runtime.prompts import mt_bench_questions, shared_dir  # noqa: E402
 
-#: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
-SHARED = shared_dir()
-MT_BENCH = mt_bench_questions()
-
-
-def pytest_configure(config):
-    """Stop at once, with what to do, when the prompt sets the tests read are not there."""
-    if not MT_BENCH.is_file():
-        raise pytest.UsageError(
-            f"the tests read the project's prompt sets from {SHARED / 'data'}, which is missing ({MT_BENCH} "
-            "not found): check out beside the shared/ folder, or set MEDUSA_EXPORT_SHARED to the folder that "
-            "holds data/eval/mt_bench/question.jsonl")
+#: The prompts the suite uses, carried by the repository (tests/data/README.md names their source and licence): the
+#: first 20 MT-Bench questions. The suite never reads the shared prompt sets (``../shared/data``), which only the
+#: benchmarks and head training use, so a fresh clone runs it with nothing beside it.
+DATA = Path(__file__).resolve().parent / "data"
+MT_BENCH = DATA / "mt_bench_questions.jsonl"
 SMOLLM_TREE = "16"
 
 
@@ -66,7 +58,7 @@ def import_or_fail_in_ci(module: str, reason: str):
 
 
 def mt_bench_prompts(n: int = 5) -> list[str]:
-    """First-turn MT-Bench questions (evaluation only; never trained on)."""
+    """First-turn MT-Bench questions (evaluation only; never trained on), from the repository's copy (n <= 20)."""
     lines = MT_BENCH.read_text().splitlines()[:n]
     return [json.loads(line)["turns"][0] for line in lines]
 
@@ -81,7 +73,7 @@ def _tiny_bpe_json(vocab_limit: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_limit, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = mt_bench_prompts(20) + [line for line in (SHARED / "data" / "README.md").read_text().splitlines() if line]
+    corpus = mt_bench_prompts(20) + (DATA / "bpe_corpus.txt").read_text().splitlines()
     tok.train_from_iterator(corpus, trainer)
     return tok.to_str()
 

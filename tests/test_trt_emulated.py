@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MT_BENCH
 from medusa_export.cli.main import main
 from medusa_runtime.artifact import load_artifact
 from medusa_runtime.loop import generate
@@ -220,6 +221,7 @@ def _hardlinked_copy(src: Path, dst: Path) -> Path:
     return Path(shutil.copytree(src, dst, copy_function=link_or_copy))
 
 
+@pytest.mark.slow
 def test_emulated_trt_backend_is_token_exact_on_the_embedded_model(smollm_artifact, emulated, tmp_path):
     """The embedded SmolLM2-135M artifact (16-node tree): fp32 plans built by the emulated builder give ONNX
     Runtime's greedy Medusa tokens, and closing the engine leaves no device memory."""
@@ -623,7 +625,8 @@ def test_bench_runs_vanilla_and_medusa_on_the_emulated_tensorrt_engine(engine_ar
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path])}
     r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "bench.py"), str(engine_art),
                         "--backend", "tensorrt", "--device-id", "1", "--prompts", "2", "--max-new-tokens", "8",
-                        "--repeats", "1", "--past-lengths", "0,32", "--no-transformers", "--out", str(out)],
+                        "--repeats", "1", "--past-lengths", "0,32", "--no-transformers", "--out", str(out),
+                        "--questions", str(MT_BENCH)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
