@@ -35,15 +35,15 @@ MT_BENCH = DATA / "mt_bench_questions.jsonl"
 SMOLLM_TREE = "16"
 
 
-#: Set by .ci/run: CI installs the serving tools (tritonserver, tritonclient, g++, nlohmann-json), so a test that
-#: would skip for want of one fails there instead (:func:`skip_or_fail_in_ci`).
+#: Set by .ci/run: CI installs the serving tools (tritonserver, tritonclient, g++, nlohmann-json) and GNU time, so a
+#: test that would skip for want of one fails there instead (:func:`skip_or_fail_in_ci`).
 IN_CI = os.environ.get("MEDUSA_EXPORT_CI") == "1"
 
 
 def skip_or_fail_in_ci(reason: str) -> None:
     """Skip the test for want of a tool (``reason`` says which), or fail it under ``MEDUSA_EXPORT_CI=1``."""
     if IN_CI:
-        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it, .ci/setup_serving.sh), so this is a failure")
+        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it: .ci/run, .ci/setup_serving.sh), so this is a failure")
     pytest.skip(reason)
 
 
