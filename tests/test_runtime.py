@@ -401,14 +401,40 @@ def test_backends(counter_artifact):
     assert {"onnxruntime", "onnxruntime-cuda", "tensorrt"} <= set(BACKENDS)
     with pytest.raises(MedusaError, match="unknown backend 'cuda'; choose one of onnxruntime"):
         create_engine(art, "cuda")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        with pytest.raises(BackendUnavailableError, match="CUDAExecutionProvider"):
-            create_engine(art, "onnxruntime-cuda")
+
+
+def test_gpu_backends_on_a_machine_without_them(counter_artifact, monkeypatch):
+    """Without ONNX Runtime's CUDA provider and without TensorRT (made so here, whatever this machine has), the two GPU
+    backends refuse with a typed error that says what is missing. Where they are present: the emulated TensorRT runs
+    (tests/test_trt_emulated.py::test_emulated_trt_backend_is_token_exact_with_onnxruntime), and so does ONNX Runtime's
+    CUDA provider (the next test)."""
+    import onnxruntime as ort
+
+    from medusa_runtime.engines import create_engine
+
+    art = load_artifact(counter_artifact)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+    with pytest.raises(BackendUnavailableError, match="onnxruntime has no CUDAExecutionProvider here"):
+        create_engine(art, "onnxruntime-cuda")
+    with pytest.raises(BackendUnavailableError, match=r"needs TensorRT's Python package \(`import tensorrt` failed\)"):
+        create_engine(art, "tensorrt")
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers(),
+                    reason="needs onnxruntime-gpu and a GPU (the machine without: the test above)")
+def test_onnxruntime_cuda_backend_where_the_provider_is(counter_artifact):
+    """Where ONNX Runtime has its CUDA provider, the onnxruntime-cuda backend gives the CPU backend's tokens."""
+    from medusa_runtime.engines import create_engine
+
+    art = load_artifact(counter_artifact)
+    engines = [create_engine(art, b) for b in ("onnxruntime", "onnxruntime-cuda")]
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        with pytest.raises(BackendUnavailableError, match="TensorRT"):
-            create_engine(art, "tensorrt")
+        cpu, cuda = (generate(e, [100], art.tree, max_new_tokens=12, max_context=CONTEXT).tokens for e in engines)
+    finally:
+        for e in engines:
+            e.close()
+    assert cuda == cpu == _counting(101, 12)
 
 
 class AliasEngine:
@@ -487,7 +513,8 @@ def test_a_new_backend_is_its_module_and_one_table_entry(counter_artifact, capsy
     assert fingerprint["version"] == BACKENDS["onnxruntime"].version() is not None
     assert fingerprint["engine"] == "AliasEngine" and fingerprint["device_id"] is None
     assert run_doctor().runtime[spec.name] == {"library": "onnxruntime", "version": spec.version(),
-                                                "batched": False, "gpu": False, "fixed_tree": False}
+                                                "batched": False, "gpu": False, "fixed_tree": False,
+                                                "label": spec.name, "here": "available"}
     assert TritonConfig(backend=spec.name).backend == spec.name
     with pytest.raises(MedusaError, match="unknown backend 'nope'; choose one of onnxruntime, onnxruntime-cuda"):
         TritonConfig(backend="nope")
