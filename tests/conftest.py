@@ -43,7 +43,8 @@ IN_CI = os.environ.get("MEDUSA_EXPORT_CI") == "1"
 def skip_or_fail_in_ci(reason: str) -> None:
     """Skip the test for want of a tool (``reason`` says which), or fail it under ``MEDUSA_EXPORT_CI=1``."""
     if IN_CI:
-        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it: .ci/run, .ci/setup_serving.sh), so this is a failure")
+        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it: .ci/run, .ci/setup_serving.sh), so this is a "
+                    "failure")
     pytest.skip(reason)
 
 
@@ -76,6 +77,17 @@ def _tiny_bpe_json(vocab_limit: int) -> str:
     corpus = mt_bench_prompts(20) + (DATA / "bpe_corpus.txt").read_text().splitlines()
     tok.train_from_iterator(corpus, trainer)
     return tok.to_str()
+
+
+def hand_timed_trees(monkeypatch, step_ms) -> None:
+    """Replace the runtime's tree timings (medusa_runtime.autotree) with hand-given ones, so that the tree a build or
+    a session chooses can be worked out by hand: a step of an n-node tree takes ``step_ms(n)`` ms, the heads
+    nothing, and a step of the whole decode loop with that tree the same ``step_ms(n)``."""
+    import medusa_runtime.autotree as autotree
+
+    monkeypatch.setattr(autotree, "time_tree_steps",
+                        lambda engine, trees, **_: ({n: float(step_ms(n)) for n in trees}, {n: 0.0 for n in trees}))
+    monkeypatch.setattr(autotree, "time_decode_loop", lambda engine, tree, **_: float(step_ms(tree.size)))
 
 
 def make_tiny_tokenizer(vocab_limit: int = 300):

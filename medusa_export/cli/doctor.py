@@ -155,7 +155,8 @@ def run_doctor() -> DoctorReport:
     r.devices = ["CPU"] + [f"cuda:{i} {n}" for i, n in enumerate(names)]
     if ok:
         r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = list(precisions())
-    r.backends[EMULATED_TENSORRT if trt_emulated else "tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
+    trt_name = EMULATED_TENSORRT if trt_emulated else "tensorrt"
+    r.backends[trt_name] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
     r.runtime = {name: _runtime_backend(spec, ort_cuda=ort_cuda, cuda_devices=len(names))
                  for name, spec in BACKENDS.items()}
