@@ -53,6 +53,10 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
                     "--prompts", "3", "--max-new-tokens", "6", "--threads", "1", "--out", str(out),
                     "--questions", str(MT_BENCH)]) == 0
     report = json.loads(out.read_text())
+    from medusa_runtime.session import MedusaSession
+
+    session = MedusaSession(counter_artifacts[0], threads=1)
+    replies = [counter_reply(session.encode(q), 6) for q in bb.read_first_turns(MT_BENCH, 4)]  # by hand
     assert report["batch_sizes"] == [1, 2, 4] and report["tree_specs"] == ["2", "4"] and report["model"] == "counter"
     assert [(a["precision"], a["graph"], a["max_batch_size"]) for a in report["artifacts"]] == [
         ("fp32", "fused", 4), ("int4", "fused", 4)]
@@ -70,7 +74,11 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
             assert ba["medusa"]["tree"] == best and ba["medusa"]["tree_size"] == int(best[2:])
             assert ba["medusa"]["tokens_per_step"] > 1.5
             assert ba["medusa_over_vanilla"] == pytest.approx(ba["medusa"]["tokens_per_s"] / ba["vanilla"]["tokens_per_s"])
-            assert all(m["tokens_per_s"] > 0 and m["per_sequence_tokens_per_s"] > 0 for m in ba["trees"].values())
+            mine = replies[:r["sequences"]]
+            for m in ba["trees"].values():  # one run each (--repeats 1): the counter's reply tokens over its wall time
+                assert m["tokens_per_s"] == pytest.approx(sum(map(len, mine)) / m["wall_s"])
+                # no sequence takes longer than the whole run: each one's tokens/s is at least its tokens / wall
+                assert m["per_sequence_tokens_per_s"] >= min(map(len, mine)) / m["wall_s"] > 0
     table = out.with_suffix(".md").read_text()
     assert table.startswith(f"## Batch curve, {report['date'][:10]}")
     assert sum(line.startswith("| fp32 | fused |") for line in table.splitlines()) == 3
