@@ -307,7 +307,7 @@ _CHILD = textwrap.dedent("""
     limit = int(sys.argv[3])
     plan.available_memory = lambda: limit  # the memory the build is told it has: its plan must keep to it
     rc = main(["build", "--model", sys.argv[1], "--precision", "fp16", "--tree", "4", "--new-tokens", "8",
-               "--out", sys.argv[2]])
+               "--out", sys.argv[2], *json.loads(sys.argv[5])])
     print("MEMORY", json.dumps({"rc": rc, "base": base, "peak": high_water(), "reset": reset}))
 """)
 
@@ -345,12 +345,14 @@ def medium_ckpt(tmp_path_factory):
     return path, 4 * sum(int(np.prod(s)) for s in shapes.values())  # (the folder, its model's bytes in fp32)
 
 
-def _measured_build(medium_ckpt, tmp_path, limit, peak_reset=True):
-    """Build the medium checkpoint in a child process told ``limit`` bytes are available: (its MEMORY record,
-    the manifest). The child measures its peak resident memory from just before the build where Linux lets it
-    reset the peak (/proc/self/clear_refs), else (or ``peak_reset=False``) from its start (ru_maxrss)."""
+def _measured_build(medium_ckpt, tmp_path, limit, peak_reset=True, args=()):
+    """Build the medium checkpoint (fp16, build's further ``args``) in a child process told ``limit`` bytes are
+    available: (its MEMORY record, the manifest). The child measures its peak resident memory from just before the
+    build where Linux lets it reset the peak (/proc/self/clear_refs), else (or ``peak_reset=False``) from its start
+    (ru_maxrss)."""
     r = subprocess.run([sys.executable, "-c", _CHILD, str(medium_ckpt[0]), str(tmp_path / "art"), str(limit),
-                        "reset" if peak_reset else "no-reset"], capture_output=True, text=True, timeout=900)
+                        "reset" if peak_reset else "no-reset", json.dumps(list(args))],
+                       capture_output=True, text=True, timeout=900)
     line = next((x for x in r.stdout.splitlines() if x.startswith("MEMORY")), None)
     assert line, r.stderr[-3000:]
     mem = json.loads(line.split(" ", 1)[1])
@@ -376,3 +378,13 @@ def test_streamed_build_memory_stays_within_the_memory_it_is_given(medium_ckpt, 
     assert grew < limit, f"the build added {grew / 1e6:.0f} MB above {mem['base'] / 1e6:.0f} MB, given {limit / 1e6:.0f}"
     # The checkpoint really is the size the docstring says: 420+ MB of fp16 weights exported (840+ MB in fp32).
     assert m["precision"]["name"] == "fp16" and m["weights"]["bytes"] > 420e6
+
+
+def test_streamed_export_adds_a_few_times_its_largest_matrix(medium_ckpt, tmp_path):
+    """docs/export.md's figure: the export of the same checkpoint with the checksums as its only check adds a few
+    times its largest matrix to the process (lm_head, 8000 x 2048: 65.5 MB in fp32), not its 852 MB fp32 model."""
+    mem, m = _measured_build(medium_ckpt, tmp_path, 2_000_000_000, args=["--checks", "checksums"])
+    grew = mem["peak"] - mem["base"]
+    print(f"export + checksums: {grew / 1e6:.0f} MB above the opened model ({mem['base'] / 1e6:.0f} MB)")
+    assert m["validation"]["ran"] == ["checksums"] and m["validation"]["passed"]
+    assert grew < 4 * 8000 * 2048 * 4, f"the export added {grew / 1e6:.0f} MB"
