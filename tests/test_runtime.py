@@ -661,7 +661,10 @@ def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, sm
 @pytest.mark.slow
 def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_session, smollm_mt_bench_runs):
     """Issue 5: the accepted length predicted from the shipped a_k^(i) (Medusa paper §2.3.3, calibrated on
-    held-out *training* prompts) is within 15% of the one measured on MT-Bench (never trained on)."""
+    held-out *training* prompts) is within 6% of the one measured on MT-Bench (never trained on): 5 first turns x 64
+    tokens, the 16-node tree (+2.8% on 2026-12-07: predicted 1.6527, measured 1.6071 over 196 steps; docs/heads.md
+    and docs/benchmarks.md cite this bound). Greedy and fp32, so the measurement moves only where another CPU's
+    kernels flip a near-tie."""
     from medusa_runtime.tree import expected_accept_length
 
     acc = smollm_session.artifact.head_accuracies
@@ -669,8 +672,10 @@ def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_se
     predicted = expected_accept_length(smollm_session.tree, acc[: smollm_session.engine.num_heads])
     steps = [t for _, run in smollm_mt_bench_runs for t in run.result.step_tokens]
     measured = float(np.mean(steps))
+    print(f"predicted {predicted:.4f}, measured {measured:.4f} tokens/step over {len(steps)} steps "
+          f"({(predicted - measured) / measured:+.1%})")
     assert len(steps) > 100 and measured > 1.2
-    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.06 * measured, (predicted, measured)
 
 
 @pytest.mark.slow
