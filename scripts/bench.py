@@ -8,7 +8,7 @@
 PyTorch reference on the artifact's source weights, for machines with PyTorch and CUDA but neither TensorRT
 nor onnxruntime-gpu; medusa_export.validation.torch_backend); vanilla and Medusa always share it. CI runs
 ``--backend tensorrt`` only against the EMULATED TensorRT (tests/test_trt_emulated.py), whose timings mean
-nothing.
+nothing; its report names the backend "tensorrt (emulated)".
 
 For each prompt (chat template applied) the runtime generates ``--max-new-tokens`` greedy
 tokens twice, one token per step (vanilla: the root-only tree) and with the Medusa tree,
@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from medusa_export.trt.emulation import backend_label  # "tensorrt (emulated)" on the test double
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.decode.loop import causal_mask, proposer
 from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
@@ -239,7 +240,7 @@ def _run(session: MedusaSession, args) -> dict:
     m = session.artifact.manifest
     report = {
         "model": m.model.name, "heads_source": m.model.heads_source, "artifact": str(args.artifact),
-        "precision": m.precision_name, "backend": session.backend, "threads": args.threads, "spin": args.spin,
+        "precision": m.precision_name, "backend": backend_label(session.backend), "threads": args.threads, "spin": args.spin,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
                  "medusa_choices": [list(c) for c in getattr(session.tree, "choices", ())],

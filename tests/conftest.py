@@ -26,32 +26,25 @@ os.environ["MEDUSA_EXPORT_CACHE"] = tempfile.mkdtemp(prefix="medusa-export-cache
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from medusa_export.model.families import FAMILIES as _FAMILY_TABLE  # noqa: E402
-from medusa_runtime.front.prompts import mt_bench_questions, shared_dir  # noqa: E402
 
-#: The project's prompt sets: ``shared/`` beside the checkout, or the folder MEDUSA_EXPORT_SHARED names.
-SHARED = shared_dir()
-MT_BENCH = mt_bench_questions()
-
-
-def pytest_configure(config):
-    """Stop at once, with what to do, when the prompt sets the tests read are not there."""
-    if not MT_BENCH.is_file():
-        raise pytest.UsageError(
-            f"the tests read the project's prompt sets from {SHARED / 'data'}, which is missing ({MT_BENCH} "
-            "not found): check out beside the shared/ folder, or set MEDUSA_EXPORT_SHARED to the folder that "
-            "holds data/eval/mt_bench/question.jsonl")
+#: The prompts the suite uses, carried by the repository (tests/data/README.md names their source and licence): the
+#: first 20 MT-Bench questions. The suite never reads the shared prompt sets (``../shared/data``), which only the
+#: benchmarks and head training use, so a fresh clone runs it with nothing beside it.
+DATA = Path(__file__).resolve().parent / "data"
+MT_BENCH = DATA / "mt_bench_questions.jsonl"
 SMOLLM_TREE = "16"
 
 
-#: Set by .ci/run: CI installs the serving tools (tritonserver, tritonclient, g++, nlohmann-json), so a test that
-#: would skip for want of one fails there instead (:func:`skip_or_fail_in_ci`).
+#: Set by .ci/run: CI installs the serving tools (tritonserver, tritonclient, g++, nlohmann-json) and GNU time, so a
+#: test that would skip for want of one fails there instead (:func:`skip_or_fail_in_ci`).
 IN_CI = os.environ.get("MEDUSA_EXPORT_CI") == "1"
 
 
 def skip_or_fail_in_ci(reason: str) -> None:
     """Skip the test for want of a tool (``reason`` says which), or fail it under ``MEDUSA_EXPORT_CI=1``."""
     if IN_CI:
-        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it, .ci/setup_serving.sh), so this is a failure")
+        pytest.fail(f"{reason}; MEDUSA_EXPORT_CI=1 (CI installs it: .ci/run, .ci/setup_serving.sh), so this is a "
+                    "failure")
     pytest.skip(reason)
 
 
@@ -66,7 +59,7 @@ def import_or_fail_in_ci(module: str, reason: str):
 
 
 def mt_bench_prompts(n: int = 5) -> list[str]:
-    """First-turn MT-Bench questions (evaluation only; never trained on)."""
+    """First-turn MT-Bench questions (evaluation only; never trained on), from the repository's copy (n <= 20)."""
     lines = MT_BENCH.read_text().splitlines()[:n]
     return [json.loads(line)["turns"][0] for line in lines]
 
@@ -81,9 +74,20 @@ def _tiny_bpe_json(vocab_limit: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_limit, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = mt_bench_prompts(20) + [line for line in (SHARED / "data" / "README.md").read_text().splitlines() if line]
+    corpus = mt_bench_prompts(20) + (DATA / "bpe_corpus.txt").read_text().splitlines()
     tok.train_from_iterator(corpus, trainer)
     return tok.to_str()
+
+
+def hand_timed_trees(monkeypatch, step_ms) -> None:
+    """Replace the runtime's tree timings (medusa_runtime.tuning.autotree) with hand-given ones, so that the tree a build or
+    a session chooses can be worked out by hand: a step of an n-node tree takes ``step_ms(n)`` ms, the heads
+    nothing, and a step of the whole decode loop with that tree the same ``step_ms(n)``."""
+    import medusa_runtime.tuning.autotree as autotree
+
+    monkeypatch.setattr(autotree, "time_tree_steps",
+                        lambda engine, trees, **_: ({n: float(step_ms(n)) for n in trees}, {n: 0.0 for n in trees}))
+    monkeypatch.setattr(autotree, "time_decode_loop", lambda engine, tree, **_: float(step_ms(tree.size)))
 
 
 def make_tiny_tokenizer(vocab_limit: int = 300):

@@ -53,7 +53,7 @@ def error_of(argv, capsys) -> str:
     """Run ``argv``; assert exit code 2 and nothing on stdout (no work reported); the one-line error."""
     assert main(argv) == EXIT_USAGE
     out, err = capsys.readouterr()
-    assert "PASSED" not in out and "Traceback" not in err
+    assert out == "" and "Traceback" not in err, out
     return err
 
 

@@ -11,12 +11,13 @@ lengths in the same step.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from conftest import make_counter_medusa, plain_greedy, tiny_loaded
+from conftest import make_counter_medusa, make_tiny_tokenizer, plain_greedy, tiny_loaded
 from medusa_runtime.decode.acceptance import SamplingConfig
 from medusa_runtime.decode.batch import LoopedBatchEngine, Scheduler, SequenceRequest, batch_engine
 from medusa_runtime.errors import ContextOverflowError, InvalidSettingError, InvalidTreeError
@@ -387,16 +388,21 @@ def test_generate_batch_equals_generate(counter):
     seeds = [SamplingConfig(temperature=1.0, seed=s) for s in range(len(TEXTS))]
     pieces: dict[int, list[str]] = {}
     done = []
+    start = time.perf_counter()
     got = counter.generate_batch(TEXTS, max_new_tokens=[20, 9, 30, 4, 16], sampling=seeds, stop=stop, batch_size=3,
                                  stream=lambda i, p: pieces.setdefault(i, []).append(p),
                                  on_done=lambda i, c: done.append(i))
+    wall = time.perf_counter() - start
+    tok = make_tiny_tokenizer()  # the artifact's tokenizer, with transformers' chat template: an independent count
     assert sorted(done) == list(range(len(TEXTS))) and done != list(range(len(TEXTS)))  # finish order != input order
     for i, (text, c) in enumerate(zip(TEXTS, got)):
         ref = counter.generate(text, max_new_tokens=[20, 9, 30, 4, 16][i], sampling=seeds[i], stop=stop)
         assert (c.token_ids, c.text, c.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), text
         assert c.result.step_tokens == ref.result.step_tokens
         assert "".join(pieces.get(i, [])) == c.text
-        assert c.prompt_tokens == ref.prompt_tokens and c.seconds > 0
+        assert c.prompt_tokens == len(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=True))
+        assert 0 < c.seconds <= wall  # each reply's own time lies within the batch's
     greedy = counter.generate_batch(prompt_ids=[[100], [7, 8]], max_new_tokens=6, vanilla=True)
     assert [c.token_ids for c in greedy] == [list(range(101, 107)), list(range(9, 15))]
     assert greedy[0].result.step_tokens == [1] * 5

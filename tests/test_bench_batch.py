@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_counter_medusa, tiny_loaded
+from conftest import MT_BENCH, make_counter_medusa, tiny_loaded
 
 _PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench_batch.py"
 _spec = importlib.util.spec_from_file_location("bench_batch", _PATH)
@@ -50,8 +50,13 @@ def counter_reply(prompt_ids: list[int], n: int) -> list[int]:
 def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
     out = tmp_path / "curve.json"
     assert bb.main(["--artifacts", *map(str, counter_artifacts), "--trees", "2,4", "--batch-sizes", "1,2,4",
-                    "--prompts", "3", "--max-new-tokens", "6", "--threads", "1", "--out", str(out)]) == 0
+                    "--prompts", "3", "--max-new-tokens", "6", "--threads", "1", "--out", str(out),
+                    "--questions", str(MT_BENCH)]) == 0
     report = json.loads(out.read_text())
+    from medusa_runtime.front.session import MedusaSession
+
+    session = MedusaSession(counter_artifacts[0], threads=1)
+    replies = [counter_reply(session.encode(q), 6) for q in bb.read_first_turns(MT_BENCH, 4)]  # by hand
     assert report["batch_sizes"] == [1, 2, 4] and report["tree_specs"] == ["2", "4"] and report["model"] == "counter"
     assert [(a["precision"], a["graph"], a["max_batch_size"]) for a in report["artifacts"]] == [
         ("fp32", "fused", 4), ("int4", "fused", 4)]
@@ -69,7 +74,11 @@ def test_bench_batch_curve(counter_artifacts, tmp_path, capsys):
             assert ba["medusa"]["tree"] == best and ba["medusa"]["tree_size"] == int(best[2:])
             assert ba["medusa"]["tokens_per_step"] > 1.5
             assert ba["medusa_over_vanilla"] == pytest.approx(ba["medusa"]["tokens_per_s"] / ba["vanilla"]["tokens_per_s"])
-            assert all(m["tokens_per_s"] > 0 and m["per_sequence_tokens_per_s"] > 0 for m in ba["trees"].values())
+            mine = replies[:r["sequences"]]
+            for m in ba["trees"].values():  # one run each (--repeats 1): the counter's reply tokens over its wall time
+                assert m["tokens_per_s"] == pytest.approx(sum(map(len, mine)) / m["wall_s"])
+                # no sequence takes longer than the whole run: each one's tokens/s is at least its tokens / wall
+                assert m["per_sequence_tokens_per_s"] >= min(map(len, mine)) / m["wall_s"] > 0
     table = out.with_suffix(".md").read_text()
     assert table.startswith(f"## Batch curve, {report['date'][:10]}")
     assert sum(line.startswith("| fp32 | fused |") for line in table.splitlines()) == 3
@@ -86,7 +95,7 @@ def test_vanilla_and_medusa_rows_give_the_counters_tokens(counter_artifacts):
     session = MedusaSession(counter_artifacts[0], threads=1)
     trees = bb.candidate_trees(session, ["2", "4", "chain"])
     assert {n: t.size for n, t in trees.items()} == {"vanilla": 1, "T=2": 2, "T=4": 4, "chain": 4}
-    prompts = [session.encode(q) for q in bb.read_first_turns(bb.DEFAULT_QUESTIONS, 4)]
+    prompts = [session.encode(q) for q in bb.read_first_turns(MT_BENCH, 4)]
     want = [counter_reply(p, 6) for p in prompts]
     assert sum(map(len, want)) >= 20
     for b in (1, 4):
@@ -118,7 +127,8 @@ def test_a_differing_reply_fails_the_run(counter_artifacts, tmp_path, monkeypatc
     monkeypatch.setattr(bb, "run_once", corrupt)
     out = tmp_path / "bad.json"
     assert bb.main(["--artifacts", str(counter_artifacts[0]), "--trees", "2", "--batch-sizes", "2", "--prompts", "2",
-                    "--max-new-tokens", "3", "--threads", "1", "--out", str(out), "--looped-artifacts", str(batch1)]) == 1
+                    "--max-new-tokens", "3", "--threads", "1", "--out", str(out), "--looped-artifacts", str(batch1),
+                    "--questions", str(MT_BENCH)]) == 1
     art = json.loads(out.read_text())["artifacts"][0]
     assert art["looped_artifact"] == str(batch1)
     row = art["rows"][0]

@@ -35,8 +35,16 @@ def test_op_shares_counts_only_the_selected_runs():
     assert bs.op_shares(events, slice(5, 6)) == ([], 0.0, 0.0)
 
 
-def test_interleaved_ms_runs_every_function_in_turn():
-    order = []
-    times = bs.interleaved_ms({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3, warmup=1)
+def test_interleaved_ms_runs_every_function_in_turn(monkeypatch):
+    """On a fake clock: "a" takes 2 ms, "b" 5 ms, except b's second timed run (70 ms): the medians are 2 and 5."""
+    order, clock = [], [0.0]
+    cost = {"a": [2e-3] * 4, "b": [5e-3, 5e-3, 70e-3, 5e-3]}  # per call, the warm-up first
+
+    def run(key):
+        clock[0] += cost[key][order.count(key)]
+        order.append(key)
+
+    monkeypatch.setattr(bs.time, "perf_counter", lambda: clock[0])
+    times = bs.interleaved_ms({"a": lambda: run("a"), "b": lambda: run("b")}, repeats=3, warmup=1)
     assert order == ["a", "b"] + ["a", "b"] * 3
-    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    assert times == pytest.approx({"a": 2.0, "b": 5.0})

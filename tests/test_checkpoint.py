@@ -176,6 +176,7 @@ def test_open_model_reads_no_weights(tiny, monkeypatch):
     assert lm.eos_token_ids and lm.tokenizer is not None
 
 
+@pytest.mark.slow  # reads the embedded model's file
 def test_truncated_gguf_is_named(tmp_path):
     from medusa_export.loading.registry import get_entry, resolve_backbone
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import medusa_runtime.tuning.resolve as resolve_module
-from conftest import make_counter_medusa, tiny_loaded
+from conftest import hand_timed_trees, make_counter_medusa, tiny_loaded
 from medusa_export.cli.main import main
 from medusa_runtime.tuning.autotree import DEFAULT_MARGIN, TreeTiming, candidate_trees, choose_tree, pick, refine_with_loop
 from medusa_runtime.engines import BACKENDS, BackendSpec
@@ -163,14 +163,17 @@ def test_cached_choice_measures_once_and_again_when_the_key_changes(tmp_path):
 
 
 def test_session_times_once_then_reuses_and_retimes_on_a_change(counter_artifact, default_env, monkeypatch):
+    # By hand: a 4-node step takes 10 ms, every other size 1 s: whatever its accuracies, no other tree (at most
+    # 1 + depth 3 tokens a step) comes near the 4-node tree's 100+ tokens/s, so 4 is the choice timed and recorded.
+    hand_timed_trees(monkeypatch, lambda n: 10.0 if n == 4 else 1000.0)
     notices = []
     first = MedusaSession(counter_artifact, threads=1, notice=notices.append)
     rec = first.default_tree.record
     assert first.default_tree.timed and first.tree_source == "fastest here, timed now"
     assert len(notices) == 1 and notices[0].startswith("timing tree sizes on this machine: ")
     assert record_path(counter_artifact, default_env).is_file()
-    assert first.tree.size == rec.chosen  # the session runs the recorded choice
-    assert rec.row(1).loop_ms is not None  # plain decoding is always timed through the loop
+    assert first.tree.size == rec.chosen == 4  # the session runs the recorded choice, the one worked out above
+    assert rec.row(1).loop_ms == 1000.0  # plain decoding is always timed through the loop
 
     notices.clear()
     second = MedusaSession(counter_artifact, threads=1, notice=notices.append)

@@ -142,7 +142,6 @@ def test_reduced_precision_builds(tmp_path, precision):
          "weights.bin"])
     if precision == "fp16":
         assert m["precision"]["kv_dtype"] == "float16"
-        assert max(p["max_logprob_diff"] for p in v["prompts"]) < 5e-2
 
 
 @pytest.mark.slow

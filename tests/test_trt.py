@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import shlex
 import shutil
 import subprocess
@@ -413,12 +414,18 @@ def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
     assert run("int8").returncode == 2  # not a precision this artifact builds: the usage line
 
 
-def test_build_engine_flag_runs_the_engine_step(art):
+def test_build_engine_flag_runs_the_engine_step_without_tensorrt(art, monkeypatch):
+    """``build --engine trt`` where TensorRT does not import (made so here, whatever this machine has): the trtexec
+    commands are written and the step exits EXIT_NO_TENSORRT; ``--engine none`` does nothing. With TensorRT (the
+    emulated one) the same flag builds the plans: tests/test_trt_emulated.py::test_build_engine_flag_builds_plans."""
+    _no_gpu_stack(monkeypatch)
     args = Namespace(engine="trt", engine_precision="fp32", engine_prompts=None, workspace_mib=None,
                      engine_device_id=0)
-    assert after_build(args, art) == (0 if HAVE_TRT else EXIT_NO_TENSORRT)
-    assert (art / "engines/trtexec.fp32.txt").is_file()
+    assert after_build(args, art) == EXIT_NO_TENSORRT
+    assert (art / "engines/trtexec.fp32.txt").is_file() and not list(art.glob("engines/*.plan"))
+    before = sorted(p.name for p in art.rglob("*"))
     assert after_build(Namespace(engine="none"), art) == 0
+    assert sorted(p.name for p in art.rglob("*")) == before
 
 
 def test_engine_refuses_a_graph_that_is_not_ready(art, capsys):
@@ -442,14 +449,49 @@ def test_update_manifest_merges_and_rechecksums(art):
     assert not list(art.glob(".manifest.json.tmp*"))
 
 
-def test_doctor_reports_backends(capsys):
+def _no_gpu_stack(monkeypatch):
+    """This process as on a machine without TensorRT, cuda-python or ONNX Runtime's CUDA provider (whatever this
+    one has): those imports fail and ONNX Runtime offers the CPU provider only."""
+    import onnxruntime
+
+    for name in ("tensorrt", "cuda", "cuda.cudart", "cuda.bindings", "cuda.bindings.runtime"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+
+
+def test_doctor_without_tensorrt_or_cuda(capsys, monkeypatch):
+    """A CPU-only machine (made so here, whatever this one has): TensorRT is unavailable, and the runtime's two GPU
+    backends are listed as unavailable with the reason, not among the runtimes that run (issue 40: it listed the
+    CUDA runtime among them right after saying CUDA was missing)."""
+    _no_gpu_stack(monkeypatch)
     assert main(["doctor"]) == 0
-    out = capsys.readouterr().out
-    assert "onnxruntime" in out and "tensorrt" in out and "CPUExecutionProvider" in out
+    out = capsys.readouterr().out.splitlines()
+    assert "--  CUDA via onnxruntime  CPU build of onnxruntime (onnxruntime-gpu brings the CUDA provider)" in out
+    assert "tensorrt:   unavailable" in out and "devices:    CPU only" not in out and "devices:    CPU" in out
+    runtime = next(line for line in out if line.startswith("runtime:"))
+    assert runtime.startswith("runtime:    onnxruntime (onnxruntime ") and runtime.endswith(", batched)")
+    assert "cuda" not in runtime and "tensorrt" not in runtime
+    assert "            onnxruntime-cuda: unavailable here (no CUDA: this onnxruntime has no CUDA execution provider)" \
+        in out
+    assert "            tensorrt: unavailable here (tensorrt not importable)" in out
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["backends"]["tensorrt"] == ([] if not HAVE_TRT else report["backends"]["tensorrt"])
-    assert report["devices"][0] == "CPU"
+    assert report["backends"]["tensorrt"] == [] and report["devices"] == ["CPU"]
+    assert {n: r["here"] == "available" for n, r in report["runtime"].items()} == {
+        "onnxruntime": True, "onnxruntime-cuda": False, "tensorrt": False}
+
+
+@pytest.mark.skipif(not HAVE_TRT or bool(getattr(sys.modules.get("tensorrt"), "EMULATED", False)),
+                    reason="needs NVIDIA's TensorRT (the emulated one: tests/test_trt_emulated.py; none: the test above)")
+def test_doctor_with_tensorrt():
+    """Where NVIDIA's TensorRT imports: its precisions are offered exactly when cuda-python finds a device."""
+    from medusa_export.cli.doctor import run_doctor
+
+    report = run_doctor().to_json()
+    gpus = len(report["devices"]) - 1
+    assert "tensorrt (emulated)" not in report["backends"]
+    assert report["backends"]["tensorrt"] == (["fp16", "bf16", "fp32"] if gpus else [])
+    assert report["runtime"]["tensorrt"]["here"] == ("available" if gpus else "unavailable here (no CUDA device)")
 
 
 def test_engine_config_rejects_bad_options():

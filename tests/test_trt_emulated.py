@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import MT_BENCH
 from medusa_export.cli.main import main
 from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.decode.loop import generate
@@ -59,6 +60,42 @@ def engine_art(emulated, tiny_trt_artifact, tmp_path_factory):
     art = Path(shutil.copytree(tiny_trt_artifact, tmp_path_factory.mktemp("emulated") / "art"))
     assert main(["engine", "--artifact", str(art), "--precision", "fp32"]) == 0
     return art
+
+
+def test_build_engine_flag_builds_plans(emulated, tiny_trt_artifact, tmp_path):
+    """``build --engine trt`` where TensorRT imports (the emulated one): the step builds the plans and exits 0 (the
+    machine without TensorRT: tests/test_trt.py::test_build_engine_flag_runs_the_engine_step_without_tensorrt)."""
+    from argparse import Namespace
+
+    from medusa_export.cli.trt import after_build
+
+    art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
+    args = Namespace(engine="trt", engine_precision="fp32", engine_prompts=None, workspace_mib=None,
+                     engine_device_id=0)
+    assert after_build(args, art) == 0
+    assert (art / "engines/model.fp32.plan").read_bytes().startswith(emulated[0].PLAN_MAGIC)
+    assert _manifest_engines(art)["fp32"]["status"] == "built"
+
+
+def _manifest_engines(art) -> dict:
+    return json.loads((Path(art) / "manifest.json").read_text())["engines"]
+
+
+def test_doctor_names_the_emulated_tensorrt(emulated):
+    """doctor on the emulated TensorRT and CUDA runtime: offered, but always as "tensorrt (emulated)" (never
+    "tensorrt"), with the emulation named in its checks and its runtime line."""
+    from medusa_export.cli.doctor import run_doctor
+
+    report = run_doctor()
+    assert "tensorrt" not in report.backends and report.backends["tensorrt (emulated)"] == ["fp16", "bf16", "fp32"]
+    checks = {c.name: c.detail for c in report.checks}
+    assert checks["tensorrt"].startswith(f"{emulated[0].__version__} EMULATED (tests/emulated")
+    assert "EMULATED" in checks["cuda-python"]
+    assert report.runtime["tensorrt"]["label"] == "tensorrt (emulated)"
+    assert report.runtime["tensorrt"]["here"] == "available"
+    text = report.render()
+    assert "tensorrt (emulated): fp32, fp16, int8" in text
+    assert f"tensorrt (emulated) (tensorrt {emulated[0].__version__} EMULATED, batched, GPU, fixed tree)" in text
 
 
 _START: dict[int, int] = {}
@@ -220,6 +257,7 @@ def _hardlinked_copy(src: Path, dst: Path) -> Path:
     return Path(shutil.copytree(src, dst, copy_function=link_or_copy))
 
 
+@pytest.mark.slow
 def test_emulated_trt_backend_is_token_exact_on_the_embedded_model(smollm_artifact, emulated, tmp_path):
     """The embedded SmolLM2-135M artifact (16-node tree): fp32 plans built by the emulated builder give ONNX
     Runtime's greedy Medusa tokens, and closing the engine leaves no device memory."""
@@ -404,7 +442,7 @@ def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emu
         assert main(["generate", "--artifact", str(engine_art), "--backend", backend, "--tree", "artifact",
                      "--prompt", "Hi there", "--max-new-tokens", "16"]) == 0
         out = capsys.readouterr()
-        assert f"({backend}," in out.err
+        assert f"({'tensorrt (emulated)' if backend == 'tensorrt' else backend}," in out.err  # never "(tensorrt,"
         return out.out
 
     assert reply("tensorrt") == reply("onnxruntime")
@@ -618,16 +656,17 @@ def test_gpu_check_prints_its_summary_when_a_step_fails(tmp_path):
 def test_bench_runs_vanilla_and_medusa_on_the_emulated_tensorrt_engine(engine_art, tmp_path):
     """scripts/bench.py --backend tensorrt --device-id 1 (EMULATED, so its timings mean nothing): vanilla and Medusa
     on the same engine give the same greedy tokens, the step-time scan covers the asked past lengths, and the
-    report names the backend."""
+    report names the backend as emulated."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path])}
     r = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "scripts" / "bench.py"), str(engine_art),
                         "--backend", "tensorrt", "--device-id", "1", "--prompts", "2", "--max-new-tokens", "8",
-                        "--repeats", "1", "--past-lengths", "0,32", "--no-transformers", "--out", str(out)],
+                        "--repeats", "1", "--past-lengths", "0,32", "--no-transformers", "--out", str(out),
+                        "--questions", str(MT_BENCH)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["backend"] == "tensorrt" and report["identical_outputs"] == 2
+    assert report["backend"] == "tensorrt (emulated)" and report["identical_outputs"] == 2  # never "tensorrt"
     assert [row["past_length"] for row in report["step_time"]["by_past_length"]] == [0, 32]
     assert report["medusa"]["mean_tokens_per_step"] >= report["vanilla"]["mean_tokens_per_step"] == 1.0
 

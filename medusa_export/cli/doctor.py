@@ -4,7 +4,9 @@ Imports every optional piece in a guarded way and reports what it found, never f
 ONNX Runtime (version, execution providers, CUDA through them), TensorRT's Python
 package, Polygraphy, cuda-python (CUDA devices), ``trtexec`` and ``nvidia-smi`` on PATH; and the
 runtime's backends from their table (:data:`medusa_runtime.engines.BACKENDS`: library version here,
-batched step graphs, GPU, fixed tree).
+batched step graphs, GPU, fixed tree, and whether it can run here: a GPU backend needs CUDA, which the
+report has just looked for). The EMULATED TensorRT and CUDA runtime of ``tests/emulated`` (a test double)
+are named as such: "tensorrt (emulated)", never "tensorrt".
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from medusa_runtime.engines import BACKENDS, BackendSpec
 
 from ..export.precisions import precisions
+from ..trt.config import buildable_precisions
+from ..trt.emulation import EMULATED_TENSORRT, module_is_emulated
 
 
 @dataclass
@@ -46,21 +50,38 @@ class DoctorReport:
         lines.append("devices:    " + (", ".join(self.devices) or "CPU only"))
         for b, precs in self.backends.items():
             lines.append(f"{b + ':':11s} " + (", ".join(precs) if precs else "unavailable"))
-        lines.append("runtime:    " + ", ".join(f"{name} ({_facts(r)})" for name, r in self.runtime.items()))
+        lines.append("runtime:    " + ", ".join(f"{r['label']} ({_facts(r)})" for r in self.runtime.values()
+                                                if r["here"] == "available"))
+        lines.extend(f"{'':11s} {r['label']}: {r['here']}" for r in self.runtime.values() if r["here"] != "available")
         return "\n".join(lines)
 
 
-def _runtime_backend(spec: BackendSpec) -> dict:
+def _runtime_backend(spec: BackendSpec, *, ort_cuda: bool = False, cuda_devices: int = 0) -> dict:
     """A runtime backend's entry in the report: its library, that library's version here (None: not
-    importable) and the facts of its :class:`~medusa_runtime.engines.BackendSpec`."""
-    return {"library": spec.library, "version": spec.version(), "batched": spec.batched, "gpu": spec.gpu,
-            "fixed_tree": spec.fixed_tree}
+    importable), the facts of its :class:`~medusa_runtime.engines.BackendSpec`, the name the report gives it
+    (``label``: "tensorrt (emulated)" on the test double) and ``here``: "available", or "unavailable here"
+    and why (its library does not import; a GPU backend without CUDA: ONNX Runtime without its CUDA provider
+    (``ort_cuda``), another library with no CUDA device found by cuda-python (``cuda_devices``))."""
+    version = spec.version()
+    emulated = spec.library == "tensorrt" and version is not None and module_is_emulated("tensorrt")
+    if version is None:
+        here = f"unavailable here ({spec.library} not importable)"
+    elif spec.gpu and spec.library == "onnxruntime" and not ort_cuda:
+        here = "unavailable here (no CUDA: this onnxruntime has no CUDA execution provider)"
+    elif spec.gpu and spec.library != "onnxruntime" and not cuda_devices:
+        here = "unavailable here (no CUDA device)"
+    else:
+        here = "available"
+    return {"library": spec.library, "version": version, "batched": spec.batched, "gpu": spec.gpu,
+            "fixed_tree": spec.fixed_tree, "label": EMULATED_TENSORRT if emulated else spec.name, "here": here}
 
 
 def _facts(r: dict) -> str:
     """``"onnxruntime 1.20.1, batched"``: a runtime backend's line from :func:`_runtime_backend`."""
     names = {"batched": "batched", "gpu": "GPU", "fixed_tree": "fixed tree"}
     found = f"{r['library']} {r['version']}" if r["version"] else f"{r['library']} not importable"
+    if r["label"] == EMULATED_TENSORRT:
+        found += " EMULATED"
     return ", ".join([found] + [text for key, text in names.items() if r[key]])
 
 
@@ -119,10 +140,15 @@ def run_doctor() -> DoctorReport:
                           "CUDA/TensorRT execution provider present" if ort_cuda
                           else "CPU build of onnxruntime (onnxruntime-gpu brings the CUDA provider)"))
     trt_ok, trt_ver = _version("tensorrt")
+    trt_emulated = trt_ok and module_is_emulated("tensorrt")
+    if trt_emulated:
+        trt_ver += " EMULATED (tests/emulated: a test double on host memory, not TensorRT; its timings mean nothing)"
     r.checks.append(Check("tensorrt", trt_ok, trt_ver if trt_ok else
                           f"{trt_ver}; engines cannot be built here: `medusa-export engine` writes trtexec commands"))
     r.checks.append(Check("polygraphy", *_version("polygraphy")))
     cuda_ok, cuda_detail, names = _cuda_devices()
+    if cuda_ok and module_is_emulated("cuda.bindings.runtime"):
+        cuda_detail += " EMULATED (tests/emulated: host memory, no GPU)"
     r.checks.append(Check("cuda-python", cuda_ok, cuda_detail))
     trtexec = shutil.which("trtexec")
     r.checks.append(Check("trtexec", bool(trtexec), trtexec or "not on PATH"))
@@ -130,9 +156,11 @@ def run_doctor() -> DoctorReport:
     r.devices = ["CPU"] + [f"cuda:{i} {n}" for i, n in enumerate(names)]
     if ok:
         r.backends["onnxruntime " + ("(CUDA)" if ort_cuda else "(CPU)")] = list(precisions())
-    r.backends["tensorrt"] = ["fp32", "fp16", "int8"] if trt_ok and cuda_ok else []
+    trt_name = EMULATED_TENSORRT if trt_emulated else "tensorrt"
+    r.backends[trt_name] = buildable_precisions() if trt_ok and cuda_ok else []
     r.backends["pytorch"] = ["fp32 (reference)"] if _version("torch")[0] else []
-    r.runtime = {name: _runtime_backend(spec) for name, spec in BACKENDS.items()}
+    r.runtime = {name: _runtime_backend(spec, ort_cuda=ort_cuda, cuda_devices=len(names))
+                 for name, spec in BACKENDS.items()}
     return r
 
 

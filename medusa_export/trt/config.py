@@ -88,6 +88,11 @@ assert set(ENGINE_PRECISIONS) == {n for n, r in ENGINE_PRECISION_TABLE.items() i
     "the runtime's ENGINE_PRECISIONS must list the table's buildable precisions"
 
 
+def buildable_precisions() -> list[str]:
+    """The table's precisions ``medusa-export engine`` builds (from an artifact of a type the row takes)."""
+    return [n for n, r in ENGINE_PRECISION_TABLE.items() if not r.unavailable]
+
+
 def engine_precision(name: str) -> EnginePrecision:
     """The table's row of ``name``.
 

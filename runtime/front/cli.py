@@ -192,7 +192,10 @@ def _mode(session, args) -> str:
     source = "" if args.vanilla else f" ({session.tree_source})"
     nodes = "1 node = plain decoding" if tree.size == 1 and not args.vanilla else \
         f"{tree.size} node{'' if tree.size == 1 else 's'}"
-    return (f"{session.backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {nodes}{source}, "
+    # the test double of tests/emulated marks its module EMULATED: its runs never read as TensorRT's (issue 40)
+    emulated = session.backend == "tensorrt" and getattr(sys.modules.get("tensorrt"), "EMULATED", False)
+    backend = "tensorrt (emulated)" if emulated else session.backend
+    return (f"{backend}, {'vanilla' if args.vanilla else 'Medusa'} tree of {nodes}{source}, "
             f"{sampling_from_args(args).describe()}")
 
 
