@@ -24,7 +24,7 @@ lossless relative to their own precision; 1 and 2 are recorded as agreement with
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -33,184 +33,15 @@ import numpy as np
 from medusa_runtime.artifact import Artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.loop import causal_mask, generate
 from medusa_runtime.manifest import Manifest
 from medusa_runtime.prompts import read_first_turns
 from medusa_runtime.tree import make_tree
 
-from ..errors import MedusaError
-from ..export.precisions import Column, Tolerance
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
-
-
-class ValidationError(MedusaError):
-    """The artifact disagrees with the PyTorch reference; the message gives the first divergence."""
-
-    exit_code = EXIT_MISMATCH  # as `verify`'s: a mismatch, not bad input
-
-
-#: precision name -> its validation rule (:class:`~medusa_export.export.precisions.Tolerance`), from the table.
-TOLERANCES = Column("tolerance")
-
-
-def tolerance(precision: str) -> Tolerance:
-    """The pass/fail rule of ``precision``.
-
-    Raises:
-        ValidationError: an unknown precision name (the message lists the known ones).
-    """
-    if precision not in TOLERANCES:
-        raise ValidationError(f"no validation rule for precision {precision!r}; known: {', '.join(TOLERANCES)}")
-    return TOLERANCES[precision]
-
-
-@dataclass
-class PromptReport:
-    prompt: str
-    tokens: int
-    identical: bool
-    max_logprob_diff: float
-    max_entropy_diff: float
-    max_hidden_diff: float
-    first_divergence: int | None = None  # index in the generated tokens
-    divergence_step: int | None = None  # tree step (0 = prefill's token)
-    reference_token: int | None = None
-    artifact_token: int | None = None
-    reference_margin: float | None = None  # top-1 minus top-2 log-prob at that position
-    near_tie: bool = False
-    agreement: float = 1.0  # fraction of generated positions before the first divergence
-    vanilla_identical: bool | None = None  # Medusa == plain greedy (root-only tree) on the same engine
-    vanilla_divergence: int | None = None  # first differing new token
-    vanilla_token: int | None = None  # plain greedy's token there (Medusa's: ``medusa_token``)
-    medusa_token: int | None = None
-    #: the tokens each tree step accepted equal the reference's (None: not compared, :func:`exact_heads`)
-    accept_identical: bool | None = None
-    accept_divergence_step: int | None = None  # first tree step (1 = the first after the prefill) that differs
-    reference_accepted: int | None = None  # tokens that step emitted: the reference's, the artifact's
-    artifact_accepted: int | None = None
-    mean_accepted: float | None = None  # the artifact's tokens per tree step (information)
-
-
-@dataclass
-class ValidationReport:
-    precision: str
-    new_tokens: int
-    prompts: list[PromptReport] = field(default_factory=list)
-
-    @staticmethod
-    def from_json(record: dict) -> "ValidationReport":
-        """A check's record in the manifest (``precision``, ``new_tokens``, ``prompts``) as a report."""
-        return ValidationReport(record["precision"], record["new_tokens"],
-                                [PromptReport(**p) for p in record["prompts"]])
-
-    def failure(self, p: PromptReport) -> str | None:
-        """Why prompt ``p`` fails (one line), or None when it passes."""
-        tol = tolerance(self.precision)
-        if tol.reference == "vanilla":
-            if p.vanilla_identical is False:
-                return (f"{p.prompt[:40]!r}: Medusa diverges from plain greedy decoding of the same "
-                        f"{self.precision} graph at new token {p.vanilla_divergence}: Medusa {p.medusa_token}, "
-                        f"plain greedy {p.vanilla_token}")
-            return None
-        if not (p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol
-                and p.max_hidden_diff <= tol.hidden_atol):
-            return (f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
-                    f"entropy {p.max_entropy_diff:.2e}, hidden {p.max_hidden_diff:.2e}; "
-                    f"tolerance {tol.atol:g}/{tol.hidden_atol:g})")
-        if not (p.identical or p.near_tie):
-            return (f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
-                    f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
-                    f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
-        if p.accept_identical is False:
-            return (f"{p.prompt[:40]!r}: greedy tokens identical, but the tokens accepted per tree step differ from "
-                    f"the reference's at tree step {p.accept_divergence_step}: reference {p.reference_accepted}, "
-                    f"artifact {p.artifact_accepted} (the heads graph proposes other candidates than the reference's "
-                    "heads)")
-        return None
-
-    @property
-    def passed(self) -> bool:
-        """Every prompt's step outputs within tolerance and tokens identical (or a near-tie)."""
-        return all(self.failure(p) is None for p in self.prompts)
-
-    def failures(self) -> list[str]:
-        """One line per failing prompt."""
-        return [f for f in map(self.failure, self.prompts) if f is not None]
-
-    def to_json(self) -> dict:
-        tol = tolerance(self.precision)
-        return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
-                "checks": _CHECKS[tol.reference], "tolerance": asdict(tol),
-                "prompts": [asdict(p) for p in self.prompts]}
-
-    def summary(self) -> str:
-        """One line for the build summary (:func:`validation_summary`)."""
-        return validation_summary(self.to_json())
-
-
-def validation_summary(v: dict) -> str:
-    """One line from the manifest's ``validation``: the verdict and the figures it rests on, per check that ran
-    (for weight-only precisions, agreement with fp32 as well)."""
-    head = f"{'PASSED' if v['passed'] else 'FAILED'}: "
-    ran = v.get("ran", ["full"])
-    parts = []
-    for check in ran:
-        if check == "full":
-            parts.append(_report_summary(v))
-        elif check in ("truncated", "gpu"):
-            where = f"first {v[check]['layers']} layer(s)" if check == "truncated" else "whole model on the GPU"
-            parts.append(f"{check} ({where}): " + _report_summary(v[check]))
-        elif check == "checksums":
-            c = v[check]
-            parts.append(f"checksums: {c['tensors']} tensors ({c['bytes'] / 1e9:.2f} GB) re-read and re-made from the "
-                         f"checkpoint" if c["passed"] else f"checksums: {c.get('error')}")
-        elif check == "self":
-            c = v[check]
-            same = sum(p["identical"] for p in c["prompts"])
-            parts.append(f"self: Medusa == plain greedy of the same graph on {same}/{len(c['prompts'])} prompts x "
-                         f"{compared_tokens(c['prompts'], c['new_tokens'])}")
-    return head + "; ".join(parts)
-
-
-def compared_tokens(prompts: list[dict], new_tokens: int) -> str:
-    """"64 tokens" when every prompt was compared on ``new_tokens`` tokens, else each prompt's real count
-    ("23/48/38 of 64 tokens ..."): a prompt stops early at EOS or when the context is full."""
-    counts = [p["tokens"] for p in prompts]
-    if all(n == new_tokens for n in counts):
-        return f"{new_tokens} tokens"
-    return f"{'/'.join(map(str, counts))} of {new_tokens} tokens (fewer where EOS came or the context was full)"
-
-
-def _report_summary(v: dict) -> str:
-    prompts, n = v["prompts"], len(v["prompts"])
-    same = sum(p["identical"] for p in prompts)
-    if v["tolerance"].get("reference") == "vanilla":
-        lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
-        agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
-        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x "
-                f"{compared_tokens(prompts, v['new_tokens'])}; "
-                f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
-    worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
-    text = (f"greedy tokens identical on {same}/{n} prompts x {compared_tokens(prompts, v['new_tokens'])}; "
-            f"max |log-prob diff| {worst:.2e}")
-    compared = [p for p in prompts if p.get("accept_identical") is not None]
-    if compared:
-        text += (f"; tokens accepted per tree step identical on {sum(p['accept_identical'] for p in compared)}/"
-                 f"{len(compared)}")
-    return text
-
-
-_CHECKS = {
-    "pytorch": "pass/fail: step outputs within tolerance of the fp32 PyTorch reference and greedy tokens identical "
-               "(near-ties allowed where margin > 0), and where the heads graph is the reference's (fp32 heads over "
-               "the whole vocabulary) the tokens accepted per tree step identical (accept_* fields); vanilla_* fields: "
-               "Medusa vs plain greedy on the same graph (information)",
-    "vanilla": "pass/fail: Medusa greedy tokens == plain greedy decoding (root-only tree) of the same graph on ONNX "
-               "Runtime; the PyTorch fields (identical, first_divergence, agreement, max_*_diff) are agreement with "
-               "the fp32 reference (information)",
-}
+from .report import (TOLERANCES, PromptReport, ValidationError, ValidationReport, compared_tokens,  # noqa: F401
+                     tolerance, validation_summary)
 
 
 def default_prompts() -> list[str]:
