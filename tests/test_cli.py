@@ -250,10 +250,17 @@ def test_a_broken_heads_graph_fails_verify(counter_dirs, tmp_path, capsys):
                      "tree step 1: reference 4, artifact 1") == 3, err
 
 
-def test_verify_of_a_local_model_needs_its_weights(built, capsys):
+def test_verify_of_a_local_model_needs_its_weights(built, tmp_path, capsys):
+    """Without --model-path verify opens the folder the manifest records; where it is gone, it says so."""
     path, _, _ = built
-    assert main(["verify", "--artifact", str(path)]) == EXIT_USAGE
-    assert "'tiny-llama' is not a registered model: give its weights with --model-path" in capsys.readouterr().err
+    moved = shutil.copytree(path, tmp_path / "moved")
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["model"]["backbone_source"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", "--artifact", str(moved)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"'tiny-llama' is not a registered model and was built from '{tmp_path / 'gone'}'" in err
+    assert "give its weights with --model-path" in err
 
 
 def test_generate_runs_what_build_wrote(built, capsys):

@@ -332,7 +332,7 @@ def cmd_verify(args) -> int:
     from ..validation.checks import check_record, run_checks
     from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
-    from ..validation.source import open_source
+    from ..validation.source import open_source, source_lines
     from ..validation.validate import default_prompts, read_prompts
 
     check_int(args.limit, "--limit", low=1)  # bad options fail before anything is loaded or run
@@ -343,6 +343,8 @@ def cmd_verify(args) -> int:
     m = art.manifest
     lm = open_source(m, args.model_path, args.heads)
     print_notes(lm)
+    for line in source_lines(lm, args.model_path, args.heads):
+        print(f"  {line}", file=sys.stderr)
     built = ExportConfig.of_manifest(m)  # what the artifact was exported with (the pre-flight's sizes)
     cfg = ValidationConfig(new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers)
     plan = plan_validation(lm.sources, built.precision, m.weights.bytes, graph=built.graph, checks=cfg.checks,
