@@ -217,7 +217,7 @@ def test_a_broken_heads_graph_fails_verify(counter_dirs, tmp_path, capsys):
     assert min(p["mean_accepted"] for p in v["prompts"]) > 2  # the heads guess right: whole chains accepted
     from medusa_export.validation.validate import validation_summary
 
-    assert "greedy tokens identical on 3/3 prompts x 12 tokens" in validation_summary(v)
+    assert "Medusa and plain greedy tokens identical to the reference on 3/3 prompts x 12 tokens" in validation_summary(v)
     assert "tokens accepted per tree step identical on 3/3" in validation_summary(v)
 
     bad = tmp_path / "scrambled"

@@ -1,30 +1,36 @@
-"""Validation of an artifact against the PyTorch reference (used by ``build`` and ``verify``).
+"""Validation of an artifact against PyTorch (used by ``build`` and ``verify``).
 
-Three checks per prompt:
+The reference the artifact must equal is independent of the runtime (:mod:`~.independent`): plain greedy
+decoding in PyTorch (transformers' ``generate`` on the same weights, or a full-recompute loop without a KV cache)
+that shares no code with :func:`medusa_runtime.loop.generate`, its KV cache and compaction, tree buffers or
+acceptance, computed once per prompt. Checks per prompt:
 
-1. Step outputs: the prefill and one tree step run through ONNX Runtime and PyTorch on
+1. Step outputs: the prefill and one tree step run through ONNX Runtime and the PyTorch reference on
    the same inputs; top-1 log-probability, entropy and hidden states must agree within
    the precision's tolerance (:data:`TOLERANCES`).
-2. Greedy tokens against PyTorch: the shared decode loop over ONNX Runtime and over the
-   fp32 PyTorch reference must emit identical tokens for ``new_tokens`` tokens. For fp16 a
-   divergence at a position where the reference's top-2 margin (log-prob gap) is below the
-   precision's ``margin`` is reported as a near-tie instead of a failure.
+2. Greedy tokens against the independent reference: the artifact's Medusa decoding (its own tree) and its plain
+   decoding (a root-only tree) through the runtime's loop on ONNX Runtime must both emit the reference's tokens
+   for ``new_tokens`` tokens. For fp16 a divergence at a position where the reference's top-2 margin (log-prob gap)
+   is below the precision's ``margin`` is reported as a near-tie (with its step and margin) instead of a failure.
+   Diagnostic: the PyTorch reference through the same runtime loop, compared token by token with the artifact and
+   with the reference, says where a mismatch starts (in code both share, or in the artifact's graphs).
 3. Medusa against plain greedy on the same graph: the artifact's tree and a root-only tree
    (one token per step) over the same ONNX Runtime engine must emit identical tokens.
 4. Accepted lengths against PyTorch: greedy tokens stay identical whatever the heads propose
    (the backbone verifies every candidate), so a broken heads graph would pass checks 1-3. Where
    the heads graph computes what the reference's heads compute (an fp32 artifact with fp32 heads
    over the whole vocabulary, and every truncated check), the tokens each tree step accepted must
-   equal the reference's, step by step (:func:`exact_heads`).
+   equal the PyTorch reference's through the runtime's loop, step by step (:func:`exact_heads`).
 
 Which checks decide pass/fail is the precision's :attr:`Tolerance.reference`: "pytorch"
 (fp32, fp16: checks 1 and 2, and 4 where it applies) or "vanilla" (the weight-only int8 / int4 graphs: check 3,
-lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32).
+lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32). A report on which the
+reference generated no token at all (its first token EOS on every prompt) fails: nothing was compared.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -40,6 +46,7 @@ from medusa_runtime.tree import make_tree
 
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
+from .independent import IndependentReference
 from .report import (TOLERANCES, PromptReport, ValidationError, ValidationReport, compared_tokens,  # noqa: F401
                      tolerance, validation_summary)
 
@@ -75,14 +82,18 @@ def _at(tokens: list[int], i: int) -> int | None:
 
 @dataclass
 class ReferenceRun:
-    """One prompt through the reference (the first phase of :func:`validate`).
+    """One prompt through the references (the first phase of :func:`validate`).
 
     Attributes:
         prompt_ids: the prompt's token ids.
-        steps: the reference's outputs of a prefill and of one tree step at that past.
+        steps: the loop reference's outputs of a prefill and of one tree step at that past (the engine-vs-engine
+            step comparison).
         candidates: the tree step's input tokens (the reference's argmax chain padded with its top-k).
-        tokens: its greedy tokens; step_tokens: tokens accepted per tree step.
-        margins: float [len(tokens) + 1]: top-1 minus top-2 log-prob of the prediction of generated token j.
+        tokens: the independent reference's greedy tokens (:mod:`~.independent`: what the artifact must emit).
+        margins: float [len(tokens) + 1] or [len(tokens)]: the independent reference's top-1 minus top-2 log-prob
+            at the prediction of generated token j.
+        loop_tokens: the PyTorch reference's tokens through the runtime's decode loop with the artifact's tree
+            (diagnostic); step_tokens: the tokens it accepted per tree step.
     """
 
     prompt_ids: list[int]
@@ -91,6 +102,7 @@ class ReferenceRun:
     tokens: list[int]
     step_tokens: list[int]
     margins: np.ndarray
+    loop_tokens: list[int] = field(default_factory=list)
 
 
 def step_outputs(engine, prompt_ids: list[int], artifact: Artifact, candidates: np.ndarray | None = None):
@@ -122,8 +134,10 @@ def step_differences(ref: tuple, art: tuple) -> tuple[float, float, float]:
 
 
 def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_tokens: int = 64,
-                   eos_token_ids: list[int] = (), progress: bool = True, engine=None) -> list[ReferenceRun]:
-    """The reference half of :func:`validate`: step outputs, greedy tokens and their top-2 margins per prompt.
+                   eos_token_ids: list[int] = (), progress: bool = True, engine=None,
+                   independent: IndependentReference | None = None) -> list[ReferenceRun]:
+    """The reference half of :func:`validate`: per prompt the independent reference's greedy tokens and top-2
+    margins, and the loop reference's step outputs and tokens (the diagnostics).
 
     Args:
         model: the fp32 PyTorch reference (ignored when ``engine`` is given).
@@ -131,23 +145,27 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
         prompts: token ids per prompt.
         new_tokens, eos_token_ids: generation length and stops.
         progress: show a progress bar.
-        engine: a reference engine (default: :class:`TorchEngine` over ``model``).
+        engine: a loop reference engine (default: :class:`TorchEngine` over ``model``).
+        independent: the independent reference (default: :class:`IndependentReference` of the engine's model).
+
+    Returns:
+        One :class:`ReferenceRun` per prompt.
     """
     from tqdm.auto import tqdm
 
     cap = artifact.model.max_context
     ref = engine or TorchEngine(model, artifact.manifest.step_topk, max_context=cap)
+    independent = independent or IndependentReference(ref.model)
     runs = []
-    for ids in tqdm(prompts, desc="validating: the PyTorch reference", disable=not progress, unit="prompt"):
+    for ids in tqdm(prompts, desc=f"validating: the references ({independent.kind}; PyTorch in the runtime's loop)",
+                    disable=not progress, unit="prompt"):
         steps, candidates = step_outputs(ref, ids, artifact)
         steps = tuple(st._replace(new_kv=[]) for st in steps)  # kept until the comparison: its K/V are not compared
-        r = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
-        seq = list(ids) + r.tokens
-        out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
-                       causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
-        lp = out.topk_logprobs[len(ids) - 1:]
-        margins = (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
-        runs.append(ReferenceRun(list(ids), steps, candidates, r.tokens, r.step_tokens, margins))
+        loop = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids,
+                        max_context=cap)
+        ind = independent.greedy(ids, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
+        runs.append(ReferenceRun(list(ids), steps, candidates, ind.tokens, loop.step_tokens, ind.margins,
+                                 loop.tokens))
     return runs
 
 
@@ -161,10 +179,34 @@ def exact_heads(manifest: Manifest) -> bool:
             and not (manifest.heads_vocab is not None and manifest.heads_vocab.subset))
 
 
+def _divergence(reference: list[int], tokens: list[int]) -> int | None:
+    """First new token where ``tokens`` differ from ``reference`` (a shorter or longer run differs at the end of
+    the shorter), or None when they are equal."""
+    return None if tokens == reference else _first_difference(reference, tokens)
+
+
+def _margin_at(run: ReferenceRun, i: int) -> float:
+    return float(run.margins[min(i, len(run.margins) - 1)]) if len(run.margins) else float("inf")
+
+
 def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str], *, new_tokens: int = 64,
-                 eos_token_ids: list[int] = (), engine: OrtEngine | None = None,
-                 progress: bool = True) -> ValidationReport:
-    """The ONNX Runtime half of :func:`validate`: the artifact's runs compared with the reference's.
+                 eos_token_ids: list[int] = (), engine: OrtEngine | None = None, progress: bool = True,
+                 reference: str = "") -> ValidationReport:
+    """The ONNX Runtime half of :func:`validate`: the artifact's Medusa decoding (its tree) and plain decoding
+    (a root-only tree) compared with the independent reference's tokens, the step outputs and tokens of the loop
+    reference as the diagnostics.
+
+    Args:
+        artifact: the artifact.
+        runs: :func:`reference_runs` of the same prompts.
+        texts: the prompts' text (for the report).
+        new_tokens, eos_token_ids: as the reference runs'.
+        engine: an ONNX Runtime engine over the artifact (created when None).
+        progress: show a progress bar.
+        reference: how the report names the independent reference (:attr:`IndependentReference.description`).
+
+    Returns:
+        The report; ``passed`` applies the precision's rule.
 
     Raises:
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
@@ -175,16 +217,18 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     tol = tolerance(precision)
     root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
-    report = ValidationReport(precision, new_tokens)
+    report = ValidationReport(precision, new_tokens, reference=reference)
     compare_accepted = exact_heads(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
-    for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime against the reference and plain greedy",
+    for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime, Medusa and plain, against the reference",
                           disable=not progress, unit="prompt"):
         lp, ent, hid = step_differences(run.steps, step_outputs(eng, run.prompt_ids, artifact, run.candidates)[0])
         a = generate(eng, run.prompt_ids, artifact.tree, **kw)
         v = a if artifact.tree.size == 1 else generate(eng, run.prompt_ids, root, **kw)  # a root-only tree *is* plain greedy
         rep = PromptReport(text, len(run.tokens), run.tokens == a.tokens, lp, ent, hid,
-                           vanilla_identical=v.tokens == a.tokens, mean_accepted=round(a.mean_accepted, 4))
+                           vanilla_identical=v.tokens == a.tokens, mean_accepted=round(a.mean_accepted, 4),
+                           plain_identical=run.tokens == v.tokens, loop_identical=run.loop_tokens == run.tokens,
+                           engine_divergence=_divergence(run.loop_tokens, a.tokens))
         if compare_accepted and rep.identical:  # diverging tokens already fail, and accept differently anyway
             rep.accept_identical = a.step_tokens == run.step_tokens
             if not rep.accept_identical:
@@ -194,12 +238,16 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
         if not rep.vanilla_identical:
             j = _first_difference(v.tokens, a.tokens)
             rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
+        if not rep.plain_identical:
+            j = _first_difference(run.tokens, v.tokens)
+            rep.plain_divergence, rep.plain_token, rep.plain_margin = j, _at(v.tokens, j), _margin_at(run, j)
+            rep.plain_near_tie = not tol.exact and rep.plain_margin < tol.margin
         if not rep.identical:
             i = _first_difference(run.tokens, a.tokens)
             rep.first_divergence = i
             rep.reference_token, rep.artifact_token = _at(run.tokens, i), _at(a.tokens, i)
-            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + run.step_tokens), i, side="right"))
-            rep.reference_margin = float(run.margins[min(i, len(run.margins) - 1)])
+            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + a.step_tokens), i, side="right"))
+            rep.reference_margin = _margin_at(run, i)
             rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
             rep.agreement = i / max(1, len(run.tokens))
         report.prompts.append(rep)
@@ -239,7 +287,8 @@ def validate(
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
     """
     tolerance(artifact.manifest.precision_name)  # an unknown precision fails before any work
+    independent = IndependentReference(model)
     runs = reference_runs(model, artifact, prompts, new_tokens=new_tokens, eos_token_ids=eos_token_ids,
-                          progress=progress)
+                          progress=progress, independent=independent)
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=eos_token_ids, engine=engine,
-                        progress=progress)
+                        progress=progress, reference=independent.description)
