@@ -106,18 +106,21 @@ class ValidationReport:
         prompts: one :class:`PromptReport` per prompt.
         reference: how the reference is named (:data:`~.independent.REFERENCE_TEXT`; "" in records written
             before it existed).
+        reference_seconds: the independent reference's time over every prompt (None: not measured).
     """
 
     precision: str
     new_tokens: int
     prompts: list[PromptReport] = field(default_factory=list)
     reference: str = ""
+    reference_seconds: float | None = None
 
     @staticmethod
     def from_json(record: dict) -> "ValidationReport":
         """A check's record in the manifest (``precision``, ``new_tokens``, ``prompts``) as a report."""
         return ValidationReport(record["precision"], record["new_tokens"],
-                                [PromptReport(**p) for p in record["prompts"]], record.get("reference", ""))
+                                [PromptReport(**p) for p in record["prompts"]], record.get("reference", ""),
+                                record.get("reference_seconds"))
 
     def failure(self, p: PromptReport) -> str | None:
         """Why prompt ``p`` fails (one line), or None when it passes."""
@@ -164,8 +167,8 @@ class ValidationReport:
     def to_json(self) -> dict:
         tol = tolerance(self.precision)
         return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
-                "reference": self.reference, "checks": _CHECKS[tol.reference], "tolerance": asdict(tol),
-                "prompts": [asdict(p) for p in self.prompts]}
+                "reference": self.reference, "reference_seconds": self.reference_seconds,
+                "checks": _CHECKS[tol.reference], "tolerance": asdict(tol), "prompts": [asdict(p) for p in self.prompts]}
 
     def summary(self) -> str:
         """One line for the build summary (:func:`validation_summary`)."""
@@ -243,8 +246,9 @@ def _report_summary(v: dict) -> str:
     worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
     what = "Medusa and plain greedy tokens" if any(p.get("plain_identical") is not None for p in prompts) \
         else "greedy tokens"
+    took = "" if v.get("reference_seconds") is None else f", {v['reference_seconds']:.1f}s"
     text = (f"{what} identical to the reference on {both}/{n} prompts x {compared_tokens(prompts, v['new_tokens'])} "
-            f"(reference: {ref})")
+            f"(reference: {ref}{took})")
     ties = [f"prompt {i + 1}: {note}" for i, p in enumerate(prompts) if (note := near_tie_note(p))]
     if ties:
         text += "; " + "; ".join(ties)

@@ -31,6 +31,7 @@ reference generated no token at all (its first token EOS on every prompt) fails:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -94,6 +95,7 @@ class ReferenceRun:
             at the prediction of generated token j.
         loop_tokens: the PyTorch reference's tokens through the runtime's decode loop with the artifact's tree
             (diagnostic); step_tokens: the tokens it accepted per tree step.
+        seconds: the independent reference's wall time on this prompt.
     """
 
     prompt_ids: list[int]
@@ -103,6 +105,7 @@ class ReferenceRun:
     step_tokens: list[int]
     margins: np.ndarray
     loop_tokens: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # the independent reference's time on this prompt
 
 
 def step_outputs(engine, prompt_ids: list[int], artifact: Artifact, candidates: np.ndarray | None = None):
@@ -163,9 +166,10 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
         steps = tuple(st._replace(new_kv=[]) for st in steps)  # kept until the comparison: its K/V are not compared
         loop = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids,
                         max_context=cap)
+        t0 = time.perf_counter()
         ind = independent.greedy(ids, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
         runs.append(ReferenceRun(list(ids), steps, candidates, ind.tokens, loop.step_tokens, ind.margins,
-                                 loop.tokens))
+                                 loop.tokens, time.perf_counter() - t0))
     return runs
 
 
@@ -217,11 +221,12 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     tol = tolerance(precision)
     root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
-    report = ValidationReport(precision, new_tokens, reference=reference)
+    report = ValidationReport(precision, new_tokens, reference=reference,
+                              reference_seconds=round(sum(r.seconds for r in runs), 2))
     compare_accepted = exact_heads(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
-    for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime, Medusa and plain, against the reference",
-                          disable=not progress, unit="prompt"):
+    desc = "validating: ONNX Runtime, Medusa and plain, against the reference"
+    for run, text in tqdm(list(zip(runs, texts)), desc=desc, disable=not progress, unit="prompt"):
         lp, ent, hid = step_differences(run.steps, step_outputs(eng, run.prompt_ids, artifact, run.candidates)[0])
         a = generate(eng, run.prompt_ids, artifact.tree, **kw)
         v = a if artifact.tree.size == 1 else generate(eng, run.prompt_ids, root, **kw)  # a root-only tree *is* plain greedy
