@@ -46,6 +46,7 @@ def test_reference_decodes_the_counter_model_by_hand(kind):
     assert ref.greedy([7, 8, 9], max_new_tokens=6, eos_token_ids=[13]).tokens == [10, 11, 12]
     assert ref.greedy([7, 8, 9], max_new_tokens=6, max_context=5).tokens == [10, 11, 12]  # 5 - 3 + 1 tokens
     assert ref.greedy([299], max_new_tokens=2).tokens == [0, 1]  # t+1 mod V
+    assert ref.greedy([0], max_new_tokens=5).tokens == [1, 2, 3, 4, 5]  # 2, the config's default EOS, is not asked for
 
 
 def test_the_context_budget_is_the_runtimes():

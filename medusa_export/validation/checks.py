@@ -100,6 +100,15 @@ def reference_phase(ref, artifact: Artifact, lm, ids, new_tokens: int, progress:
     (:class:`~.independent.IndependentReference`) and the loop reference (``engine``, default a CPU
     :class:`TorchEngine`). The caller drops ``ref`` before :func:`artifact_phase` (memory).
 
+    Args:
+        ref: the reference :class:`~medusa_export.model.medusa.MedusaModel` (whole or truncated, any device).
+        artifact: the artifact under test (its tree, step top-k and context).
+        lm: the model's :class:`~medusa_export.loading.registry.LoadedMedusa` (its EOS ids).
+        ids: token ids per prompt.
+        new_tokens: greedy tokens per prompt.
+        progress: progress bars.
+        engine: the loop reference's engine (default: a :class:`TorchEngine` over ``ref``).
+
     Returns:
         (the :class:`~.validate.ReferenceRun` of each prompt, the independent reference's description).
     """
@@ -110,7 +119,18 @@ def reference_phase(ref, artifact: Artifact, lm, ids, new_tokens: int, progress:
 
 
 def artifact_phase(artifact: Artifact, lm, texts, runs, new_tokens: int, progress: bool, reference: str) -> dict:
-    """The artifact's runs on ONNX Runtime against :func:`reference_phase`'s: the report's JSON."""
+    """The artifact's runs on ONNX Runtime against :func:`reference_phase`'s.
+
+    Args:
+        artifact: the artifact under test.
+        lm: the model (its EOS ids).
+        texts: the prompts' text; runs: :func:`reference_phase`'s runs of them.
+        new_tokens: greedy tokens per prompt; progress: progress bars.
+        reference: the independent reference's description (the report names it).
+
+    Returns:
+        The :class:`~.report.ValidationReport` as JSON.
+    """
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
                         engine=validation_engine(artifact), progress=progress, reference=reference).to_json()
 
@@ -250,8 +270,15 @@ def result_lines(result: dict) -> list[str]:
 
 
 def passed_notes(result: dict) -> list[str]:
-    """What a PASSED verdict rests on besides identical tokens: each near-tie of each parity check that ran
-    ("full prompt 1: near-tie at new token 12 (tree step 10), reference top-2 log-prob margin 5.00e-04")."""
+    """What a PASSED verdict rests on besides identical tokens: each near-tie of each parity check that ran.
+
+    Args:
+        result: ``run_checks``'s dict.
+
+    Returns:
+        One line per near-tie, e.g. "full prompt 1: near-tie at new token 12 (tree step 10), reference top-2
+        log-prob margin 5.00e-04".
+    """
     from .report import near_tie_note
 
     return [f"{check} prompt {i + 1}: {note}" for check in result["ran"]

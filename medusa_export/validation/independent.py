@@ -186,6 +186,15 @@ class IndependentReference:
                max_context: int | None = None) -> IndependentRun:
         """Plain greedy decoding of one prompt (see :func:`transformers_greedy`, :func:`full_recompute_greedy`).
 
+        Args:
+            prompt_ids: the prompt's token ids (at least one).
+            max_new_tokens: tokens to generate at most.
+            eos_token_ids: ids that end the generation (not emitted).
+            max_context: the artifact's KV capacity (:func:`token_budget`), or None.
+
+        Returns:
+            The :class:`IndependentRun` (tokens, top-2 margins, which reference ran).
+
         Raises:
             MedusaError: an empty prompt.
         """

@@ -44,7 +44,14 @@ def check_same_geometry(model, config, where: str) -> None:
 def recorded_path(recorded: str) -> Path | None:
     """A source the manifest records (``model.backbone_source`` / ``heads_source``) as a path on this machine, or
     None when it names no existing file or folder (a registry source such as ``shipped:...``, a repo id, the
-    initial heads' description, or a path that is not here)."""
+    initial heads' description, or a path that is not here).
+
+    Args:
+        recorded: the recorded source.
+
+    Returns:
+        The path, or None.
+    """
     path = Path(recorded)
     return path if recorded and path.exists() else None
 
@@ -56,7 +63,15 @@ def _looks_like_a_path(recorded: str) -> bool:
 
 
 def source_lines(lm, model_path: str | None, heads_path: str | None) -> list[str]:
-    """What ``verify`` loaded, one line each: the backbone and the heads, and where each choice came from."""
+    """What ``verify`` loaded, one line each: the backbone and the heads, and where each choice came from.
+
+    Args:
+        lm: the :func:`open_source` result.
+        model_path, heads_path: ``--model-path`` and ``--heads`` (None: not given).
+
+    Returns:
+        ["backbone: SOURCE (--model-path | as the manifest records)", "heads: SOURCE (...)"].
+    """
     return [f"backbone: {lm.backbone_source} ({'--model-path' if model_path else 'as the manifest records'})",
             f"heads: {lm.heads_source} ({'--heads' if heads_path else 'as the manifest records'})"]
 
