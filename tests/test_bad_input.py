@@ -378,7 +378,7 @@ def test_a_full_context_reports_the_tokens_really_compared(tiny_model_dir, tmp_p
     assert counts[0] < 64 and counts[1:] == [64, 64]
     assert ("[note: validation prompt 1 has 88 tokens: with --max-new-tokens 64 it needs 152 > --max-context 150, "
             "so it is compared on fewer tokens]") in err
-    assert f"identical on 3/3 prompts x {'/'.join(map(str, counts))} of 64 tokens (fewer where EOS" in stdout.getvalue()
+    assert f"identical to the reference on 3/3 prompts x {'/'.join(map(str, counts))} of 64 tokens (fewer where EOS" in stdout.getvalue()
 
 
 def test_a_validation_prompt_longer_than_the_context_fails_before_the_export(tiny_model_dir, tmp_path, capsys):

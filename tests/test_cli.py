@@ -225,7 +225,7 @@ def test_a_broken_heads_graph_fails_verify(counter_dirs, tmp_path, capsys):
     assert min(p["mean_accepted"] for p in v["prompts"]) > 2  # the heads guess right: whole chains accepted
     from medusa_export.validation.validate import validation_summary
 
-    assert "greedy tokens identical on 3/3 prompts x 12 tokens" in validation_summary(v)
+    assert "Medusa and plain greedy tokens identical to the reference on 3/3 prompts x 12 tokens" in validation_summary(v)
     assert "tokens accepted per tree step identical on 3/3" in validation_summary(v)
 
     bad = tmp_path / "scrambled"
@@ -258,10 +258,17 @@ def test_a_broken_heads_graph_fails_verify(counter_dirs, tmp_path, capsys):
                      "tree step 1: reference 4, artifact 1") == 3, err
 
 
-def test_verify_of_a_local_model_needs_its_weights(built, capsys):
+def test_verify_of_a_local_model_needs_its_weights(built, tmp_path, capsys):
+    """Without --model-path verify opens the folder the manifest records; where it is gone, it says so."""
     path, _, _ = built
-    assert main(["verify", "--artifact", str(path)]) == EXIT_USAGE
-    assert "'tiny-llama' is not a registered model: give its weights with --model-path" in capsys.readouterr().err
+    moved = shutil.copytree(path, tmp_path / "moved")
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["model"]["backbone_source"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", "--artifact", str(moved)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"'tiny-llama' is not a registered model and was built from '{tmp_path / 'gone'}'" in err
+    assert "give its weights with --model-path" in err
 
 
 def test_generate_runs_what_build_wrote(built, capsys):
@@ -322,11 +329,10 @@ def test_train_heads_input_errors_exit_2(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("command, new, old", [
-    ("build", ["--prompt-file", "p.jsonl", "--max-new-tokens", "9", "--engine-prompt-file", "c.jsonl"],
-     ["--prompts", "p.jsonl", "--new-tokens", "9", "--calibration", "c.jsonl"]),
+    ("build", ["--prompt-file", "p.jsonl", "--max-new-tokens", "9"], ["--prompts", "p.jsonl", "--new-tokens", "9"]),
     ("verify", ["--artifact", "A", "--prompt-file", "p.jsonl", "--max-new-tokens", "9"],
      ["A", "--prompts", "p.jsonl", "--new-tokens", "9"]),
-    ("engine", ["--artifact", "A", "--prompt-file", "c.jsonl"], ["A", "--calibration", "c.jsonl"]),
+    ("engine", ["--artifact", "A"], ["A"]),
     ("triton", ["--artifact", "A", "--out", "R"], ["A", "--out", "R"]),
     ("train-heads", ["--out", "H", "--prompt-file", "a.jsonl", "--prompt-file", "b.jsonl"],
      ["--out", "H", "--data", "a.jsonl", "--data", "b.jsonl"]),
@@ -338,7 +344,7 @@ def test_old_flag_spellings_are_hidden_aliases(command, new, old):
     sub = parser._subparsers._group_actions[0].choices[command]
     shown = sub.format_help()
     for flag in (a for a in old if a.startswith("--") and a not in new):
-        assert flag not in shown.replace("--calibration-batches", "")
+        assert flag not in shown
 
 
 def test_every_command_documents_the_exit_codes(capsys):

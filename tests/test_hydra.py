@@ -89,14 +89,20 @@ PROMPT = [5, 17, 33, 2, 90, 41]
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("tree_kind", ["static", "dynamic"])
 def test_decoding_is_lossless_for_every_head_type_and_tree_policy(tiny, head_type, tree_kind):
-    _, model = tiny
+    """Against transformers' plain greedy decoding of the same weights (conftest.plain_greedy: no code of the
+    runtime's loop, cache, trees or acceptance), and in fewer steps than the runtime's own plain decoding."""
+    from conftest import plain_greedy
+
+    hf, model = tiny
+    want = plain_greedy(hf, PROMPT, 30)
     plain = medusa_generate(model, PROMPT, make_tree([], num_heads=3), max_new_tokens=30)
+    assert plain.tokens == want
     m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
     acc = np.array([[0.5, 0.2, 0.1], [0.3, 0.1, 0.05], [0.2, 0.1, 0.05]])
     tree = greedy_tree(12, acc, topk=3) if tree_kind == "static" else DynamicTree(size=12, num_heads=3, topk=3,
                                                                                    width=3)
     out = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
-    assert out.tokens == plain.tokens
+    assert out.tokens == want
     assert len(out.step_tokens) < len(plain.step_tokens)  # the heads guess some tokens right
 
 
@@ -212,14 +218,16 @@ def test_attached_heads_run_in_onnx_runtime_like_pytorch(tiny, attached, head_ty
     from medusa_runtime.decode.loop import generate
     from medusa_runtime.trees.treespec import tree_from_spec
 
-    _, model = tiny
+    from conftest import plain_greedy
+
+    hf, model = tiny
     art = load_artifact(attached[head_type])
     assert art.head_type == head_type
     engine = OrtEngine(art, threads=1)
     tree = tree_from_spec(tree_spec, num_heads=3, accuracies=art.head_accuracies, topk=art.tree.topk)
     got = generate(engine, PROMPT, tree, max_new_tokens=30)
     plain = generate(engine, PROMPT, make_tree([], num_heads=3, topk=art.tree.topk), max_new_tokens=30)
-    assert got.tokens == plain.tokens  # lossless
+    assert got.tokens == plain.tokens == plain_greedy(hf, PROMPT, 30)  # lossless, against transformers
     m = model if head_type == "medusa" else MedusaModel(model.backbone, _hydra(model, noise=0.05)).eval()
     ref = medusa_generate(m, PROMPT, tree, max_new_tokens=30)
     assert got.tokens == ref.tokens and got.step_tokens == ref.step_tokens  # the same candidates as PyTorch
@@ -331,7 +339,9 @@ def test_build_records_per_step_trees_and_the_session_runs_them(tiny, attached, 
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.front.session import MedusaSession
 
-    _, model = tiny
+    from conftest import plain_greedy
+
+    hf, model = tiny
     acc = attached["_acc"]
     lm = dataclasses.replace(tiny_loaded(MedusaModel(model.backbone, attached["_heads"]["hydra"]).eval(),
                                          max_context=256), head_accuracies=acc)
@@ -343,7 +353,8 @@ def test_build_records_per_step_trees_and_the_session_runs_them(tiny, attached, 
     assert isinstance(s.tree, DynamicTree) and s.tree.size == 6
     plain = MedusaSession(path, threads=1, tree="root")
     got = s.generate(prompt_ids=PROMPT, max_new_tokens=20)
-    assert got.token_ids == plain.generate(prompt_ids=PROMPT, max_new_tokens=20).token_ids
+    want = plain_greedy(hf, PROMPT, 20)  # transformers' plain greedy decoding: no code of the runtime
+    assert got.token_ids == plain.generate(prompt_ids=PROMPT, max_new_tokens=20).token_ids == want
     assert max(got.result.step_tokens) > 1  # the heads' candidates were accepted at some step
 
 
@@ -394,7 +405,9 @@ def test_build_auto_dynamic_records_the_chosen_per_step_size(attached, tiny, tmp
     from medusa_export.pipeline import BuildConfig, build_artifact
     from medusa_runtime.tuning.autotree import DEFAULT_SIZES
 
-    _, model = tiny
+    from conftest import plain_greedy
+
+    hf, model = tiny
     acc = attached["_acc"]
     lm = dataclasses.replace(tiny_loaded(model, max_context=256), head_accuracies=acc)
     path = build_artifact(lm, greedy_tree(max(DEFAULT_SIZES), acc), tmp_path / "auto", BuildConfig(validate=False),

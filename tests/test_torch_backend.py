@@ -41,5 +41,6 @@ def test_torch_backend_bad_input(tiny_trt_artifact, registered):
     assert torch_backend.run_dtype("float16", "cuda:0") == "float16"
     assert torch_backend.run_dtype("float16", "cpu") == torch_backend.run_dtype("float32", "cuda:0") == "float32"
     # the tiny artifact's model is not registered: its weights must be given
-    with pytest.raises(MedusaError, match="is not a registered model: give its weights with --model-path"):
+    with pytest.raises(MedusaError, match=r"is not a registered model and was built from 'random \(test\)'.*give its "
+                                          "weights with --model-path"):
         MedusaSession(tiny_trt_artifact, backend="torch", notice=None)

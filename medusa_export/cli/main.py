@@ -270,10 +270,10 @@ def cmd_verify(args) -> int:
     from medusa_runtime.contract.artifact import load_artifact
 
     from ..export.config import ExportConfig
-    from ..validation.checks import check_record, run_checks
+    from ..validation.checks import check_record, passed_notes, result_lines, run_checks
     from ..validation.config import ValidationConfig
     from ..validation.plan import plan_validation
-    from ..validation.source import open_source
+    from ..validation.source import open_source, source_lines
     from ..validation.validate import default_prompts, read_prompts
 
     check_int(args.limit, "--limit", low=1)  # bad options fail before anything is loaded or run
@@ -284,6 +284,8 @@ def cmd_verify(args) -> int:
     m = art.manifest
     lm = open_source(m, args.model_path, args.heads)
     print_notes(lm)
+    for line in source_lines(lm, args.model_path, args.heads):
+        print(f"  {line}", file=sys.stderr)
     built = ExportConfig.of_manifest(m)  # what the artifact was exported with (the pre-flight's sizes)
     cfg = ValidationConfig(new_tokens=args.max_new_tokens, checks=args.checks, validate_layers=args.validate_layers)
     plan = plan_validation(lm.sources, built.precision, m.weights.bytes, graph=built.graph, checks=cfg.checks,
@@ -293,18 +295,8 @@ def cmd_verify(args) -> int:
     if "checksums" not in plan.checks:  # the checksums check re-reads every tensor; otherwise hash the whole files
         load_artifact(args.artifact, full_verify=True)
     v = run_checks(plan, art.path, lm, lm.sources, cfg, prompts=texts)
-    for check in v["ran"]:
-        rec = check_record(v, check)
-        for p in rec.get("prompts", []):
-            if "max_logprob_diff" in p:
-                status = "identical" if p["identical"] else ("near-tie" if p["near_tie"] else "MISMATCH")
-                print(f"{check:9s} {status:9s} {p['tokens']:4d} tokens  log-prob diff {p['max_logprob_diff']:.1e}  "
-                      f"{p['prompt'][:60]!r}")
-            else:
-                print(f"{check:9s} {'identical' if p['identical'] else 'MISMATCH':9s} {p['tokens']:4d} tokens  "
-                      f"{p['prompt'][:60]!r}")
-        if check == "checksums" and rec["passed"]:
-            print(f"checksums {rec['tensors']} tensors ({rec['bytes'] / 1e9:.2f} GB) re-read and re-made from the checkpoint")
+    for line in result_lines(v):
+        print(line)
     if args.junit:
         from ..validation.junit import write_junit
 
@@ -314,7 +306,8 @@ def cmd_verify(args) -> int:
         return EXIT_MISMATCH
     compared = any(check_record(v, check).get("prompts") for check in v["ran"])
     prompts_run = (f"{len(texts)} prompt" + ("" if len(texts) == 1 else "s")) if compared else "no prompt compared"
-    print(f"PASSED: {prompts_run}, precision {m.precision_name} (checks: {', '.join(v['ran'])})")
+    print(f"PASSED: {prompts_run}, precision {m.precision_name} (checks: {', '.join(v['ran'])})"
+          + "".join(f"; {note}" for note in passed_notes(v)))
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,12 @@ def _heads_vocab_json(lm: LoadedMedusa, v: int, vocab_ids: np.ndarray | None) ->
             "draft_vocab_ids": seen}
 
 
+def recorded_source(source: str) -> str:
+    """A model source as the manifest records it: a local file or folder as its absolute path (``verify`` opens it
+    again from another working directory), anything else (a registry source, a repo id, a description) as is."""
+    return os.path.abspath(source) if source and os.path.exists(source) else source
+
+
 def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: ExportConfig, max_context: int, folder: Path,
                    files: dict[str, str], weights_info: dict, dtype: str, quantized: dict,
                    vocab_ids: np.ndarray | None = None, unchanged: dict | None = None) -> Manifest:
@@ -206,7 +213,8 @@ def build_manifest(lm: LoadedMedusa, src: ModelSources, tree: Tree, cfg: ExportC
         exporter=Exporter(medusa_export=__version__, torch=torch.__version__, onnx=onnx.__version__,
                           onnxruntime=onnxruntime.__version__, opset=OPSET),
         model=ModelInfo(
-            name=lm.name, backbone_source=lm.backbone_source, heads_source=lm.heads_source,
+            name=lm.name, backbone_source=recorded_source(lm.backbone_source),
+            heads_source=recorded_source(lm.heads_source),
             architecture=c.model_type, features=c.features, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             num_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=c.rope_theta,

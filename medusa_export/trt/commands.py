@@ -86,12 +86,27 @@ def trtexec_commands(folder: Path, manifest: Manifest | dict, precision: str, wo
     return [["trtexec", *trtexec_args(manifest, g, precision, workspace_mib=workspace_mib)] for g in plan_graphs(manifest)]
 
 
+#: Lines of a failed trtexec's log that ``build_engine.sh`` prints (its error is at the end).
+LOG_TAIL_LINES = 25
+
+
 def build_script(folder: Path, manifest: Manifest | dict, workspace_mib: int | None = None,
                  default: str = "fp32") -> str:
     """A bash script that builds the engines of any precision this artifact takes (:func:`buildable`) with
     ``trtexec`` of TensorRT 10 or 11 (the same lines for both: :func:`trtexec_args`).
 
-    Usage on the GPU machine: ``bash engines/build_engine.sh [PRECISION]`` (default ``default``).
+    Usage on the GPU machine: ``bash engines/build_engine.sh [PRECISION]`` (default ``default``). Each trtexec run's
+    output goes to ``engines/build.GRAPH.PRECISION.log``; when one fails, the script prints the last
+    :data:`LOG_TAIL_LINES` lines of that log and its path on stderr and exits with trtexec's status.
+
+    Args:
+        folder: the artifact root.
+        manifest: its manifest.
+        workspace_mib: trtexec's workspace pool in MiB (None: trtexec's default).
+        default: the precision built when none is given.
+
+    Returns:
+        The script's text.
     """
     manifest = as_manifest(manifest)
     choices = "|".join(buildable(manifest))
@@ -136,9 +151,16 @@ if ! command -v "$TRTEXEC" >/dev/null 2>&1; then
 fi
 mkdir -p {ENGINE_DIR}
 run() {{  # run GRAPH PRECISION ARGS...: one trtexec build, its log kept next to the plan
-  local graph="$1" prec="$2"; shift 2
+  local graph="$1" prec="$2" rc=0; shift 2
+  local log="{ENGINE_DIR}/build.$graph.$prec.log"
   echo "building $graph ($prec) ..."
-  "$TRTEXEC" "$@" 2>&1 | tee "{ENGINE_DIR}/build.$graph.$prec.log" >/dev/null
+  "$TRTEXEC" "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then  # trtexec's error is in its log: show its end and name the log
+    echo "build_engine.sh: trtexec failed (exit $rc) building $graph ($prec); the end of its log:" >&2
+    tail -n {LOG_TAIL_LINES} "$log" | sed 's/^/  | /' >&2
+    echo "build_engine.sh: the whole log: $PWD/$log" >&2
+    exit "$rc"
+  fi
 }}
 start=$(date +%s)
 case "$PRECISION" in

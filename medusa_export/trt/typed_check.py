@@ -59,6 +59,19 @@ def _margin(engine, prompt: list[int], tokens: list[int]) -> float:
     return float(lp[0] - lp[1])
 
 
+def _fp32_run(engine, prompt: list[int], root, new_tokens: int, eos: list[int], cap: int) -> tuple[list[int], np.ndarray]:
+    """Plain greedy decoding of the float32 graphs and, for each of its tokens, the top-1 minus top-2 log-prob of
+    that prediction (one prefill of the whole sequence)."""
+    from medusa_runtime.engines.kvcache import KVCache
+
+    tokens = generate(engine, prompt, root, max_new_tokens=new_tokens, eos_token_ids=eos, max_context=cap).tokens
+    seq = list(prompt) + tokens
+    out = engine.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None], causal_mask(len(seq)),
+                      1.0, KVCache.for_engine(engine, len(seq)).past())
+    lp = out.topk_logprobs[len(prompt) - 1:]
+    return tokens, (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
+
+
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -84,7 +97,7 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
         ``first_divergence_from_fp32`` (None: identical) with the fp32
         token, the typed graph's token and the fp32 ``margin`` there, and the mean accepted tokens per step.
     """
-    from ..validation.validate import default_prompts, reference_runs
+    from ..validation.validate import default_prompts
 
     art = load_artifact(folder)
     texts = prompts or default_prompts()
@@ -106,22 +119,22 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
         if progress:
             print(f"    the float32 graphs' greedy tokens and margins ({len(ids)} prompts x {new_tokens} tokens) ...",
                   flush=True)
-        runs = reference_runs(None, art, ids, new_tokens=new_tokens, eos_token_ids=eos, progress=False,
-                              engine=reference)
-        typed = OrtEngine(view)
         root = make_tree([], num_heads=art.model.medusa_heads, topk=art.tree.topk)
-        kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos, max_context=art.model.max_context)
+        cap = art.model.max_context
+        runs = [_fp32_run(reference, prompt, root, new_tokens, eos, cap) for prompt in ids]
+        typed = OrtEngine(view)
+        kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos, max_context=cap)
         out = []
-        for text, prompt, run in zip(texts, ids, runs):
+        for text, prompt, (fp32_tokens, fp32_margins) in zip(texts, ids, runs):
             medusa = generate(typed, prompt, art.tree, **kw)
             plain = generate(typed, prompt, root, **kw)
-            i = _first_difference(run.tokens, plain.tokens)
+            i = _first_difference(fp32_tokens, plain.tokens)
             rec = {"prompt": text[:60], "tokens": len(plain.tokens), "medusa_equals_plain": medusa.tokens == plain.tokens,
                    "mean_accepted": round(medusa.mean_accepted, 3), "first_divergence_from_fp32": i}
             if i is not None:
-                rec.update(fp32_token=run.tokens[i] if i < len(run.tokens) else None,
+                rec.update(fp32_token=fp32_tokens[i] if i < len(fp32_tokens) else None,
                            typed_token=plain.tokens[i] if i < len(plain.tokens) else None,
-                           fp32_margin=round(float(run.margins[min(i, len(run.margins) - 1)]), 5))
+                           fp32_margin=round(float(fp32_margins[min(i, len(fp32_margins) - 1)]), 5))
             j = _first_difference(plain.tokens, medusa.tokens)
             rec["passed"] = j is None
             if j is not None:

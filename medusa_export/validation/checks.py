@@ -27,6 +27,8 @@ from ..loading.sources import ModelSources, reference_model
 from ..model.decode import TorchEngine
 from .config import ValidationConfig
 from .plan import CHECK_TEXT, SELF_CHECK_LIMIT, SELF_CHECK_TOKENS, ValidationPlan
+from .independent import IndependentReference
+from .report import NOTHING_COMPARED
 from .validate import compare_runs, default_prompts, reference_runs
 
 
@@ -88,11 +90,49 @@ def check_prompts_fit(texts: list[str], ids: list[list[int]], max_context: int, 
 def check_full(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool) -> dict:
     """The whole artifact against the whole reference (:func:`~.validate.validate`, reference phase first)."""
     ref = lm.model if lm.model is not None else reference_model(src)  # loaded, or streamed from the sources
-    runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                          progress=progress)
+    runs, reference = reference_phase(ref, artifact, lm, ids, new_tokens, progress)
     del ref
+    return artifact_phase(artifact, lm, texts, runs, new_tokens, progress, reference)
+
+
+def reference_phase(ref, artifact: Artifact, lm, ids, new_tokens: int, progress: bool, engine=None):
+    """The references' runs over ``ref`` (the fp32 PyTorch reference model): the independent reference
+    (:class:`~.independent.IndependentReference`) and the loop reference (``engine``, default a CPU
+    :class:`TorchEngine`). The caller drops ``ref`` before :func:`artifact_phase` (memory).
+
+    Args:
+        ref: the reference :class:`~medusa_export.model.medusa.MedusaModel` (whole or truncated, any device).
+        artifact: the artifact under test (its tree, step top-k and context).
+        lm: the model's :class:`~medusa_export.loading.registry.LoadedMedusa` (its EOS ids).
+        ids: token ids per prompt.
+        new_tokens: greedy tokens per prompt.
+        progress: progress bars.
+        engine: the loop reference's engine (default: a :class:`TorchEngine` over ``ref``).
+
+    Returns:
+        (the :class:`~.validate.ReferenceRun` of each prompt, the independent reference's description).
+    """
+    independent = IndependentReference(ref)
+    runs = reference_runs(ref, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
+                          progress=progress, engine=engine, independent=independent)
+    return runs, independent.description
+
+
+def artifact_phase(artifact: Artifact, lm, texts, runs, new_tokens: int, progress: bool, reference: str) -> dict:
+    """The artifact's runs on ONNX Runtime against :func:`reference_phase`'s.
+
+    Args:
+        artifact: the artifact under test.
+        lm: the model (its EOS ids).
+        texts: the prompts' text; runs: :func:`reference_phase`'s runs of them.
+        new_tokens: greedy tokens per prompt; progress: progress bars.
+        reference: the independent reference's description (the report names it).
+
+    Returns:
+        The :class:`~.report.ValidationReport` as JSON.
+    """
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                        engine=validation_engine(artifact), progress=progress).to_json()
+                        engine=validation_engine(artifact), progress=progress, reference=reference).to_json()
 
 
 def truncated_export(manifest: Manifest) -> ExportConfig:
@@ -116,11 +156,9 @@ def check_truncated(folder: Path, lm, src: ModelSources, layers: int, artifact: 
                        progress=False)
         truncated = load_artifact(sub)
         ref = reference_model(src, layers)
-        runs = reference_runs(ref, truncated, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                              progress=progress)
+        runs, reference = reference_phase(ref, truncated, lm, ids, new_tokens, progress)
         del ref
-        report = compare_runs(truncated, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                              engine=validation_engine(truncated), progress=progress).to_json()
+        report = artifact_phase(truncated, lm, texts, runs, new_tokens, progress, reference)
     finally:
         shutil.rmtree(sub, ignore_errors=True)
     return {"layers": layers, **report}
@@ -168,8 +206,8 @@ def check_self(artifact: Artifact, lm, texts, ids, new_tokens: int, progress: bo
             j = min(len(m.tokens), len(v.tokens))
         prompts.append({"prompt": text, "tokens": len(v.tokens), "identical": j is None, "first_divergence": j,
                         "steps": m.steps, "plain_steps": v.steps})
-    return {"passed": all(p["identical"] for p in prompts), "new_tokens": new_tokens, "prompts": prompts,
-            "reduced": big}
+    return {"passed": all(p["identical"] for p in prompts) and any(p["tokens"] for p in prompts),
+            "new_tokens": new_tokens, "prompts": prompts, "reduced": big}
 
 
 def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens: int, progress: bool,
@@ -177,14 +215,12 @@ def check_gpu(artifact: Artifact, lm, src: ModelSources, texts, ids, new_tokens:
     """(d) The whole fp32 reference on the GPU (weights streamed there tensor by tensor) against the artifact on
     ONNX Runtime: the full check's rules, with the reference's memory on the device."""
     ref = reference_model(src, None, device)
-    runs = reference_runs(None, artifact, ids, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                          progress=progress, engine=TorchEngine(ref, artifact.manifest.step_topk,
-                                                                max_context=artifact.model.max_context, device=device))
-    del ref
+    engine = TorchEngine(ref, artifact.manifest.step_topk, max_context=artifact.model.max_context, device=device)
+    runs, reference = reference_phase(ref, artifact, lm, ids, new_tokens, progress, engine)
+    del ref, engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=lm.eos_token_ids,
-                        engine=validation_engine(artifact), progress=progress).to_json()
+    return artifact_phase(artifact, lm, texts, runs, new_tokens, progress, reference)
 
 
 def check_record(result: dict, check: str) -> dict:
@@ -195,6 +231,58 @@ def check_record(result: dict, check: str) -> dict:
         KeyError: ``check`` did not run (it is not in ``result["ran"]``).
     """
     return result if check == "full" else result[check]
+
+
+def result_lines(result: dict) -> list[str]:
+    """``verify``'s lines for a :func:`run_checks` result: one per prompt of each check that compares prompts
+    (its tokens against the reference: identical, near-tie with its step and margin, or MISMATCH; what else
+    failed is in the result's ``failures``), one for passed checksums.
+
+    Args:
+        result: ``run_checks``'s dict.
+
+    Returns:
+        The lines, in the order the checks ran.
+    """
+    from .report import ValidationReport, near_tie_note
+
+    lines = []
+    for check in result["ran"]:
+        rec = check_record(result, check)
+        if "tolerance" in rec:  # a parity check's report
+            report = ValidationReport.from_json(rec)
+            for p, raw in zip(report.prompts, rec["prompts"]):
+                note = near_tie_note(raw)
+                same = p.identical and p.plain_identical is not False
+                status = "identical" if same else ("near-tie" if note and report.failure(p) is None else "MISMATCH")
+                lines.append(f"{check:9s} {status:9s} {p.tokens:4d} tokens  log-prob diff {p.max_logprob_diff:.1e}  "
+                             f"{p.prompt[:60]!r}" + (f"  ({note})" if note else ""))
+            if report.reference:
+                lines.append(f"{check:9s} reference: {report.reference}")
+        else:
+            for p in rec.get("prompts", []):
+                lines.append(f"{check:9s} {'identical' if p['identical'] else 'MISMATCH':9s} {p['tokens']:4d} tokens  "
+                             f"{p['prompt'][:60]!r}")
+        if check == "checksums" and rec["passed"]:
+            lines.append(f"checksums {rec['tensors']} tensors ({rec['bytes'] / 1e9:.2f} GB) re-read and re-made from "
+                         "the checkpoint")
+    return lines
+
+
+def passed_notes(result: dict) -> list[str]:
+    """What a PASSED verdict rests on besides identical tokens: each near-tie of each parity check that ran.
+
+    Args:
+        result: ``run_checks``'s dict.
+
+    Returns:
+        One line per near-tie, e.g. "full prompt 1: near-tie at new token 12 (tree step 10), reference top-2
+        log-prob margin 5.00e-04".
+    """
+    from .report import near_tie_note
+
+    return [f"{check} prompt {i + 1}: {note}" for check in result["ran"]
+            for i, p in enumerate(check_record(result, check).get("prompts", [])) if (note := near_tie_note(p))]
 
 
 def self_failure(prompt: dict) -> str | None:
@@ -212,6 +300,8 @@ def _failure(name: str, record: dict) -> list[str]:
     if name == "checksums":
         return [f"checksums: {record['error']}"]
     if name == "self":
+        if not any(p["tokens"] for p in record["prompts"]):
+            return [f"self: {NOTHING_COMPARED}"]
         return [f"self: {self_failure(p)}" for p in record["prompts"] if not p["identical"]]
     from .validate import ValidationReport
 

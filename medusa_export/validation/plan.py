@@ -8,9 +8,11 @@ the checkpoint's headers and the weights plan, compare it with the memory availa
 check      what it does
 =========  ================================================================================================
 full       the whole artifact through ONNX Runtime against the whole fp32 PyTorch reference: step outputs
-           within the precision's tolerance, greedy tokens identical (today's check; it includes ``self``)
+           within the precision's tolerance, Medusa's and plain greedy tokens identical to the independent
+           reference (:mod:`.independent`; it includes ``self``)
 truncated  (a) the same exporter on the first N layers (+ final norm, lm_head and the real heads) in fp32,
-           against the PyTorch reference of the same truncation: greedy tokens identical
+           against the PyTorch reference of the same truncation: Medusa's and plain greedy tokens identical
+           to the independent reference of that truncation
 checksums  (b) every tensor of ``weights.bin`` re-read, and re-made from the checkpoint, against its SHA-256
 self       (c) the whole artifact through ONNX Runtime: Medusa equals plain greedy decoding of that graph
 gpu        (d) where torch sees a GPU: the whole reference there against ONNX Runtime
@@ -36,10 +38,11 @@ from ..loading.sources import ModelSources
 
 CHECKS = ("full", "truncated", "checksums", "self", "gpu")
 CHECK_TEXT = {
-    "full": "the whole artifact on ONNX Runtime against the whole fp32 PyTorch reference (step outputs, greedy tokens, "
-            "Medusa == plain greedy)",
+    "full": "the whole artifact on ONNX Runtime against the whole fp32 PyTorch reference (step outputs; Medusa's and "
+            "plain greedy tokens == the independent reference's, transformers generate or a full-recompute loop)",
     "truncated": "the same exporter on the first {layers} layer(s) (+ final norm, lm_head, real heads) in fp32 against "
-                 "the PyTorch reference of that truncation: greedy tokens identical",
+                 "the PyTorch reference of that truncation: Medusa's and plain greedy tokens == the independent "
+                 "reference's",
     "checksums": "every tensor of weights.bin re-read and re-made from the checkpoint against its SHA-256",
     "self": "the whole artifact on ONNX Runtime: Medusa == plain greedy decoding of the same graph",
     "gpu": "the whole model: the PyTorch reference on the GPU against ONNX Runtime",

@@ -1,30 +1,37 @@
-"""Validation of an artifact against the PyTorch reference (used by ``build`` and ``verify``).
+"""Validation of an artifact against PyTorch (used by ``build`` and ``verify``).
 
-Three checks per prompt:
+The reference the artifact must equal is independent of the runtime (:mod:`~.independent`): plain greedy
+decoding in PyTorch (transformers' ``generate`` on the same weights, or a full-recompute loop without a KV cache)
+that shares no code with :func:`medusa_runtime.decode.loop.generate`, its KV cache and compaction, tree buffers or
+acceptance, computed once per prompt. Checks per prompt:
 
-1. Step outputs: the prefill and one tree step run through ONNX Runtime and PyTorch on
+1. Step outputs: the prefill and one tree step run through ONNX Runtime and the PyTorch reference on
    the same inputs; top-1 log-probability, entropy and hidden states must agree within
    the precision's tolerance (:data:`TOLERANCES`).
-2. Greedy tokens against PyTorch: the shared decode loop over ONNX Runtime and over the
-   fp32 PyTorch reference must emit identical tokens for ``new_tokens`` tokens. For fp16 a
-   divergence at a position where the reference's top-2 margin (log-prob gap) is below the
-   precision's ``margin`` is reported as a near-tie instead of a failure.
+2. Greedy tokens against the independent reference: the artifact's Medusa decoding (its own tree) and its plain
+   decoding (a root-only tree) through the runtime's loop on ONNX Runtime must both emit the reference's tokens
+   for ``new_tokens`` tokens. For fp16 a divergence at a position where the reference's top-2 margin (log-prob gap)
+   is below the precision's ``margin`` is reported as a near-tie (with its step and margin) instead of a failure.
+   Diagnostic: the PyTorch reference through the same runtime loop, compared token by token with the artifact and
+   with the reference, says where a mismatch starts (in code both share, or in the artifact's graphs).
 3. Medusa against plain greedy on the same graph: the artifact's tree and a root-only tree
    (one token per step) over the same ONNX Runtime engine must emit identical tokens.
 4. Accepted lengths against PyTorch: greedy tokens stay identical whatever the heads propose
    (the backbone verifies every candidate), so a broken heads graph would pass checks 1-3. Where
    the heads graph computes what the reference's heads compute (an fp32 artifact with fp32 heads
    over the whole vocabulary, and every truncated check), the tokens each tree step accepted must
-   equal the reference's, step by step (:func:`exact_heads`).
+   equal the PyTorch reference's through the runtime's loop, step by step (:func:`exact_heads`).
 
 Which checks decide pass/fail is the precision's :attr:`Tolerance.reference`: "pytorch"
 (fp32, fp16: checks 1 and 2, and 4 where it applies) or "vanilla" (the weight-only int8 / int4 graphs: check 3,
-lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32).
+lossless relative to their own precision; 1 and 2 are recorded as agreement with fp32). A report on which the
+reference generated no token at all (its first token EOS on every prompt) fails: nothing was compared.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -33,184 +40,16 @@ import numpy as np
 from medusa_runtime.contract.artifact import Artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
-from medusa_runtime.errors import EXIT_MISMATCH
 from medusa_runtime.decode.loop import causal_mask, generate
 from medusa_runtime.contract.manifest import Manifest
 from medusa_runtime.front.prompts import read_first_turns
 from medusa_runtime.trees.tree import make_tree
 
-from ..errors import MedusaError
-from ..export.precisions import Column, Tolerance
 from ..model.decode import TorchEngine
 from ..model.medusa import MedusaModel
-
-
-class ValidationError(MedusaError):
-    """The artifact disagrees with the PyTorch reference; the message gives the first divergence."""
-
-    exit_code = EXIT_MISMATCH  # as `verify`'s: a mismatch, not bad input
-
-
-#: precision name -> its validation rule (:class:`~medusa_export.export.precisions.Tolerance`), from the table.
-TOLERANCES = Column("tolerance")
-
-
-def tolerance(precision: str) -> Tolerance:
-    """The pass/fail rule of ``precision``.
-
-    Raises:
-        ValidationError: an unknown precision name (the message lists the known ones).
-    """
-    if precision not in TOLERANCES:
-        raise ValidationError(f"no validation rule for precision {precision!r}; known: {', '.join(TOLERANCES)}")
-    return TOLERANCES[precision]
-
-
-@dataclass
-class PromptReport:
-    prompt: str
-    tokens: int
-    identical: bool
-    max_logprob_diff: float
-    max_entropy_diff: float
-    max_hidden_diff: float
-    first_divergence: int | None = None  # index in the generated tokens
-    divergence_step: int | None = None  # tree step (0 = prefill's token)
-    reference_token: int | None = None
-    artifact_token: int | None = None
-    reference_margin: float | None = None  # top-1 minus top-2 log-prob at that position
-    near_tie: bool = False
-    agreement: float = 1.0  # fraction of generated positions before the first divergence
-    vanilla_identical: bool | None = None  # Medusa == plain greedy (root-only tree) on the same engine
-    vanilla_divergence: int | None = None  # first differing new token
-    vanilla_token: int | None = None  # plain greedy's token there (Medusa's: ``medusa_token``)
-    medusa_token: int | None = None
-    #: the tokens each tree step accepted equal the reference's (None: not compared, :func:`exact_heads`)
-    accept_identical: bool | None = None
-    accept_divergence_step: int | None = None  # first tree step (1 = the first after the prefill) that differs
-    reference_accepted: int | None = None  # tokens that step emitted: the reference's, the artifact's
-    artifact_accepted: int | None = None
-    mean_accepted: float | None = None  # the artifact's tokens per tree step (information)
-
-
-@dataclass
-class ValidationReport:
-    precision: str
-    new_tokens: int
-    prompts: list[PromptReport] = field(default_factory=list)
-
-    @staticmethod
-    def from_json(record: dict) -> "ValidationReport":
-        """A check's record in the manifest (``precision``, ``new_tokens``, ``prompts``) as a report."""
-        return ValidationReport(record["precision"], record["new_tokens"],
-                                [PromptReport(**p) for p in record["prompts"]])
-
-    def failure(self, p: PromptReport) -> str | None:
-        """Why prompt ``p`` fails (one line), or None when it passes."""
-        tol = tolerance(self.precision)
-        if tol.reference == "vanilla":
-            if p.vanilla_identical is False:
-                return (f"{p.prompt[:40]!r}: Medusa diverges from plain greedy decoding of the same "
-                        f"{self.precision} graph at new token {p.vanilla_divergence}: Medusa {p.medusa_token}, "
-                        f"plain greedy {p.vanilla_token}")
-            return None
-        if not (p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol
-                and p.max_hidden_diff <= tol.hidden_atol):
-            return (f"{p.prompt[:40]!r}: step outputs differ (log-prob {p.max_logprob_diff:.2e}, "
-                    f"entropy {p.max_entropy_diff:.2e}, hidden {p.max_hidden_diff:.2e}; "
-                    f"tolerance {tol.atol:g}/{tol.hidden_atol:g})")
-        if not (p.identical or p.near_tie):
-            return (f"{p.prompt[:40]!r}: greedy tokens diverge at new token {p.first_divergence} "
-                    f"(tree step {p.divergence_step}): reference {p.reference_token}, artifact "
-                    f"{p.artifact_token}, reference top-2 log-prob margin {p.reference_margin:.4f}")
-        if p.accept_identical is False:
-            return (f"{p.prompt[:40]!r}: greedy tokens identical, but the tokens accepted per tree step differ from "
-                    f"the reference's at tree step {p.accept_divergence_step}: reference {p.reference_accepted}, "
-                    f"artifact {p.artifact_accepted} (the heads graph proposes other candidates than the reference's "
-                    "heads)")
-        return None
-
-    @property
-    def passed(self) -> bool:
-        """Every prompt's step outputs within tolerance and tokens identical (or a near-tie)."""
-        return all(self.failure(p) is None for p in self.prompts)
-
-    def failures(self) -> list[str]:
-        """One line per failing prompt."""
-        return [f for f in map(self.failure, self.prompts) if f is not None]
-
-    def to_json(self) -> dict:
-        tol = tolerance(self.precision)
-        return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
-                "checks": _CHECKS[tol.reference], "tolerance": asdict(tol),
-                "prompts": [asdict(p) for p in self.prompts]}
-
-    def summary(self) -> str:
-        """One line for the build summary (:func:`validation_summary`)."""
-        return validation_summary(self.to_json())
-
-
-def validation_summary(v: dict) -> str:
-    """One line from the manifest's ``validation``: the verdict and the figures it rests on, per check that ran
-    (for weight-only precisions, agreement with fp32 as well)."""
-    head = f"{'PASSED' if v['passed'] else 'FAILED'}: "
-    ran = v.get("ran", ["full"])
-    parts = []
-    for check in ran:
-        if check == "full":
-            parts.append(_report_summary(v))
-        elif check in ("truncated", "gpu"):
-            where = f"first {v[check]['layers']} layer(s)" if check == "truncated" else "whole model on the GPU"
-            parts.append(f"{check} ({where}): " + _report_summary(v[check]))
-        elif check == "checksums":
-            c = v[check]
-            parts.append(f"checksums: {c['tensors']} tensors ({c['bytes'] / 1e9:.2f} GB) re-read and re-made from the "
-                         f"checkpoint" if c["passed"] else f"checksums: {c.get('error')}")
-        elif check == "self":
-            c = v[check]
-            same = sum(p["identical"] for p in c["prompts"])
-            parts.append(f"self: Medusa == plain greedy of the same graph on {same}/{len(c['prompts'])} prompts x "
-                         f"{compared_tokens(c['prompts'], c['new_tokens'])}")
-    return head + "; ".join(parts)
-
-
-def compared_tokens(prompts: list[dict], new_tokens: int) -> str:
-    """"64 tokens" when every prompt was compared on ``new_tokens`` tokens, else each prompt's real count
-    ("23/48/38 of 64 tokens ..."): a prompt stops early at EOS or when the context is full."""
-    counts = [p["tokens"] for p in prompts]
-    if all(n == new_tokens for n in counts):
-        return f"{new_tokens} tokens"
-    return f"{'/'.join(map(str, counts))} of {new_tokens} tokens (fewer where EOS came or the context was full)"
-
-
-def _report_summary(v: dict) -> str:
-    prompts, n = v["prompts"], len(v["prompts"])
-    same = sum(p["identical"] for p in prompts)
-    if v["tolerance"].get("reference") == "vanilla":
-        lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
-        agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
-        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x "
-                f"{compared_tokens(prompts, v['new_tokens'])}; "
-                f"vs fp32 PyTorch (information): identical on {same}/{n}, tokens before the first divergence {agree}")
-    worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)
-    text = (f"greedy tokens identical on {same}/{n} prompts x {compared_tokens(prompts, v['new_tokens'])}; "
-            f"max |log-prob diff| {worst:.2e}")
-    compared = [p for p in prompts if p.get("accept_identical") is not None]
-    if compared:
-        text += (f"; tokens accepted per tree step identical on {sum(p['accept_identical'] for p in compared)}/"
-                 f"{len(compared)}")
-    return text
-
-
-_CHECKS = {
-    "pytorch": "pass/fail: step outputs within tolerance of the fp32 PyTorch reference and greedy tokens identical "
-               "(near-ties allowed where margin > 0), and where the heads graph is the reference's (fp32 heads over "
-               "the whole vocabulary) the tokens accepted per tree step identical (accept_* fields); vanilla_* fields: "
-               "Medusa vs plain greedy on the same graph (information)",
-    "vanilla": "pass/fail: Medusa greedy tokens == plain greedy decoding (root-only tree) of the same graph on ONNX "
-               "Runtime; the PyTorch fields (identical, first_divergence, agreement, max_*_diff) are agreement with "
-               "the fp32 reference (information)",
-}
+from .independent import IndependentReference
+from .report import (TOLERANCES, PromptReport, ValidationError, ValidationReport, compared_tokens,  # noqa: F401
+                     tolerance, validation_summary)
 
 
 def default_prompts() -> list[str]:
@@ -244,14 +83,19 @@ def _at(tokens: list[int], i: int) -> int | None:
 
 @dataclass
 class ReferenceRun:
-    """One prompt through the reference (the first phase of :func:`validate`).
+    """One prompt through the references (the first phase of :func:`validate`).
 
     Attributes:
         prompt_ids: the prompt's token ids.
-        steps: the reference's outputs of a prefill and of one tree step at that past.
+        steps: the loop reference's outputs of a prefill and of one tree step at that past (the engine-vs-engine
+            step comparison).
         candidates: the tree step's input tokens (the reference's argmax chain padded with its top-k).
-        tokens: its greedy tokens; step_tokens: tokens accepted per tree step.
-        margins: float [len(tokens) + 1]: top-1 minus top-2 log-prob of the prediction of generated token j.
+        tokens: the independent reference's greedy tokens (:mod:`~.independent`: what the artifact must emit).
+        margins: float [len(tokens) + 1] or [len(tokens)]: the independent reference's top-1 minus top-2 log-prob
+            at the prediction of generated token j.
+        loop_tokens: the PyTorch reference's tokens through the runtime's decode loop with the artifact's tree
+            (diagnostic); step_tokens: the tokens it accepted per tree step.
+        seconds: the independent reference's wall time on this prompt.
     """
 
     prompt_ids: list[int]
@@ -260,6 +104,8 @@ class ReferenceRun:
     tokens: list[int]
     step_tokens: list[int]
     margins: np.ndarray
+    loop_tokens: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # the independent reference's time on this prompt
 
 
 def step_outputs(engine, prompt_ids: list[int], artifact: Artifact, candidates: np.ndarray | None = None):
@@ -291,8 +137,10 @@ def step_differences(ref: tuple, art: tuple) -> tuple[float, float, float]:
 
 
 def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_tokens: int = 64,
-                   eos_token_ids: list[int] = (), progress: bool = True, engine=None) -> list[ReferenceRun]:
-    """The reference half of :func:`validate`: step outputs, greedy tokens and their top-2 margins per prompt.
+                   eos_token_ids: list[int] = (), progress: bool = True, engine=None,
+                   independent: IndependentReference | None = None) -> list[ReferenceRun]:
+    """The reference half of :func:`validate`: per prompt the independent reference's greedy tokens and top-2
+    margins, and the loop reference's step outputs and tokens (the diagnostics).
 
     Args:
         model: the fp32 PyTorch reference (ignored when ``engine`` is given).
@@ -300,23 +148,28 @@ def reference_runs(model, artifact: Artifact, prompts: list[list[int]], *, new_t
         prompts: token ids per prompt.
         new_tokens, eos_token_ids: generation length and stops.
         progress: show a progress bar.
-        engine: a reference engine (default: :class:`TorchEngine` over ``model``).
+        engine: a loop reference engine (default: :class:`TorchEngine` over ``model``).
+        independent: the independent reference (default: :class:`IndependentReference` of the engine's model).
+
+    Returns:
+        One :class:`ReferenceRun` per prompt.
     """
     from tqdm.auto import tqdm
 
     cap = artifact.model.max_context
     ref = engine or TorchEngine(model, artifact.manifest.step_topk, max_context=cap)
+    independent = independent or IndependentReference(ref.model)
     runs = []
-    for ids in tqdm(prompts, desc="validating: the PyTorch reference", disable=not progress, unit="prompt"):
+    for ids in tqdm(prompts, desc=f"validating: the references ({independent.kind}; PyTorch in the runtime's loop)",
+                    disable=not progress, unit="prompt"):
         steps, candidates = step_outputs(ref, ids, artifact)
         steps = tuple(st._replace(new_kv=[]) for st in steps)  # kept until the comparison: its K/V are not compared
-        r = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
-        seq = list(ids) + r.tokens
-        out = ref.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None],
-                       causal_mask(len(seq)), 1.0, KVCache.for_engine(ref, len(seq)).past())
-        lp = out.topk_logprobs[len(ids) - 1:]
-        margins = (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
-        runs.append(ReferenceRun(list(ids), steps, candidates, r.tokens, r.step_tokens, margins))
+        loop = generate(ref, ids, artifact.tree, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids,
+                        max_context=cap)
+        t0 = time.perf_counter()
+        ind = independent.greedy(ids, max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=cap)
+        runs.append(ReferenceRun(list(ids), steps, candidates, ind.tokens, loop.step_tokens, ind.margins,
+                                 loop.tokens, time.perf_counter() - t0))
     return runs
 
 
@@ -330,10 +183,34 @@ def exact_heads(manifest: Manifest) -> bool:
             and not (manifest.heads_vocab is not None and manifest.heads_vocab.subset))
 
 
+def _divergence(reference: list[int], tokens: list[int]) -> int | None:
+    """First new token where ``tokens`` differ from ``reference`` (a shorter or longer run differs at the end of
+    the shorter), or None when they are equal."""
+    return None if tokens == reference else _first_difference(reference, tokens)
+
+
+def _margin_at(run: ReferenceRun, i: int) -> float:
+    return float(run.margins[min(i, len(run.margins) - 1)]) if len(run.margins) else float("inf")
+
+
 def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str], *, new_tokens: int = 64,
-                 eos_token_ids: list[int] = (), engine: OrtEngine | None = None,
-                 progress: bool = True) -> ValidationReport:
-    """The ONNX Runtime half of :func:`validate`: the artifact's runs compared with the reference's.
+                 eos_token_ids: list[int] = (), engine: OrtEngine | None = None, progress: bool = True,
+                 reference: str = "") -> ValidationReport:
+    """The ONNX Runtime half of :func:`validate`: the artifact's Medusa decoding (its tree) and plain decoding
+    (a root-only tree) compared with the independent reference's tokens, the step outputs and tokens of the loop
+    reference as the diagnostics.
+
+    Args:
+        artifact: the artifact.
+        runs: :func:`reference_runs` of the same prompts.
+        texts: the prompts' text (for the report).
+        new_tokens, eos_token_ids: as the reference runs'.
+        engine: an ONNX Runtime engine over the artifact (created when None).
+        progress: show a progress bar.
+        reference: how the report names the independent reference (:attr:`IndependentReference.description`).
+
+    Returns:
+        The report; ``passed`` applies the precision's rule.
 
     Raises:
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
@@ -344,16 +221,19 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     tol = tolerance(precision)
     root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
-    report = ValidationReport(precision, new_tokens)
+    report = ValidationReport(precision, new_tokens, reference=reference,
+                              reference_seconds=round(sum(r.seconds for r in runs), 2))
     compare_accepted = exact_heads(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
-    for run, text in tqdm(list(zip(runs, texts)), desc="validating: ONNX Runtime against the reference and plain greedy",
-                          disable=not progress, unit="prompt"):
+    desc = "validating: ONNX Runtime, Medusa and plain, against the reference"
+    for run, text in tqdm(list(zip(runs, texts)), desc=desc, disable=not progress, unit="prompt"):
         lp, ent, hid = step_differences(run.steps, step_outputs(eng, run.prompt_ids, artifact, run.candidates)[0])
         a = generate(eng, run.prompt_ids, artifact.tree, **kw)
         v = a if artifact.tree.size == 1 else generate(eng, run.prompt_ids, root, **kw)  # a root-only tree *is* plain greedy
         rep = PromptReport(text, len(run.tokens), run.tokens == a.tokens, lp, ent, hid,
-                           vanilla_identical=v.tokens == a.tokens, mean_accepted=round(a.mean_accepted, 4))
+                           vanilla_identical=v.tokens == a.tokens, mean_accepted=round(a.mean_accepted, 4),
+                           plain_identical=run.tokens == v.tokens, loop_identical=run.loop_tokens == run.tokens,
+                           engine_divergence=_divergence(run.loop_tokens, a.tokens))
         if compare_accepted and rep.identical:  # diverging tokens already fail, and accept differently anyway
             rep.accept_identical = a.step_tokens == run.step_tokens
             if not rep.accept_identical:
@@ -363,12 +243,16 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
         if not rep.vanilla_identical:
             j = _first_difference(v.tokens, a.tokens)
             rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
+        if not rep.plain_identical:
+            j = _first_difference(run.tokens, v.tokens)
+            rep.plain_divergence, rep.plain_token, rep.plain_margin = j, _at(v.tokens, j), _margin_at(run, j)
+            rep.plain_near_tie = not tol.exact and rep.plain_margin < tol.margin
         if not rep.identical:
             i = _first_difference(run.tokens, a.tokens)
             rep.first_divergence = i
             rep.reference_token, rep.artifact_token = _at(run.tokens, i), _at(a.tokens, i)
-            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + run.step_tokens), i, side="right"))
-            rep.reference_margin = float(run.margins[min(i, len(run.margins) - 1)])
+            rep.divergence_step = int(np.searchsorted(np.cumsum([1] + a.step_tokens), i, side="right"))
+            rep.reference_margin = _margin_at(run, i)
             rep.near_tie = not tol.exact and rep.reference_margin < tol.margin
             rep.agreement = i / max(1, len(run.tokens))
         report.prompts.append(rep)
@@ -408,7 +292,8 @@ def validate(
         ValidationError: the artifact's precision has no rule in :data:`TOLERANCES`.
     """
     tolerance(artifact.manifest.precision_name)  # an unknown precision fails before any work
+    independent = IndependentReference(model)
     runs = reference_runs(model, artifact, prompts, new_tokens=new_tokens, eos_token_ids=eos_token_ids,
-                          progress=progress)
+                          progress=progress, independent=independent)
     return compare_runs(artifact, runs, texts, new_tokens=new_tokens, eos_token_ids=eos_token_ids, engine=engine,
-                        progress=progress)
+                        progress=progress, reference=independent.description)
