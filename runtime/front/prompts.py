@@ -7,7 +7,7 @@ A prompt file is JSONL, one JSON object a line (blank lines skipped). The record
 - ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation.
 
 :func:`jsonl_records` yields the objects (typed errors naming the file and the line);
-:func:`read_first_turns` gives the first user turn of each (validation, TensorRT calibration, the
+:func:`read_first_turns` gives the first user turn of each (validation, the typed-graph check, the
 benchmarks); :func:`read_prompt_file` gives ``generate --prompt-file``'s records (with a per-line
 ``max_new_tokens`` and ``seed``). Head training reads more record layouts on top of
 :func:`jsonl_records` (``medusa_export.training.distill.load_prompts``). Torch-free.
