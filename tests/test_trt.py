@@ -490,14 +490,14 @@ def test_doctor_with_tensorrt():
     report = run_doctor().to_json()
     gpus = len(report["devices"]) - 1
     assert "tensorrt (emulated)" not in report["backends"]
-    assert report["backends"]["tensorrt"] == (["fp16", "bf16", "fp32"] if gpus else [])
+    assert report["backends"]["tensorrt"] == (["fp16", "bf16", "int4", "fp32"] if gpus else [])
     assert report["runtime"]["tensorrt"]["here"] == ("available" if gpus else "unavailable here (no CUDA device)")
 
 
 def test_engine_config_rejects_bad_options():
     from medusa_runtime.errors import MedusaError
 
-    with pytest.raises(MedusaError, match="fp16, bf16, fp32, int8"):
+    with pytest.raises(MedusaError, match="fp16, bf16, fp32, int4, int8"):
         EngineConfig(precision="fp8")
     with pytest.raises(MedusaError, match="workspace"):
         EngineConfig(workspace_mib=0)

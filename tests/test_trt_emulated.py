@@ -87,7 +87,7 @@ def test_doctor_names_the_emulated_tensorrt(emulated):
     from medusa_export.cli.doctor import run_doctor
 
     report = run_doctor()
-    assert "tensorrt" not in report.backends and report.backends["tensorrt (emulated)"] == ["fp16", "bf16", "fp32"]
+    assert "tensorrt" not in report.backends and report.backends["tensorrt (emulated)"] == ["fp16", "bf16", "int4", "fp32"]
     checks = {c.name: c.detail for c in report.checks}
     assert checks["tensorrt"].startswith(f"{emulated[0].__version__} EMULATED (tests/emulated")
     assert "EMULATED" in checks["cuda-python"]
@@ -459,7 +459,7 @@ def test_emulated_cli_generate_tensorrt_prints_onnxruntime_reply(engine_art, emu
         main([*args, "--backend", "tensorrt", "--engine-precision", "fp8"])  # fp8', which engine refuses
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --engine-precision: invalid choice: 'fp8'" in err and all(p in err for p in ("fp16", "bf16", "fp32"))
+    assert "argument --engine-precision: invalid choice: 'fp8'" in err and all(p in err for p in ("fp16", "bf16", "int4", "fp32"))
 
 
 def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art, emulated):
@@ -469,7 +469,7 @@ def test_emulated_session_refuses_an_engine_precision_it_cannot_build(engine_art
     from medusa_runtime.front.session import MedusaSession
 
     with pytest.raises(InvalidSettingError, match=r"unknown TensorRT engine precision 'fp8': choose one of fp16, "
-                                                  r"bf16, fp32 \(built in .*: fp32\)"):
+                                                  r"bf16, int4, fp32 \(built in .*: fp32\)"):
         MedusaSession(engine_art, backend="tensorrt", tree="artifact", precision="fp8")
 
 

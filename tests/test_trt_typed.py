@@ -72,7 +72,7 @@ def _ort_tokens_of_typed_graph(art_dir: Path, precision: str) -> list[int]:
 
 
 @pytest.mark.parametrize("version", MAJORS)
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4"])
 def test_typed_engine_builds_and_generates_under_both_majors(tiny_trt_artifact, tmp_path, version, precision):
     """`engine --precision fp16|bf16` of the fp32 artifact: a validated typed graph beside the plans, plans built
     strongly typed with no builder precision flag (TF32 left as TensorRT's default for typed plans), recorded as
@@ -81,7 +81,8 @@ def test_typed_engine_builds_and_generates_under_both_majors(tiny_trt_artifact, 
     art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
     r = _run(version, "-m", "medusa_export.cli.main", "engine", "--artifact", str(art), "--precision", precision)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"TensorRT {version}" in r.stdout and f"computing in {'float16' if precision == 'fp16' else 'bfloat16'}" in r.stdout
+    computes = {"fp16": "float16", "bf16": "bfloat16", "int4": "float16 (int4 weights)"}[precision]
+    assert f"TensorRT {version}" in r.stdout and f"computing in {computes}" in r.stdout
     rec = json.loads((art / "manifest.json").read_text())["engines"][precision]
     assert rec["typed_graph"]["validation"]["passed"] and rec["typed_graphs"]["model"] == f"engines/model.{precision}.onnx"
     for g in ("model", "heads"):
@@ -165,7 +166,7 @@ def test_the_option_tables_say_what_trtexec_11_removed():
     assert {"--stronglyTyped", "--noTF32", "--onnx", "--saveEngine"} <= set(OPTIONS["11"]["options"])
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4", "fp32"])
 def test_every_trtexec_line_parses_under_both_majors(tiny_trt_artifact, tmp_path, precision):
     """Each line of engines/trtexec.PRECISION.txt and of build_engine.sh uses only options both majors' trtexec parse."""
     import shlex
@@ -192,10 +193,10 @@ def test_build_engine_sh_runs_against_the_emulated_trtexec_of_each_major(tiny_tr
     from medusa_export.cli.main import main
 
     art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
-    for precision in ("fp16", "bf16", "fp32"):  # writes the typed graphs the script's fp16 / bf16 lines read
+    for precision in ("fp16", "bf16", "int4", "fp32"):  # writes the typed graphs the script's typed lines read
         main(["engine", "--artifact", str(art), "--precision", precision, "--no-validate"])
     env = {"PATH": "/usr/bin:/bin", "TRTEXEC": str(EMULATED / "bin" / "trtexec"), "EMULATED_TENSORRT_VERSION": version}
-    for precision in ("fp16", "bf16", "fp32"):
+    for precision in ("fp16", "bf16", "int4", "fp32"):
         r = subprocess.run(["bash", str(art / "engines/build_engine.sh"), precision], env=env, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -205,3 +206,41 @@ def test_build_engine_sh_runs_against_the_emulated_trtexec_of_each_major(tiny_tr
     (art / "engines/bad.sh").write_text(bad)
     r = subprocess.run(["bash", str(art / "engines/bad.sh"), "fp16"], env=env, capture_output=True, text=True)
     assert (r.returncode != 0) == version.startswith("11"), r.stdout + r.stderr  # 11 refuses the removed option
+
+
+def test_int4_weights_are_symmetric_blocks_of_the_fp32_weights(tiny_trt_artifact, tmp_path):
+    """int4 weight-only: every weight product reads a blocked DequantizeLinear (opset 21) of int4 values whose block
+    scale is max|w| / 7 over the block (worked out here from the fp32 weights) and whose dequantized values lie within
+    half a scale of the fp32 weights (round to nearest)."""
+    from medusa_export.trt.typed import write_typed_graphs
+
+    art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
+    src = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(art / "model.onnx")).graph.initializer}
+    report = write_typed_graphs(art, {"model": "model.onnx", "heads": "heads.onnx"}, "int4")
+    typed = onnx.load(str(art / "engines/model.int4.onnx"), load_external_data=False)
+    assert {o.version for o in typed.opset_import if o.domain in ("", "ai.onnx")} == {21}
+    inits = {t.name: t for t in typed.graph.initializer}
+    data = (art / report.weights_file).read_bytes()
+    dq = [n for n in typed.graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and report.graphs["model"]["int4_weights"] == len(dq)
+    for node in dq:
+        q_t, s_t = inits[node.input[0]], inits[node.input[1]]
+        attrs = {a.name: a.i for a in node.attribute}
+        w = src[q_t.name.removesuffix(".int4")]
+        info = {e.key: e.value for e in q_t.external_data}
+        packed = np.frombuffer(data[int(info["offset"]):int(info["offset"]) + int(info["length"])], np.uint8)
+        nib = np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[:w.size].astype(np.int8)
+        q = np.where(nib > 7, nib - 16, nib).reshape(w.shape)
+        k = attrs["axis"]
+        if s_t.data_location == onnx.TensorProto.EXTERNAL:
+            si = {e.key: e.value for e in s_t.external_data}
+            scale = np.frombuffer(data[int(si["offset"]):int(si["offset"]) + int(si["length"])], np.float16)
+            scale = scale.reshape(tuple(s_t.dims)).astype(np.float32)
+        else:
+            scale = onnx.numpy_helper.to_array(s_t).astype(np.float32)
+        wk, qk, sk = np.moveaxis(w, k, 0), np.moveaxis(q, k, 0), np.moveaxis(scale, k, 0)
+        b = attrs["block_size"]
+        blocks = wk.reshape(wk.shape[0] // b, b, -1)
+        np.testing.assert_allclose(sk, np.abs(blocks).max(axis=1) / 7, rtol=1e-3)  # fp16-rounded scales
+        deq = (qk.reshape(blocks.shape) * sk[:, None, :]).reshape(wk.shape)
+        assert np.all(np.abs(deq - wk) <= sk.repeat(b, axis=0) * 0.5 + 1e-3 * np.abs(wk) + 1e-6)

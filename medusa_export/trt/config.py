@@ -79,6 +79,9 @@ ENGINE_PRECISION_TABLE: dict[str, EnginePrecision] = {r.name: r for r in (
     EnginePrecision("fp32", "float32", {"float32": "artifact"}, trtexec=("--noTF32",),
                     validated="the artifact's own build validation (ONNX Runtime against PyTorch); TF32 cleared so the "
                               "GPU computes what was validated"),
+    EnginePrecision("int4", "float16 (int4 weights)", {"float32": "typed"},
+                    validated="typed graph on ONNX Runtime's CPU (blocked DequantizeLinear, opset 21): Medusa == plain "
+                              "greedy of the same graph (near-ties below 0.8 reported), agreement with the fp32 graphs"),
     EnginePrecision("int8", "int8", {}, unavailable=(
         "TensorRT 11 has no implicit int8 (no INT8 builder flag or calibrator; 10.12 deprecated them): an int8 engine "
         "needs explicit QuantizeLinear/DequantizeLinear in the ONNX, which this version does not write yet; build "

@@ -1,5 +1,6 @@
-"""Strongly typed graphs for TensorRT: an artifact's float32 graphs rewritten in float16 or bfloat16 with float32
-islands of explicit Casts, so that TensorRT 10 (``NetworkDefinitionCreationFlag.STRONGLY_TYPED``) and 11 (every
+"""Strongly typed graphs for TensorRT: an artifact's float32 graphs rewritten in float16 or bfloat16 (or float16
+with int4 weight-only products: a blocked DequantizeLinear before each weight MatMul) with float32 islands of
+explicit Casts, so that TensorRT 10 (``NetworkDefinitionCreationFlag.STRONGLY_TYPED``) and 11 (every
 network strongly typed: NVIDIA's "TensorRT 10.x to 11.x" migration pages) build exactly the precision the ONNX
 says, with no builder precision flag.
 
@@ -50,8 +51,15 @@ from ..errors import MedusaError
 from ..export.graph import RMSNORM_MARK, SOFTMAX_MARK
 from .config import FP32_OPS
 
-#: The low types a typed graph computes its heavy nodes in, by engine precision.
-LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+#: The low types a typed graph computes its heavy nodes in, by engine precision (int4: weight-only, fp16 activations).
+LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "int4": TensorProto.FLOAT16}
+#: int4 weight-only (TensorRT's explicit quantization: a blocked DequantizeLinear, ONNX opset 21, feeding the
+#: MatMul; symmetric, as TensorRT's IDequantizeLayer takes no zero point for INT4): the block sizes along the input
+#: dimension K, largest first (each weight takes the largest that divides its K: SmolLM2's 576 takes 64), the values'
+#: range and the opset it needs.
+INT4_BLOCKS = (128, 64, 32, 16)
+INT4_MAX = 7
+QDQ_OPSET = 21
 #: The largest finite magnitude of each low type: a weight beyond it stays float32.
 LOW_MAX = {TensorProto.FLOAT16: 65504.0, TensorProto.BFLOAT16: 3.3895313892515355e38}
 #: Ops that compute in the low type (their float inputs are cast to it).
@@ -138,9 +146,10 @@ class _Typer:
     """One graph's rewrite (the module docstring's rules)."""
 
     def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
-                 kept: list):
+                 kept: list, int4: bool = False):
         self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
             weights_rel, kept
+        self.int4 = int4
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         g = inferred.graph
         self.floats = {v.name for v in [*g.input, *g.output, *g.value_info] if v.type.tensor_type.elem_type == TensorProto.FLOAT}
@@ -152,7 +161,7 @@ class _Typer:
         self.init_as: dict[tuple[str, int], str] = {}
         self.new_inits: list[TensorProto] = []
         self.nodes: list[onnx.NodeProto] = []
-        self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0}
+        self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0, **({"int4_weights": 0} if int4 else {})}
 
     # -- tensors in a type -------------------------------------------------------------------
 
@@ -196,6 +205,51 @@ class _Typer:
             e.key, e.value = k, v
         self.new_inits.append(t)
         return name
+
+    def _int4_weight(self, name: str, k_axis: int) -> str:
+        """The int4 weight-only form of weight ``name`` (float32 [K, N] of a MatMul, k_axis 0, or [N, K] of a Gemm with
+        transB, k_axis 1): round-to-nearest symmetric int4 in blocks of the largest of :data:`INT4_BLOCKS` dividing K, float16 scales
+        (max |w| / 7 per block), and the blocked DequantizeLinear that feeds the product in float16.
+
+        Raises:
+            TypedGraphError: no block size of :data:`INT4_BLOCKS` divides K (they are named).
+        """
+        key = (name, "int4")
+        if key in self.init_as:
+            return self.init_as[key]
+        w = np.asarray(_read_initializer(self.inits[name], self.base), dtype=np.float32)
+        k = w.shape[k_axis]
+        block = next((b for b in INT4_BLOCKS if k % b == 0), None)
+        if block is None:
+            raise TypedGraphError(f"{name}: its input dimension {k} is a multiple of no int4 block size "
+                                  f"({', '.join(map(str, INT4_BLOCKS))}): this model cannot be int4-quantized for TensorRT")
+        wk = np.moveaxis(w, k_axis, 0)  # [K, N]
+        blocks = wk.reshape(k // block, block, -1)
+        scale = (np.abs(blocks).max(axis=1) / INT4_MAX).astype(np.float16)  # [K / B, N]
+        scale = np.where(scale > 0, scale, np.float16(1))  # NvInfer.h IDequantizeLayer: scales strictly positive
+        q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), -INT4_MAX - 1, INT4_MAX)
+        q = q.astype(np.int8).reshape(wk.shape)
+        q = np.moveaxis(q, 0, k_axis)
+        scale = np.moveaxis(scale, 0, k_axis)
+        nib = (q.reshape(-1) & 0xF).astype(np.uint8)
+        if nib.size % 2:
+            nib = np.append(nib, np.uint8(0))
+        packed = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)  # ONNX INT4: the first element in the low nibble
+        offset, length = self.weights.add((name, "int4"), packed.tobytes())
+        qt = TensorProto(name=f"{name}.int4", data_type=TensorProto.INT4, dims=list(q.shape),
+                         data_location=TensorProto.EXTERNAL)
+        for kk, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
+            e = qt.external_data.add()
+            e.key, e.value = kk, v
+        self.new_inits.append(qt)
+        scale_name = self._store(f"{name}.scale", scale, TensorProto.FLOAT16, f"{name}.int4_scale")
+        out = f"{name}/dq"
+        self.nodes.append(helper.make_node("DequantizeLinear", [qt.name, scale_name], [out], name=f"{name}/dequantize",
+                                           axis=k_axis, block_size=block))
+        self.cur[out] = TensorProto.FLOAT16
+        self.counts["int4_weights"] += 1
+        self.init_as[key] = out
+        return out
 
     def _cast(self, name: str, to: int) -> str:
         key = (name, to)
@@ -261,6 +315,9 @@ class _Typer:
                 self.cur[node.output[0]] = to
                 self.nodes.append(node)
                 continue
+            if self.int4 and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in self.inits:
+                trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+                node.input[1] = self._int4_weight(node.input[1], 1 if trans_b else 0)
             for i, x in enumerate(node.input):
                 if x and x in self.floats:
                     node.input[i] = self._as(x, want)
@@ -288,7 +345,11 @@ class _Typer:
                                                    name=f"{out.name}/cast_f32", to=TensorProto.FLOAT))
                 self.counts["casts"] += 1
         new = helper.make_graph(self.nodes, g.name, list(g.input), list(g.output), initializer=self.new_inits)
-        model = helper.make_model(new, opset_imports=list(self.model.opset_import), ir_version=self.model.ir_version,
+        opsets = list(self.model.opset_import)
+        if self.int4:  # blocked DequantizeLinear: opset 21 (ONNX Operators.md); IR 10 carries INT4
+            opsets = [helper.make_opsetid(o.domain, max(o.version, QDQ_OPSET)) if o.domain in ("", "ai.onnx") else o
+                      for o in opsets]
+        model = helper.make_model(new, opset_imports=opsets, ir_version=max(self.model.ir_version, 10),
                                   producer_name="medusa-export typed graph")
         return model
 
@@ -334,7 +395,8 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str) -> T
             model = onnx.load(str(src), load_external_data=False)
             if any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer):
                 raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
-            typer = _Typer(model, src.parent, low, weights, Path(paths["weights"]).name, report.kept_fp32_weights)
+            typer = _Typer(model, src.parent, low, weights, Path(paths["weights"]).name, report.kept_fp32_weights,
+                           int4=precision == "int4")
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])
             out = folder / paths[graph]
