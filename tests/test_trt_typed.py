@@ -222,7 +222,7 @@ def test_int4_weights_are_symmetric_blocks_of_the_fp32_weights(tiny_trt_artifact
     inits = {t.name: t for t in typed.graph.initializer}
     data = (art / report.weights_file).read_bytes()
     dq = [n for n in typed.graph.node if n.op_type == "DequantizeLinear"]
-    assert dq and report.graphs["model"]["int4_weights"] == len(dq)
+    assert dq and report.graphs["model"]["int4_products"] == len(dq)
     for node in dq:
         q_t, s_t = inits[node.input[0]], inits[node.input[1]]
         attrs = {a.name: a.i for a in node.attribute}

@@ -64,8 +64,9 @@ class EnginePrecision:
 
 
 #: The engine precisions, one row each: read by the Python builder, the trtexec writer, the engine step, doctor
-#: and docs/tensorrt.md. TensorRT builds every one strongly typed: the types come from the ONNX, never from a
-#: builder precision flag (TensorRT 11 removed them; 10.12 deprecated weak typing).
+#: and docs/tensorrt.md. TensorRT builds every one strongly typed: the types come from the ONNX (int8 / fp8 / int4:
+#: explicit QuantizeLinear / DequantizeLinear), never from a builder precision flag or a calibrator (TensorRT 11
+#: removed them; 10.12 deprecated weak typing and implicit quantization).
 ENGINE_PRECISION_TABLE: dict[str, EnginePrecision] = {r.name: r for r in (
     EnginePrecision("fp16", "float16", {"float32": "typed", "float16": "artifact"},
                     min_compute_capability=(5, 3),
@@ -82,10 +83,12 @@ ENGINE_PRECISION_TABLE: dict[str, EnginePrecision] = {r.name: r for r in (
     EnginePrecision("int4", "float16 (int4 weights)", {"float32": "typed"},
                     validated="typed graph on ONNX Runtime's CPU (blocked DequantizeLinear, opset 21): Medusa == plain "
                               "greedy of the same graph (near-ties below 0.8 reported), agreement with the fp32 graphs"),
-    EnginePrecision("int8", "int8", {}, unavailable=(
-        "TensorRT 11 has no implicit int8 (no INT8 builder flag or calibrator; 10.12 deprecated them): an int8 engine "
-        "needs explicit QuantizeLinear/DequantizeLinear in the ONNX, which this version does not write yet; build "
-        "--precision fp16 or bf16 engines")),
+    EnginePrecision("int8", "int8 (W8A8)", {"float32": "typed"},
+                    validated="typed graph on ONNX Runtime's CPU: Q/DQ pairs (int8, per-channel weights, per-tensor "
+                              "activations calibrated on prompts) on every weight product; Medusa == plain greedy of "
+                              "the same graph (near-ties below 0.8 reported), agreement with the fp32 graphs"),
+    EnginePrecision("fp8", "fp8 E4M3 (W8A8)", {"float32": "typed"}, min_compute_capability=(8, 9),
+                    validated="as int8, with float8 E4M3 Q/DQ (Ada and Hopper tensor cores: compute capability 8.9+)"),
 )}
 assert set(ENGINE_PRECISIONS) == {n for n, r in ENGINE_PRECISION_TABLE.items() if not r.unavailable}, \
     "the runtime's ENGINE_PRECISIONS must list the table's buildable precisions"

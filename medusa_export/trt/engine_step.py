@@ -77,14 +77,26 @@ def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[
     from .typed import typed_paths, write_typed_graphs
     from .typed_check import validate_typed
 
+    from ..validation.validate import default_prompts
+    from .typed import W8A8
+
     graphs = plan_graphs(manifest)
+    files = {g: manifest.graphs[g].file for g in graphs}
+    prompts = read_prompts(cfg.prompts) if cfg.prompts else None
+    act_amax, calibration = None, None
+    if cfg.precision in W8A8:
+        from .ranges import activation_ranges
+
+        print(f"calibrating the {cfg.precision} activation ranges on ONNX Runtime ...", file=sys.stderr, flush=True)
+        act_amax, calibration = activation_ranges(folder, files, prompts or default_prompts())
     print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
           file=sys.stderr, flush=True)
-    report = write_typed_graphs(folder, {g: manifest.graphs[g].file for g in graphs}, cfg.precision)
+    report = write_typed_graphs(folder, files, cfg.precision, act_amax=act_amax)
     record = report.to_json()
+    if calibration:
+        record["calibration"] = calibration
     if cfg.validate:
         print("validating them on ONNX Runtime ...", file=sys.stderr, flush=True)
-        prompts = read_prompts(cfg.prompts) if cfg.prompts else None
         record["validation"] = validate_typed(folder, report, prompts=prompts)
     return typed_paths(cfg.precision, graphs), record
 

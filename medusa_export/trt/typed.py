@@ -52,7 +52,12 @@ from ..export.graph import RMSNORM_MARK, SOFTMAX_MARK
 from .config import FP32_OPS
 
 #: The low types a typed graph computes its heavy nodes in, by engine precision (int4: weight-only, fp16 activations).
-LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "int4": TensorProto.FLOAT16}
+LOW_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16, "int4": TensorProto.FLOAT16,
+             "int8": TensorProto.FLOAT16, "fp8": TensorProto.FLOAT16}
+#: W8A8 (TensorRT's explicit quantization, NvInfer.h IQuantizeLayer / IDequantizeLayer): the quantized type and its
+#: largest magnitude. Weights per output channel, activations per tensor from calibrated ranges, symmetric (zero
+#: points of zeros), Q/DQ pairs on both inputs of every weight product (TensorRT's placement for a quantized GEMM).
+W8A8 = {"int8": (TensorProto.INT8, 127.0), "fp8": (TensorProto.FLOAT8E4M3FN, 448.0)}
 #: int4 weight-only (TensorRT's explicit quantization: a blocked DequantizeLinear, ONNX opset 21, feeding the
 #: MatMul; symmetric, as TensorRT's IDequantizeLayer takes no zero point for INT4): the block sizes along the input
 #: dimension K, largest first (each weight takes the largest that divides its K: SmolLM2's 576 takes 64), the values'
@@ -146,10 +151,10 @@ class _Typer:
     """One graph's rewrite (the module docstring's rules)."""
 
     def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
-                 kept: list, int4: bool = False):
+                 kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None):
         self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
             weights_rel, kept
-        self.int4 = int4
+        self.quant, self.act_amax = quant, act_amax or {}
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         g = inferred.graph
         self.floats = {v.name for v in [*g.input, *g.output, *g.value_info] if v.type.tensor_type.elem_type == TensorProto.FLOAT}
@@ -161,7 +166,7 @@ class _Typer:
         self.init_as: dict[tuple[str, int], str] = {}
         self.new_inits: list[TensorProto] = []
         self.nodes: list[onnx.NodeProto] = []
-        self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0, **({"int4_weights": 0} if int4 else {})}
+        self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0, **({f"{quant}_products": 0} if quant else {})}
 
     # -- tensors in a type -------------------------------------------------------------------
 
@@ -247,8 +252,77 @@ class _Typer:
         self.nodes.append(helper.make_node("DequantizeLinear", [qt.name, scale_name], [out], name=f"{name}/dequantize",
                                            axis=k_axis, block_size=block))
         self.cur[out] = TensorProto.FLOAT16
-        self.counts["int4_weights"] += 1
         self.init_as[key] = out
+        return out
+
+    def _external(self, name: str, dtype: int, dims, data: bytes) -> TensorProto:
+        offset, length = self.weights.add((name, dtype), data)
+        t = TensorProto(name=name, data_type=dtype, dims=list(dims), data_location=TensorProto.EXTERNAL)
+        for kk, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = kk, v
+        self.new_inits.append(t)
+        return t
+
+    def _w8_weight(self, name: str, k_axis: int) -> str:
+        """The W8A8 weight of ``name`` (MatMul [K, N], k_axis 0; Gemm with transB [N, K], k_axis 1): per output channel
+        scales max|w| / qmax (float16, strictly positive), int8 round-to-nearest or float8 E4M3 round-to-nearest-even
+        (ml_dtypes), and its DequantizeLinear (axis = the output channel)."""
+        key = (name, self.quant)
+        if key in self.init_as:
+            return self.init_as[key]
+        qtype, qmax = W8A8[self.quant]
+        w = np.asarray(_read_initializer(self.inits[name], self.base), dtype=np.float32)
+        scale = (np.abs(w).max(axis=k_axis) / qmax).astype(np.float16)
+        scale = np.where(scale > 0, scale, np.float16(1))
+        ratio = w / np.expand_dims(scale.astype(np.float32), k_axis)
+        if qtype == TensorProto.INT8:
+            data = np.clip(np.rint(ratio), -qmax, qmax).astype(np.int8).tobytes()
+        else:
+            import ml_dtypes
+
+            data = np.clip(ratio, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).tobytes()
+        q = self._external(f"{name}.{self.quant}", qtype, w.shape, data)
+        s = self._store(f"{name}.wscale", scale, TensorProto.FLOAT16, f"{name}.{self.quant}_scale")
+        zp = self._zero(qtype, list(scale.shape))
+        out = f"{name}/dq"
+        self.nodes.append(helper.make_node("DequantizeLinear", [q.name, s, zp], [out], name=f"{name}/dequantize",
+                                           axis=1 - k_axis))
+        self.cur[out] = TensorProto.FLOAT16
+        self.init_as[key] = out
+        return out
+
+    def _zero(self, qtype: int, dims: list[int]) -> str:
+        name = f"zero_point.{_short_q(qtype)}.{'x'.join(map(str, dims)) or 'scalar'}"
+        if name not in {t.name for t in self.new_inits}:
+            n = int(np.prod(dims)) if dims else 1
+            self.new_inits.append(helper.make_tensor(name, qtype, dims, bytes(n), raw=True))
+        return name
+
+    def _w8_activation(self, x_low: str, source: str, node_name: str) -> str:
+        """A Q/DQ pair on an activation (float16) with the per-tensor scale of its calibrated range (max |x| over the
+        calibration run / qmax).
+
+        Raises:
+            TypedGraphError: no calibrated range for the activation (the calibration did not reach it).
+        """
+        key = (x_low, self.quant)
+        if key in self.casts:
+            return self.casts[key]
+        if source not in self.act_amax:
+            raise TypedGraphError(f"{node_name}: no calibrated range for its input {source}; calibrate on prompts that "
+                                  f"run the whole step graph")
+        qtype, qmax = W8A8[self.quant]
+        amax = float(self.act_amax[source])
+        scale = np.array(amax / qmax if amax > 0 else 1.0, dtype=np.float16)
+        s = f"{source}/ascale"
+        self.new_inits.append(numpy_helper.from_array(scale, s))
+        zp = self._zero(qtype, [])
+        q, out = f"{source}/q", f"{source}/qdq"
+        self.nodes += [helper.make_node("QuantizeLinear", [x_low, s, zp], [q], name=f"{source}/quantize"),
+                       helper.make_node("DequantizeLinear", [q, s, zp], [out], name=f"{source}/dequantize")]
+        self.cur[out] = TensorProto.FLOAT16
+        self.casts[key] = out
         return out
 
     def _cast(self, name: str, to: int) -> str:
@@ -315,14 +389,20 @@ class _Typer:
                 self.cur[node.output[0]] = to
                 self.nodes.append(node)
                 continue
-            if self.int4 and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in self.inits:
-                trans_b = any(a.name == "transB" and a.i for a in node.attribute)
-                node.input[1] = self._int4_weight(node.input[1], 1 if trans_b else 0)
+            quantized = self.quant and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 \
+                and node.input[1] in self.inits
+            if quantized:
+                k_axis = 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
+                node.input[1] = (self._int4_weight if self.quant == "int4" else self._w8_weight)(node.input[1], k_axis)
+                self.counts[f"{self.quant}_products"] += 1
+            source = node.input[0]
             for i, x in enumerate(node.input):
                 if x and x in self.floats:
                     node.input[i] = self._as(x, want)
                 elif x and x in self.inits:
                     node.input[i] = self._initializer(x, self.inits[x].data_type)  # an integer constant
+            if quantized and self.quant in W8A8:
+                node.input[0] = self._w8_activation(node.input[0], source, node.name)
             refs = self._outer_refs(node)
             renames = {x: self._as(x, TensorProto.FLOAT) if x in self.floats else
                        self._initializer(x, self.inits[x].data_type) for x in refs if x in self.floats or x in self.inits}
@@ -346,12 +426,16 @@ class _Typer:
                 self.counts["casts"] += 1
         new = helper.make_graph(self.nodes, g.name, list(g.input), list(g.output), initializer=self.new_inits)
         opsets = list(self.model.opset_import)
-        if self.int4:  # blocked DequantizeLinear: opset 21 (ONNX Operators.md); IR 10 carries INT4
+        if self.quant:  # blocked DequantizeLinear, float8 / int4 types: opset 21 (ONNX Operators.md); IR 10
             opsets = [helper.make_opsetid(o.domain, max(o.version, QDQ_OPSET)) if o.domain in ("", "ai.onnx") else o
                       for o in opsets]
         model = helper.make_model(new, opset_imports=opsets, ir_version=max(self.model.ir_version, 10),
                                   producer_name="medusa-export typed graph")
         return model
+
+
+def _short_q(t: int) -> str:
+    return {TensorProto.INT8: "i8", TensorProto.FLOAT8E4M3FN: "f8"}[t]
 
 
 def _short(t: int) -> str:
@@ -366,13 +450,16 @@ def typed_paths(precision: str, graphs: list[str]) -> dict[str, str]:
     return out
 
 
-def write_typed_graphs(folder: Path, files: dict[str, str], precision: str) -> TypedReport:
+def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
+                       act_amax: dict[str, dict[str, float]] | None = None) -> TypedReport:
     """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules).
 
     Args:
         folder: the artifact.
         files: graph name -> artifact-relative ONNX file (the model graph, the heads graph or level graphs).
         precision: a key of :data:`LOW_TYPES`.
+        act_amax: W8A8 (int8, fp8) only: per graph, the calibrated max |x| of each weight product's activation input
+            (:func:`~.calibrate.activation_ranges`).
 
     Returns:
         The :class:`TypedReport`; the files are :func:`typed_paths`. Each is written beside its final name and renamed
@@ -395,8 +482,9 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str) -> T
             model = onnx.load(str(src), load_external_data=False)
             if any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer):
                 raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
+            quant = precision if precision in ("int4", *W8A8) else None
             typer = _Typer(model, src.parent, low, weights, Path(paths["weights"]).name, report.kept_fp32_weights,
-                           int4=precision == "int4")
+                           quant=quant, act_amax=(act_amax or {}).get(graph))
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])
             out = folder / paths[graph]

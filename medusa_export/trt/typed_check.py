@@ -40,14 +40,16 @@ CHECKED_ON = {
     "bf16": "ONNX Runtime CPU, the typed bfloat16 graph with its bfloat16 rounding points computed in float32 "
             "(no bfloat16 MatMul there)",
     "int4": "ONNX Runtime CPU, the typed graph itself (int4 blocked DequantizeLinear feeding float16 MatMuls)",
+    "int8": "ONNX Runtime CPU, the typed graph itself (int8 Q/DQ on both inputs of every weight product)",
+    "fp8": "ONNX Runtime CPU, the typed graph itself (float8 E4M3 Q/DQ on both inputs of every weight product)",
 }
 
 
 #: The top-2 log-prob margin below which a Medusa-vs-plain divergence of a typed graph is a near-tie. fp16: the fp16
 #: artifact's validation margin (``PRECISION_TABLE``); bf16: 8x it, as bfloat16's unit roundoff (2^-8) is 8x
-#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4 weight-only: bf16's, provisionally
-#: (its rounding is in the weights, |error| up to max|w| / 14 per block; no near-tie has been measured yet).
-NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, "int4": 0.8}
+#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: bf16's, provisionally
+#: (their rounding is in the weights and, W8A8, the activations; not derived from a measured distribution yet).
+NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, "int4": 0.8, "int8": 0.8, "fp8": 0.8}
 
 
 def _margin(engine, prompt: list[int], tokens: list[int]) -> float:

@@ -166,7 +166,7 @@ def plan_files(manifest: Manifest | dict, precision: str) -> dict[str, str]:
 #: The plans' precision when none is asked for and the manifest records no built plans.
 #: The precisions ``medusa-export engine --precision`` builds plans in (``engines/*.PRECISION.plan``); the one
 #: table the exporter's options and the runtime's ``--engine-precision`` both read.
-ENGINE_PRECISIONS = ("fp16", "bf16", "int4", "fp32")
+ENGINE_PRECISIONS = ("fp16", "bf16", "fp32", "int4", "int8", "fp8")
 DEFAULT_PRECISION = "fp16"
 
 
