@@ -208,7 +208,8 @@ def test_the_checks_report_each_kind_of_disagreement(real_api):
     """The comparisons fail where they should, on a copy of the real 11.x API (clean against itself) with six
     disagreements put in: a renamed parameter, a wrong enum value, an enum member, class and method the real API
     lacks, a writable read-only property; and a project that writes a removed attribute (``ILayer.precision`` under
-    11), constructs a class TensorRT makes itself, or probes a name the emulation hides."""
+    11), constructs a class TensorRT makes itself, passes a keyword the real method does not take, or probes a name
+    the emulation hides."""
     real = real_api(11)
     emu = copy.deepcopy(real)
     assert compare_api(emu, real) == []
@@ -229,9 +230,13 @@ def test_the_checks_report_each_kind_of_disagreement(real_api):
     assert len(problems) == 6, problems
     problems = compare_accesses([("ILayer", "precision", "set"), ("ICudaEngine", "__init__", "call"),
                                  ("IExecutionContext", "set_device_memory", "missing"),
-                                 ("ILayer", "name", "set"), ("module", "Builder", "get")], real)
+                                 ("ILayer", "name", "set"), ("module", "Builder", "get"),
+                                 ("IExecutionContext", "set_tensor_address", "keyword ptr"),
+                                 ("IExecutionContext", "set_tensor_address", "keyword memory"),
+                                 ("Logger", "__init__", "keyword min_severity")], real)
     assert problems == [
         "ICudaEngine(): the project constructs it; the real class has no Python constructor",
         "IExecutionContext.set_device_memory: the project probed it and the emulation lacks it, the real bindings "
         "have it",
+        "IExecutionContext.set_tensor_address: the project passes ptr=, the real signatures are (name, memory)",
         "ILayer.precision: the project sets it; not in the real bindings"], problems

@@ -184,7 +184,8 @@ def _from_project(frame) -> bool:
 def install_recorder(module) -> set:
     """Record, from now on, every public name the project's code reads (``get``), writes (``set``), calls as a
     constructor (``call``) or looks up in vain (``missing``: a ``hasattr`` probe) on ``module``, on its classes and
-    on their instances. Accesses made by the module's own code are not recorded.
+    on their instances, and each keyword it passes to a method or constructor (``keyword NAME``). Accesses made by
+    the module's own code are not recorded.
 
     Each public class is replaced, in the module, by a same-named subclass with a recording metaclass and
     ``__getattribute__`` / ``__setattr__`` (so the module's own code creates recorded instances too); enums get a
@@ -215,7 +216,8 @@ def install_recorder(module) -> set:
 
             def __call__(cls, *args, **kwargs):
                 if not issubclass(meta, enum.EnumMeta):
-                    note(sys._getframe(1), owner, "__init__", "call")
+                    for how in ("call", *(f"keyword {k}" for k in kwargs)):
+                        note(sys._getframe(1), owner, "__init__", how)
                 return meta.__call__(cls, *args, **kwargs)
 
         return Meta
@@ -230,7 +232,15 @@ def install_recorder(module) -> set:
             except AttributeError:
                 note(sys._getframe(1), owner, name, "missing")
                 raise
-            note(sys._getframe(1), owner, name, "get")
+            frame = sys._getframe(1)
+            note(frame, owner, name, "get")
+            if isinstance(value, types.MethodType) and _from_project(frame):
+                def keywords(*args, **kwargs):
+                    for k in kwargs:
+                        note(sys._getframe(1), owner, name, f"keyword {k}")
+                    return value(*args, **kwargs)
+
+                return keywords
             return value
 
         def __setattr__(self, name, value):
@@ -340,8 +350,9 @@ def compare_accesses(accesses: list, real: dict) -> list[str]:
     """The recorded names the real API lacks (check (b)).
 
     ``get``: the name exists (module name, class attribute or enum member); ``set``: a writable property;
-    ``call``: the class has a Python constructor; ``missing`` (the emulation lacked a name the project probed): the
-    real bindings lack it too, else the project takes another path on the emulation than on TensorRT.
+    ``call``: the class has a Python constructor; ``keyword K``: a signature of the real method (constructor) has a
+    parameter K; ``missing`` (the emulation lacked a name the project probed): the real bindings lack it too, else
+    the project takes another path on the emulation than on TensorRT.
 
     Args:
         accesses: (owner, name, how) triples of :func:`install_recorder`.
@@ -367,6 +378,10 @@ def compare_accesses(accesses: list, real: dict) -> list[str]:
                 problems.append(f"{where}: the project writes it; the real bindings have no writable property")
             if how == "call" and rc["constructor"] is None:
                 problems.append(f"{owner}(): the project constructs it; the real class has no Python constructor")
+            if how.startswith("keyword "):
+                sigs = (rc["constructor"] if name == "__init__" else attr.get("sigs")) or []
+                if not any(how[8:] in [p for p, _ in sig] for sig in sigs):
+                    problems.append(f"{where}: the project passes {how[8:]}=, the real signatures are {_fmt(sigs)}")
         if how == "missing" and found:
             problems.append(f"{where}: the project probed it and the emulation lacks it, the real bindings have it")
         elif how != "missing" and not found:
