@@ -66,8 +66,9 @@ STUB_LIBRARIES = ("libnvinfer.so.{n}", "libnvonnxparser.so.{n}", "libnvinfer_plu
 
 
 def _wheel(dist: str, version: str, cache: Path) -> Path:
-    """The release's wheel: from ``$MEDUSA_TRT_BINDINGS_WHEELS``, the cache, or ``pip download --no-deps``."""
-    pattern = f"{dist.replace('-', '_')}-{version}-*.whl"
+    """The release's wheel for this Python: from ``$MEDUSA_TRT_BINDINGS_WHEELS``, the cache, or ``pip download
+    --no-deps`` (into the cache)."""
+    pattern = f"{dist.replace('-', '_')}-{version}-cp{sys.version_info.major}{sys.version_info.minor}-*.whl"
     for folder in (os.environ.get(WHEELS_ENV), cache):
         if folder and sorted(Path(folder).glob(pattern)):
             return sorted(Path(folder).glob(pattern))[0]

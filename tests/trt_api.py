@@ -34,8 +34,15 @@ _BUILTIN_MODULES = ("builtins", "enum", "pybind11_builtins")
 
 
 def is_private(name: str) -> bool:
-    """Emulator-only or private names, left out of the comparison: ``_x``, ``emulator_*``, ``EMULATED``,
-    ``PLAN_MAGIC`` (the emulated plan's header line)."""
+    """Whether ``name`` is emulator-only or private, left out of the comparison: ``_x``, ``emulator_*``,
+    ``EMULATED``, ``PLAN_MAGIC`` (the emulated plan's header line).
+
+    Args:
+        name: a module or class attribute name.
+
+    Returns:
+        True for those names.
+    """
     return name.startswith("_") or name.startswith("emulator_") or name in ("EMULATED", "PLAN_MAGIC")
 
 
@@ -61,9 +68,16 @@ def _split_params(text: str) -> list[str]:
 
 
 def pybind_signatures(doc: str | None, name: str) -> list[list]:
-    """The signatures in a pybind docstring: one per ``name(...) -> ...`` line (overloads numbered ``1. ...``),
-    each a list of [parameter, has_default] without ``self``; the ``(*args, **kwargs)`` header of an overloaded
-    function is dropped."""
+    """The signatures in a pybind docstring: one per ``name(...) -> ...`` line (overloads numbered ``1. ...``).
+
+    Args:
+        doc: the docstring (None: no signature).
+        name: the function's name as the signature lines spell it.
+
+    Returns:
+        One list of [parameter, has_default] per signature, without ``self``; the ``(*args, **kwargs)`` header line
+        of an overloaded function is dropped.
+    """
     sigs = []
     for line in (doc or "").splitlines():
         m = re.match(rf"^(?:\d+\. )?{re.escape(name)}\((.*)\)\s*(?:->.*)?$", line.strip())
@@ -437,7 +451,12 @@ def _probe_objects(trt, folder: Path) -> dict:
 
 def add_instance_attributes(api: dict, objects: dict) -> None:
     """Add to ``api`` the public attributes that ``objects`` hold in an instance ``__dict__`` (a class without
-    ``__slots__`` offers them, and a class-level dump cannot see them), as writable properties of their classes."""
+    ``__slots__`` offers them, and a class-level dump cannot see them), as writable properties of their classes.
+
+    Args:
+        api: :func:`dump_api` of the module the objects come from (changed in place).
+        objects: instances of its classes.
+    """
     for obj in objects.values():
         attrs = api["classes"][type(obj).__name__]["attrs"]
         for name in getattr(obj, "__dict__", {}):
