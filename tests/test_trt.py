@@ -374,8 +374,8 @@ def test_engine_without_tensorrt_writes_matching_commands(art, capsys):
 
 def test_trtexec_lines_build_from_the_graph_that_carries_the_precision(tiny_trt_artifact):
     """An fp16 artifact's fp16 plans build from its own graph; an fp32 artifact's from the typed graph beside the plans;
-    fp32 plans clear TF32 (--noTF32); no line carries a precision flag; int8 (implicit calibration, gone in
-    TensorRT 11) is refused with the reason."""
+    fp32 plans clear TF32 (--noTF32); no line carries a precision flag; int8 builds from its Q/DQ typed graph (implicit
+    calibration is gone in TensorRT 11)."""
     from medusa_runtime.errors import MedusaError
 
     m = _manifest(tiny_trt_artifact)
@@ -387,8 +387,7 @@ def test_trtexec_lines_build_from_the_graph_that_carries_the_precision(tiny_trt_
     fp32 = trtexec_args(m, "model", "fp32", workspace_mib=2048)
     assert fp32[0] == "--onnx=model.onnx" and {"--noTF32", "--stronglyTyped", "--memPoolSize=workspace:2048M"} <= set(fp32)
     assert "--noTF32" not in args
-    with pytest.raises(MedusaError, match="no implicit int8"):
-        trtexec_args(m, "model", "int8")
+    assert trtexec_args(m, "model", "int8")[0] == "--onnx=engines/model.int8.onnx"  # explicit Q/DQ: a typed graph
     with pytest.raises(MedusaError, match="built from a float32 artifact, this one is float16"):
         trtexec_args(m16, "model", "bf16")
 
@@ -411,7 +410,7 @@ def test_build_script_runs_with_a_stub_trtexec(art, tmp_path):
     assert r.returncode == 3 and "medusa-export engine --artifact . --precision bf16" in r.stderr
     r = run("fp16", exe="/nonexistent/trtexec")
     assert r.returncode == 3 and "not found" in r.stderr
-    assert run("int8").returncode == 2  # not a precision this artifact builds: the usage line
+    assert run("fp4").returncode == 2  # not a precision this artifact builds: the usage line
 
 
 def test_build_engine_flag_runs_the_engine_step_without_tensorrt(art, monkeypatch):
@@ -490,15 +489,15 @@ def test_doctor_with_tensorrt():
     report = run_doctor().to_json()
     gpus = len(report["devices"]) - 1
     assert "tensorrt (emulated)" not in report["backends"]
-    assert report["backends"]["tensorrt"] == (["fp16", "bf16", "int4", "fp32"] if gpus else [])
+    assert report["backends"]["tensorrt"] == (["fp16", "bf16", "fp32", "int4", "int8", "fp8"] if gpus else [])
     assert report["runtime"]["tensorrt"]["here"] == ("available" if gpus else "unavailable here (no CUDA device)")
 
 
 def test_engine_config_rejects_bad_options():
     from medusa_runtime.errors import MedusaError
 
-    with pytest.raises(MedusaError, match="fp16, bf16, fp32, int4, int8"):
-        EngineConfig(precision="fp8")
+    with pytest.raises(MedusaError, match="fp16, bf16, fp32, int4, int8, fp8"):
+        EngineConfig(precision="fp4")
     with pytest.raises(MedusaError, match="workspace"):
         EngineConfig(workspace_mib=0)
 

@@ -72,7 +72,7 @@ def _ort_tokens_of_typed_graph(art_dir: Path, precision: str) -> list[int]:
 
 
 @pytest.mark.parametrize("version", MAJORS)
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4", "int8", "fp8"])
 def test_typed_engine_builds_and_generates_under_both_majors(tiny_trt_artifact, tmp_path, version, precision):
     """`engine --precision fp16|bf16` of the fp32 artifact: a validated typed graph beside the plans, plans built
     strongly typed with no builder precision flag (TF32 left as TensorRT's default for typed plans), recorded as
@@ -81,7 +81,8 @@ def test_typed_engine_builds_and_generates_under_both_majors(tiny_trt_artifact, 
     art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
     r = _run(version, "-m", "medusa_export.cli.main", "engine", "--artifact", str(art), "--precision", precision)
     assert r.returncode == 0, r.stderr[-3000:]
-    computes = {"fp16": "float16", "bf16": "bfloat16", "int4": "float16 (int4 weights)"}[precision]
+    computes = {"fp16": "float16", "bf16": "bfloat16", "int4": "float16 (int4 weights)", "int8": "int8 (W8A8)",
+                "fp8": "fp8 E4M3 (W8A8)"}[precision]
     assert f"TensorRT {version}" in r.stdout and f"computing in {computes}" in r.stdout
     rec = json.loads((art / "manifest.json").read_text())["engines"][precision]
     assert rec["typed_graph"]["validation"]["passed"] and rec["typed_graphs"]["model"] == f"engines/model.{precision}.onnx"
