@@ -203,13 +203,7 @@ class _Typer:
             return name
         data = np.ascontiguousarray(arr).view(np.uint8).tobytes() if dtype == TensorProto.BFLOAT16 else \
             np.ascontiguousarray(arr).tobytes()
-        offset, length = self.weights.add((src, dtype), data)
-        t = TensorProto(name=name, data_type=dtype, dims=list(arr.shape), data_location=TensorProto.EXTERNAL)
-        for k, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
-        self.new_inits.append(t)
-        return name
+        return self._external(name, dtype, arr.shape, data, key=(src, dtype)).name
 
     def _int4_weight(self, name: str, k_axis: int) -> str:
         """The int4 weight-only form of weight ``name`` (float32 [K, N] of a MatMul, k_axis 0, or [N, K] of a Gemm with
@@ -240,13 +234,7 @@ class _Typer:
         if nib.size % 2:
             nib = np.append(nib, np.uint8(0))
         packed = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)  # ONNX INT4: the first element in the low nibble
-        offset, length = self.weights.add((name, "int4"), packed.tobytes())
-        qt = TensorProto(name=f"{name}.int4", data_type=TensorProto.INT4, dims=list(q.shape),
-                         data_location=TensorProto.EXTERNAL)
-        for kk, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
-            e = qt.external_data.add()
-            e.key, e.value = kk, v
-        self.new_inits.append(qt)
+        qt = self._external(f"{name}.int4", TensorProto.INT4, q.shape, packed.tobytes())
         scale_name = self._store(f"{name}.scale", scale, TensorProto.FLOAT16, f"{name}.int4_scale")
         out = f"{name}/dq"
         self.nodes.append(helper.make_node("DequantizeLinear", [qt.name, scale_name], [out], name=f"{name}/dequantize",
@@ -255,8 +243,9 @@ class _Typer:
         self.init_as[key] = out
         return out
 
-    def _external(self, name: str, dtype: int, dims, data: bytes) -> TensorProto:
-        offset, length = self.weights.add((name, dtype), data)
+    def _external(self, name: str, dtype: int, dims, data: bytes, key: tuple | None = None) -> TensorProto:
+        """An initializer of ``data`` appended to the typed weights file (once per ``key``, default its name and type)."""
+        offset, length = self.weights.add(key or (name, dtype), data)
         t = TensorProto(name=name, data_type=dtype, dims=list(dims), data_location=TensorProto.EXTERNAL)
         for kk, v in (("location", self.weights_rel), ("offset", str(offset)), ("length", str(length))):
             e = t.external_data.add()
