@@ -9,8 +9,10 @@ commands (``generate --artifact``, ``chat``) import neither torch, transformers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from medusa_runtime.front.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
@@ -566,6 +568,25 @@ _COMMANDS = {
 }
 
 
+@contextlib.contextmanager
+def notes_as_lines():
+    """While it is open, a :class:`~medusa_export.errors.NoteWarning` prints as the command's other notes do: one
+    ``[note: ...]`` line on stderr, without Python's category and source line; other warnings print as before."""
+    from ..errors import NoteWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, NoteWarning):
+                print(f"[note: {message}]", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``medusa-export`` on ``argv`` (default: the process's); returns the exit code.
 
@@ -573,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and argv[0] in _COMMANDS else None
-    return run_command(build_parser(command).parse_args(argv), PROG)
+    with notes_as_lines():
+        return run_command(build_parser(command).parse_args(argv), PROG)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import HeadsFormatError, MedusaError
+from ..errors import HeadsFormatError, MedusaError, NoteWarning
 from ..model.heads import HEAD_TYPES, HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
 from ..model.hydra_heads import HydraHeads
 from . import fp8, hf_folder
@@ -252,7 +252,8 @@ def stated_heads_config(
         counts_from: None when they come from our own ``heads.json`` (a disagreement is an error);
             else the third-party file they come from (e.g. ``config.json``), whose counts are known
             to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads for its 5):
-            the weights' counts are used and a disagreement is a warning.
+            the weights' counts are used and a disagreement is a :class:`~medusa_export.errors.NoteWarning`
+            (``medusa-export`` prints it as a ``[note: ...]`` line).
 
     Raises:
         HeadsFormatError: see :func:`infer_heads_config`.
@@ -264,7 +265,7 @@ def stated_heads_config(
     for what, (said, held) in stated.items():
         if not strict and said is not None and said != held:
             warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
-                          "used", stacklevel=3)
+                          "used", NoteWarning, stacklevel=3)
     return cfg
 
 
