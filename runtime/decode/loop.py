@@ -213,6 +213,17 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None) -> np.nd
     return np.asarray(ids, dtype=np.int64)
 
 
+def check_prompt_fits(prompt_tokens: int, capacity: int, used: int = 0) -> None:
+    """A prompt of ``prompt_tokens`` must fit the ``capacity - used`` slots a cache has free.
+
+    Raises:
+        ContextOverflowError: it does not (the message gives the prompt's tokens, the free slots and the context).
+    """
+    if used + prompt_tokens > capacity:
+        raise ContextOverflowError(f"the prompt has {prompt_tokens} tokens but only {capacity - used} of the "
+                                   f"{capacity}-token context are free")
+
+
 def check_request(engine: Engine, prompt_ids: Sequence[int], tree: StepTree,
                   max_new_tokens: int) -> np.ndarray:
     """The prompt as int64 [n] after checking a generation's settings against the engine.
@@ -265,11 +276,7 @@ class Decoding:
                  on_tokens: Callable[[list[int]], bool | int | None] | None = None):
         self.sampling = sampling if sampling is not None else SamplingConfig()
         self.prompt = check_request(engine, prompt_ids, tree, max_new_tokens)
-        if cache.length + self.prompt.size > cache.capacity:
-            raise ContextOverflowError(
-                f"the prompt has {self.prompt.size} tokens but only {cache.capacity - cache.length} of the "
-                f"{cache.capacity}-token context are free"
-            )
+        check_prompt_fits(int(self.prompt.size), cache.capacity, cache.length)
         self.engine, self.tree, self.cache = engine, tree, cache
         self.max_new_tokens, self.eos_token_ids, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
         self.route = engine_sampling_route(engine, self.sampling) if engine.capabilities.step_topk else None

@@ -107,8 +107,11 @@ def check_threads(threads: int | None, err: TextIO | None = None) -> int | None:
     return threads
 
 
-def _session(args):
-    from .session import MedusaSession
+def _session(args, prompts=None):
+    """The session ``args`` ask for; ``prompts`` (generate's) are checked to fit the context first, before the engine
+    is made and the tree timed (:func:`~.session.check_prompts_fit`)."""
+    from ..contract.artifact import load_artifact
+    from .session import MedusaSession, check_prompts_fit
 
     check_threads(args.threads)
 
@@ -122,8 +125,13 @@ def _session(args):
             raise InvalidSettingError(f"--engine-precision picks TensorRT plans: use it with --backend tensorrt "
                                       f"(got --backend {args.backend})")
         device["precision"] = precision
-    session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
-                            max_context=getattr(args, "max_context", None), tree=tree, **device)
+    artifact = load_artifact(args.artifact)
+    max_context = getattr(args, "max_context", None)
+    if prompts is not None:
+        check_prompts_fit(artifact, prompts, raw=getattr(args, "raw", False), max_context=max_context,
+                          batched=getattr(args, "prompt_file", None) is not None)
+    session = MedusaSession(artifact, backend=args.backend, threads=args.threads, max_context=max_context, tree=tree,
+                            **device)
     if session.tree_resolution.timed_now:
         print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
         print(f"{session.tree_source.split(',')[0]} chose {session.tree.size} nodes (* above: most expected tokens/s)",
@@ -218,7 +226,7 @@ def run_generate_batch(args, out: TextIO, err: TextIO) -> int:
         raise InvalidSettingError(f"--batch-size must be >= 1, got {batch}")
     records = read_prompt_file(args.prompt_file)
     base = sampling_from_args(args)
-    session = _session(args)
+    session = _session(args, [r.prompt for r in records])
     try:
         samplings = [session.sampling(base, seed=r.seed) for r in records]  # before any work
         budgets = [args.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records]
@@ -265,7 +273,7 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
         return run_generate_batch(args, out, err)
     if getattr(args, "batch_size", None) is not None:
         raise InvalidSettingError("--batch-size needs --prompt-file (a single --prompt runs alone)")
-    session = _session(args)
+    session = _session(args, [args.prompt])
     try:
         if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
             print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "
