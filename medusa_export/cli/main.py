@@ -132,6 +132,8 @@ def cmd_build(args) -> int:
                                heads=args.heads, trust_remote_code=args.trust_remote_code,
                                prompt_file=args.prompt_file), cfg)
     _print_summary(built.path, time.perf_counter() - t0, built.lm, opening=built.opening)
+    if built.replaced:
+        print(f"  replaced (--force): {built.replaced}")
     print_machine_tree(built.path)
     return after_build(args, built.path)
 
