@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from medusa_runtime.front.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
-                                check_threads, check_utf8, run_command, sampling_from_args)
+                                check_threads, check_utf8, nothing_asked, run_command, sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file
@@ -102,7 +102,10 @@ def cmd_generate(args) -> int:
                           sampling=sampling, on_tokens=streamer.put, sampler=True)  # any top-k / top-p
     streamer.end()
     dt = time.perf_counter() - t1
-    print(f"\n[{len(res.tokens)} tokens in {res.steps + 1} forward passes (prefill + {res.steps} tree steps); "
+    if not res.forward_passes:
+        print(f"\n{nothing_asked(res.finish_reason)}", file=sys.stderr)
+        return 0
+    print(f"\n[{len(res.tokens)} tokens in {res.forward_passes} forward passes (prefill + {res.steps} tree steps); "
           f"mean accepted tokens per step: {res.mean_accepted:.2f}; {len(res.tokens) / dt:.1f} tokens/s "
           f"(PyTorch reference, {sampling.describe()}); finish: {res.finish_reason}]", file=sys.stderr)
     if lm.heads_are_initial:

@@ -109,6 +109,7 @@ class GenerationResult:
         prompt_tokens: prompt length.
         engine_seconds / host_seconds: wall time in engine calls / in the loop's own work.
         prefill_seconds: wall time of the prefill call.
+        prefilled: the prefill call ran (False only when there was nothing to generate: ``max_new_tokens`` 0).
     """
 
     tokens: list[int]
@@ -119,11 +120,17 @@ class GenerationResult:
     engine_seconds: float = 0.0
     host_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefilled: bool = False
 
     @property
     def steps(self) -> int:
         """Tree steps run after the prefill."""
         return len(self.step_tokens)
+
+    @property
+    def forward_passes(self) -> int:
+        """Step-graph calls that ran: the prefill (when it ran) and the tree steps."""
+        return int(self.prefilled) + self.steps
 
     @property
     def mean_accepted(self) -> float:
@@ -389,6 +396,7 @@ class Decoding:
             if self.route is None:  # the engine does not say its k: the prefill's outputs do
                 self.route = engine_sampling_route(self.engine, self.sampling, step_topk=out.topk_ids.shape[-1])
             self.cache.keep(out.new_kv, np.arange(n), tokens)
+            self.result.prefilled = True
             self._root = int(self._draw(out, [n - 1], [0])[0])
             self._emit([self._root])
             last = n - 1

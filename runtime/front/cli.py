@@ -35,7 +35,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     from .session import DEFAULT_MAX_NEW_TOKENS
 
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"maximum new tokens, >= 0 (default: {DEFAULT_MAX_NEW_TOKENS})")
+                   help=f"maximum new tokens, >= 0 (0: none, and no forward pass runs) "
+                        f"(default: {DEFAULT_MAX_NEW_TOKENS})")
     for setting in SAMPLING_SETTINGS:
         p.add_argument(setting.option, type=_CLI_TYPES[setting.dtype], choices=setting.choices,
                        default=setting.default, help=setting.help)
@@ -178,6 +179,12 @@ def _gen_kwargs(args, session) -> dict:
                 stop=args.stop, vanilla=args.vanilla)
 
 
+def nothing_asked(finish_reason: str) -> str:
+    """The summary of a reply of ``--max-new-tokens 0``: the loop runs no forward pass for it (not even the prefill,
+    whose only use is the first new token), so there are no timings to report."""
+    return f"[0 tokens: --max-new-tokens 0 asks for none, so no forward pass ran; finish: {finish_reason}]"
+
+
 def summary(c, mode: str) -> str:
     """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason.
 
@@ -186,11 +193,13 @@ def summary(c, mode: str) -> str:
     tokens.
     """
     r = c.result
+    if not r.forward_passes:
+        return nothing_asked(c.finish_reason)
     host = r.host_seconds / c.seconds if c.seconds else 0.0
     reused = (f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn"
               if c.reused_tokens else "")
     uncounted = " (the stop token or string not counted)" if c.finish_reason == "stop" else ""
-    return (f"[{len(c.token_ids)} tokens in {r.steps + 1} forward passes (prefill + {r.steps} steps); "
+    return (f"[{len(c.token_ids)} tokens in {r.forward_passes} forward passes (prefill + {r.steps} steps); "
             f"{c.tokens_per_step:.2f} tokens/step{uncounted}; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
             f"{100 * host:.1f}%); finish: {c.finish_reason}{reused}]")
 
