@@ -648,7 +648,9 @@ def _gpu_check(tmp_path, **env) -> subprocess.CompletedProcess:
 def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
     """scripts/gpu_check.sh with tests/emulated first on PYTHONPATH and no GPU: it builds the tiny artifact and
     EMULATED fp32 plans, finds the emulated backend token-identical to ONNX Runtime, labels that row EMULATED,
-    and prints the summary last (what a GPU run prints is not known: no GPU has run it)."""
+    and prints the summary last (what a GPU run prints is not known: no GPU has run it). The emulation's times
+    are the CPU's: no speed figure of it is printed (it printed "expected speedup 2.03x"), only "emulated: no GPU
+    timing"; the CPU's own rows keep theirs."""
     r = _gpu_check(tmp_path, PRECISIONS="fp32", PYTHONPATH=os.pathsep.join([str(EMULATED), *sys.path]))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout.split("== summary\n", 1)[1]
@@ -657,7 +659,13 @@ def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
     assert "EMULATED" in line and "PASS" in line and "3/3 prompts token-identical" in line
     steps = {ln.split("  ")[0]: ln for ln in summary.splitlines() if ln.startswith("step time")}
     assert set(steps) == {"step time onnxruntime cpu", "step time tensorrt fp32", "step time pytorch 7b fp16"}
-    assert "expected speedup" in steps["step time tensorrt fp32"] and "[EMULATED]" in steps["step time tensorrt fp32"]
+    assert "expected speedup" in steps["step time onnxruntime cpu"] and "tok/s" in summary  # the CPU's, labelled
+    for emulated in (line, steps["step time tensorrt fp32"]):
+        assert "emulated: no GPU timing" in emulated
+        assert not any(figure in emulated for figure in ("tok/s", "speedup", " ms", "x a 1-token step")), emulated
+    emulated_table = r.stdout.split("step time: emulated: no GPU timing (", 1)[1].split("\n== ", 1)[0]
+    assert "exp. tokens" in emulated_table and "ms" not in emulated_table and "speedup" not in emulated_table
+    assert r.stdout.count("exp. speedup") == 1  # the step-time table of onnxruntime cpu only
     assert "skipped" in steps["step time pytorch 7b fp16"]  # no PyTorch with CUDA here
 
 
