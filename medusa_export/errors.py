@@ -38,6 +38,12 @@ class InsufficientDiskError(ResourceError, OSError):
     """The output folder's file system has less free space than the weights need."""
 
 
+class NoteWarning(UserWarning):
+    """Something the user should know that does not stop the work (a third-party config that miscounts the heads,
+    whose weights decide). A library caller gets a warning of this class; ``medusa-export`` prints it as its
+    other notes, one ``[note: ...]`` line on stderr (:func:`medusa_export.cli.main.notes_as_lines`)."""
+
+
 __all__ = [
     "ArtifactError",
     "CheckpointError",
@@ -47,6 +53,7 @@ __all__ = [
     "InsufficientMemoryError",
     "InvalidTreeError",
     "MedusaError",
+    "NoteWarning",
     "ResourceError",
     "UnknownModelError",
     "UnsupportedModelError",

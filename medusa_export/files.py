@@ -130,11 +130,57 @@ def _described(path: Path) -> str:
     return path.name
 
 
-def check_replaceable(out: Path, *, force: bool, flag: str = "--out", default: bool = False) -> None:
+def _size(nbytes: int) -> str:
+    """A file size for a message: ``12 B``, ``4.1 kB``, ``547.8 MB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def replaced_files(out: Path) -> str:
+    """What replacing the artifact folder ``out`` deletes, for the refusal and for ``--force``'s note.
+
+    The TensorRT files under ``engines/`` (plans, typed graphs, build commands and records that ``medusa-export
+    engine`` adds, and lists among the manifest's checksums) are named one by one, plans first, with their sizes:
+    a build does not write them, and a plan takes minutes on a GPU to build again. Other entries that are not the
+    artifact's own files (added by hand) are named too.
+
+    Args:
+        out: an artifact folder (it holds ``manifest.json``).
+
+    Returns:
+        ``"an artifact (model M, N files, S)"``, then ``" and what a build does not write: ..."`` when there is any.
+    """
+    import json
+
+    from medusa_runtime.contract.artifact import MANIFEST
+    from medusa_runtime.engines.trt_plan import ENGINE_DIR
+
+    try:
+        doc = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        own = {rel.split("/")[0] for rel in doc.get("checksums", {})} | {MANIFEST}
+        model = doc.get("model", {}).get("name", "?")
+    except (ValueError, AttributeError):
+        own, model = {MANIFEST}, "?"
+    own.discard(ENGINE_DIR)  # medusa-export engine's files: in the checksums, never a build's
+    files = [p for p in out.rglob("*") if p.is_file()]
+    engine = sorted((p for p in files if p.relative_to(out).parts[0] == ENGINE_DIR),
+                    key=lambda p: (p.suffix != ".plan", str(p)))
+    lost = [f"the TensorRT files of `medusa-export engine`: "
+            + ", ".join(f"{p.relative_to(out).as_posix()} ({_size(p.stat().st_size)})" for p in engine)] if engine else []
+    other = [_described(p) for p in sorted(out.iterdir()) if p.name not in own and p.name != ENGINE_DIR]
+    lost += [f"other files: {', '.join(other)}"] if other else []
+    text = f"an artifact (model {model}, {len(files)} files, {_size(sum(p.stat().st_size for p in files))})"
+    return text + (f" and what a build does not write: {'; '.join(lost)}" if lost else "")
+
+
+def check_replaceable(out: Path, *, force: bool, flag: str = "--out", default: bool = False) -> str | None:
     """Refuse to replace an existing artifact folder without ``--force``, naming what would go.
 
     A build replaces its output folder as a whole, so files it does not write (``engines/`` TensorRT plans of
-    ``medusa-export engine``, anything added by hand) would be deleted without notice.
+    ``medusa-export engine``, anything added by hand) would be deleted: the refusal names them
+    (:func:`replaced_files`), and with ``force`` the caller says what it replaced.
 
     Args:
         out: the output folder.
@@ -142,37 +188,27 @@ def check_replaceable(out: Path, *, force: bool, flag: str = "--out", default: b
         flag: the option, for the message.
         default: ``out`` is the option's default (the user gave none): the message says "the default --out".
 
+    Returns:
+        With ``force``, what replacing ``out`` deletes (:func:`replaced_files`); None when ``out`` is new or empty.
+
     Raises:
-        ArtifactError: ``out`` is a non-empty artifact folder and ``force`` is False (the message lists the
-            entries that are not the artifact's own files first), or a non-empty folder that is not an
+        ArtifactError: ``out`` is a non-empty artifact folder and ``force`` is False (the message names what a
+            build does not write, the ``engines/`` files one by one), or a non-empty folder that is not an
             artifact (never replaced, even with ``force``), or a file.
     """
     from medusa_runtime.contract.artifact import MANIFEST
     from medusa_runtime.errors import ArtifactError
 
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
+        return None
     named = f"the default {flag} {out}" if default else f"{flag} {out}"
     if not out.is_dir():
         raise ArtifactError(f"{named} is a file; give a folder path")
-    manifest = out / MANIFEST
-    if not manifest.is_file():
+    if not (out / MANIFEST).is_file():
         raise ArtifactError(f"{named} is a non-empty folder that is not an artifact (no {MANIFEST}); "
                             "refusing to replace it: give an empty or new folder")
+    what = replaced_files(out)
     if force:
-        return
-    import json
-
-    try:
-        doc = json.loads(manifest.read_text(encoding="utf-8"))
-        own = {rel.split("/")[0] for rel in doc.get("checksums", {})} | {MANIFEST}
-        model = doc.get("model", {}).get("name", "?")
-    except (ValueError, AttributeError):
-        own, model = {MANIFEST}, "?"
-    entries = sorted(out.iterdir())
-    extra = [_described(p) for p in entries if p.name not in own]
-    files = sum(1 for p in out.rglob("*") if p.is_file())
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    lost = f"; it also holds what a build does not write, which would be deleted: {', '.join(extra)}" if extra else ""
-    raise ArtifactError(f"{named} already holds an artifact (model {model}, {files} files, {size / 1e6:.1f} MB)"
-                        f"{lost}. Give --force to replace all of it, or choose another {flag}")
+        return what
+    raise ArtifactError(f"{named} already holds {what}, which would all be deleted. Give --force to replace all of "
+                        f"it, or choose another {flag}")

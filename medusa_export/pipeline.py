@@ -275,11 +275,13 @@ class BuildRequest:
 
 @dataclass(frozen=True)
 class Built:
-    """A finished build: the artifact folder, the model as opened, and the seconds the opening took."""
+    """A finished build: the artifact folder, the model as opened, the seconds the opening took, and what it replaced
+    there (``--force``: :func:`~.files.replaced_files`; None when the folder was new or empty)."""
 
     path: Path
     lm: LoadedMedusa
     opening: float
+    replaced: str | None = None
 
 
 def default_out(name: str, spec, size: int | None, precision: str, graph: str) -> str | None:
@@ -351,10 +353,13 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
     res = resolve_tree(asked, TreeContext(num_heads=lm.sources.heads_config.num_heads, accuracies=lm.head_accuracies))
     tree = res.tree.static_shape(lm.head_accuracies)  # per-step trees: the T-node tree fixed-tree engines run
     out = request.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
-    check_replaceable(Path(out), force=request.force, default=not request.out)  # a preset's, or made meanwhile
+    replacing = check_replaceable(Path(out), force=request.force, default=not request.out)  # a preset's, or made
+    if replacing:  # meanwhile; with --force: what goes, named before the export starts
+        print(f"[note: --force: {out} holds {replacing}; all of it is replaced when this build passes]",
+              file=sys.stderr, flush=True)
     if cfg.validate:  # a prompt the artifact's context cannot hold fails now, not after the export
         texts, ids = prompt_ids(lm, prompts)
         for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
             print(f"[note: {note}]", file=sys.stderr, flush=True)
     path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=res.deferred, tree_policy=res.policy)
-    return Built(path, lm, opening)
+    return Built(path, lm, opening, replacing)

@@ -15,8 +15,10 @@ MLP 11008, vocab 32000; ``tiny``: for tests) with random weights, made on the de
 tree step is T tokens after a DynamicCache of ``--past`` tokens, cropped back after each run.
 
 NOT RUN ON A GPU: this project's machines have none; CI runs it on the CPU (``--torch tiny
---device cpu``) and against the EMULATED TensorRT (tests/test_trt_emulated.py), where the times
-mean nothing.
+--device cpu``) and against the EMULATED TensorRT (tests/test_trt_emulated.py). The emulation runs the
+ONNX on ONNX Runtime on the CPU, so its times are not a GPU's: every size is still stepped (the engine's
+bindings and profiles are exercised), but no time, ratio or speedup is printed or written, only
+"emulated: no GPU timing" and the expected tokens per step.
 """
 
 from __future__ import annotations
@@ -54,9 +56,14 @@ def table(step_ms: dict[int, float], accuracies: np.ndarray) -> list[dict]:
     return rows
 
 
+#: What an emulated run prints and writes in place of its times (they are the CPU's, not a GPU's).
+NO_GPU_TIMING = "emulated: no GPU timing"
+
+
 def artifact_step_ms(path: str, backend: str, precision: str | None, device_id: int, past: int,
-                     repeats: int) -> tuple[dict[int, float], np.ndarray, str]:
-    """Tree-step times of an artifact's engine (:func:`~medusa_runtime.tuning.autotree.time_tree_steps`)."""
+                     repeats: int) -> tuple[dict[int, float], np.ndarray, str, bool]:
+    """Tree-step times of an artifact's engine (:func:`~medusa_runtime.tuning.autotree.time_tree_steps`), its head
+    accuracies, what ran, and whether that was the emulated TensorRT (its times are not to be reported)."""
     from medusa_runtime.contract.artifact import load_artifact
     from medusa_runtime.engines import backend_spec, create_engine
 
@@ -71,13 +78,13 @@ def artifact_step_ms(path: str, backend: str, precision: str | None, device_id: 
         step_ms, _ = time_tree_steps(engine, trees, past_length=past, repeats=repeats)
     finally:
         engine.close()
-    emulated = ""
+    emulated = False
     if backend == "tensorrt":
         import tensorrt
 
-        emulated = " (EMULATED TensorRT: tests/emulated; the times mean nothing)" if getattr(tensorrt, "EMULATED",
-                                                                                              False) else ""
-    return step_ms, acc, f"{art.model.name} on {backend}{' ' + precision if precision else ''}{emulated}"
+        emulated = bool(getattr(tensorrt, "EMULATED", False))
+    label = " (EMULATED TensorRT: tests/emulated, ONNX Runtime on the CPU)" if emulated else ""
+    return step_ms, acc, f"{art.model.name} on {backend}{' ' + precision if precision else ''}{label}", emulated
 
 
 def torch_step_ms(shape: str, device: str, dtype: str, past: int, repeats: int) -> dict[int, float]:
@@ -136,9 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--torch: the head accuracies of this artifact's tree.json (default: default_accuracies)")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
+    emulated = False
     if args.artifact:
-        step_ms, acc, what = artifact_step_ms(args.artifact, args.backend, args.precision, args.device_id,
-                                              args.past, args.repeats)
+        step_ms, acc, what, emulated = artifact_step_ms(args.artifact, args.backend, args.precision, args.device_id,
+                                                        args.past, args.repeats)
     else:
         step_ms = torch_step_ms(args.torch, args.device, args.dtype, args.past, args.repeats)
         acc = default_accuracies(3)
@@ -149,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             acc = acc if shipped is None else shipped
         what = f"PyTorch Llama {args.torch} ({args.dtype}, {args.device})"
     rows = table(step_ms, acc)
+    if emulated:  # the CPU's times under a GPU backend's name: none of them is printed or written
+        rows = [{"tree_size": r["tree_size"], "expected_tokens_per_step": r["expected_tokens_per_step"]} for r in rows]
+        print(f"step time: {NO_GPU_TIMING} ({what}); every size stepped, expected tokens per step only:")
+        print(f"{'T':>4s} {'exp. tokens':>12s}")
+        for r in rows:
+            print(f"{r['tree_size']:4d} {r['expected_tokens_per_step']:12.2f}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"what": what, "emulated": True, "timing": NO_GPU_TIMING, "past": args.past, "rows": rows},
+                          fh, indent=2)
+        return 0
     print(f"step time after {args.past} cached tokens: {what}")
     print(f"{'T':>4s} {'step ms':>10s} {'ratio':>7s} {'exp. tokens':>12s} {'exp. speedup':>13s}")
     for r in rows:

@@ -166,7 +166,8 @@ def test_rebuilding_into_an_artifact_needs_force(tiny_model_dir, tmp_path, capsy
     before = snapshot(out)
     err = error_of(argv, capsys)
     assert f"--out {out} already holds an artifact (model tiny-llama, 13 files," in err
-    assert "which would be deleted: engines/ (1 file), notes.txt. Give --force to replace all of it" in err
+    assert ("and what a build does not write: the TensorRT files of `medusa-export engine`: engines/fp16/step.plan "
+            "(4 B); other files: notes.txt, which would all be deleted. Give --force to replace all of it") in err
     assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
     assert main(argv + ["--force"]) == 0
     assert not (out / "engines").exists() and not (out / "notes.txt").exists()

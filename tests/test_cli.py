@@ -460,9 +460,34 @@ def test_the_summary_says_the_stop_token_is_not_counted(finish, note):
 
     from medusa_runtime.front.cli import summary
 
-    result = SimpleNamespace(steps=11, host_seconds=0.01, step_tokens=[1] * 10 + [0])
+    result = SimpleNamespace(steps=11, forward_passes=12, host_seconds=0.01, step_tokens=[1] * 10 + [0])
     c = SimpleNamespace(result=result, seconds=0.4, reused_tokens=0, prompt_tokens=5, token_ids=list(range(11)),
                         tokens_per_step=10 / 11, tokens_per_second=27.5, finish_reason=finish)
     line = summary(c, "onnxruntime")
     assert "0.91 tokens/step" in line and f"finish: {finish}" in line
+    assert line.startswith("[11 tokens in 12 forward passes (prefill + 11 steps); ")
     assert ("0.91 tokens/step (the stop token or string not counted);" in line) is note
+
+
+@pytest.mark.parametrize("where", ["artifact", "reference"])
+def test_zero_new_tokens_runs_no_forward_pass_and_says_so(built, tiny_model_dir, where, monkeypatch, capsys):
+    """``--max-new-tokens 0`` asks for nothing: no engine call at all (counted on the engine class), and the summary
+    no longer claims "1 forward passes (prefill + 0 ...)"; one new token is one forward pass, the prefill."""
+    from medusa_export.model.decode import TorchEngine
+    from medusa_runtime.engines.ort import OrtEngine
+
+    engine = OrtEngine if where == "artifact" else TorchEngine
+    calls = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda self, *a, **k: calls.append(len(a[0][0])) or step(self, *a, **k))
+    source = ["--artifact", str(built[0])] if where == "artifact" else ["--model", str(tiny_model_dir)]
+    argv = ["generate", *source, "--prompt", "Hello", "--tree", "4", "--max-new-tokens"]
+    capsys.readouterr()
+    assert main(argv + ["0"]) == 0
+    out, err = capsys.readouterr()
+    assert calls == [] and out.strip() == ""
+    assert "[0 tokens: --max-new-tokens 0 asks for none, so no forward pass ran; finish: length]" in err
+    assert "forward passes" not in err
+    assert main(argv + ["1"]) == 0
+    assert len(calls) == 1 and calls[0] > 1  # the prefill over the whole prompt
+    assert "[1 tokens in 1 forward passes (prefill + 0 " in capsys.readouterr().err

@@ -198,6 +198,37 @@ def test_a_rebuilt_artifact_is_timed_again(tmp_path, default_env):
     assert again.timed and again.reason == "the artifact changed"
 
 
+@pytest.mark.parametrize("how", ["default", "auto", "prompt-file"])
+def test_a_prompt_that_cannot_fit_is_refused_before_any_tree_is_timed(counter_artifact, default_env, tmp_path, how,
+                                                                      capsys):
+    """``generate`` with a prompt longer than the context: the error comes before the default tree (or ``--tree
+    auto``) is timed, so nothing is timed and no record is written; a prompt that fits is timed as before."""
+    from medusa_runtime.contract.artifact import load_artifact
+    from medusa_runtime.contract.tokenizer import RuntimeTokenizer
+
+    long = " ".join(["hello"] * 12)  # raw, against a 6-token context
+    n = len(RuntimeTokenizer.from_artifact(load_artifact(counter_artifact)).encode(long))
+    assert n > 6
+    base = ["generate", "--artifact", str(counter_artifact), "--raw", "--max-context", "6", "--max-new-tokens", "2"]
+
+    def argv(*prompts):
+        if how != "prompt-file":
+            return base + ["--prompt", prompts[-1]] + (["--tree", "auto"] if how == "auto" else [])
+        file = tmp_path / "prompts.jsonl"
+        file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        return base + ["--prompt-file", str(file)]
+
+    capsys.readouterr()
+    assert main(argv("hello", long)) == 2
+    err = capsys.readouterr().err
+    prefix = "prompt 1: " if how == "prompt-file" else ""
+    free = "a sequence's context holds 6" if how == "prompt-file" else "only 6 of the 6-token context are free"
+    assert f"medusa-export: error: {prefix}the prompt has {n} tokens but {free}" in err
+    assert "timing" not in err and not (default_env / "trees").exists()
+    assert main(argv("hello")) == 0  # a prompt that fits: timed as before
+    assert "timing" in capsys.readouterr().err
+
+
 def test_the_artifacts_tree_on_request_and_from_the_environment(counter_artifact, default_env, monkeypatch):
     given = MedusaSession(counter_artifact, threads=1, tree="artifact", notice=None)
     assert given.tree.size == 8 and given.default_tree is None and given.tree_source == "the artifact's"

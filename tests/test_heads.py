@@ -219,3 +219,42 @@ def test_missing_heads(tmp_path):
         read_head_tensors(tmp_path / "nope.pt")
     with pytest.raises(HeadsFormatError, match="no heads file in"):
         load_heads(tmp_path, _lm_head())
+
+
+# --- a heads-only file whose keys carry a full model's prefix (as medusa-1.0 / modelopt shards store them) --------
+
+
+@pytest.mark.parametrize("prefix", ["medusa_head.", "medusa_heads."])
+@pytest.mark.parametrize("name", ["medusa_lm_head.safetensors", "medusa_lm_head.pt"])
+def test_standalone_heads_file_with_a_model_prefix(tmp_path, prefix, name):
+    """Heads cut out of a medusa-1.0 (``medusa_head.``) or modelopt (``medusa_heads.``) checkpoint keep their
+    prefix: both loaders (the PyTorch one and the build's streamed sources) take them as the shards' heads."""
+    from types import SimpleNamespace
+
+    from medusa_export.loading.sources import open_heads
+
+    heads = random_heads(num_heads=3, num_layers=2, own_projection=True)
+    state = heads.head_state_dict()
+    path = _write({prefix + k: v for k, v in state.items()}, tmp_path / "h" / name)
+    _assert_same_heads(heads, load_heads(path, heads._shared[0]))
+    _assert_same_heads(heads, load_heads(path.parent, heads._shared[0]))
+    src, cfg = open_heads(path.parent, SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB))
+    assert cfg == heads.config and sorted(src.keys()) == sorted(state)
+    for k, v in state.items():
+        assert torch.equal(src.read(k), v), k
+
+
+def test_standalone_heads_file_mixing_prefixed_and_bare_keys(tmp_path):
+    """Half prefixed, half not: two sets of names for one set of heads is refused by both loaders, naming a key."""
+    from types import SimpleNamespace
+
+    from medusa_export.loading.sources import open_heads
+
+    state = dict(GOOD)
+    state["medusa_head.0.0.linear.weight"] = state.pop("0.0.linear.weight")
+    path = _write(state, tmp_path / "medusa_lm_head.safetensors")
+    message = r"unexpected key 'medusa_head\.0\.0\.linear\.weight'"
+    with pytest.raises(HeadsFormatError, match=message):
+        load_heads(path, _lm_head())
+    with pytest.raises(HeadsFormatError, match=message):
+        open_heads(path, SimpleNamespace(hidden_size=HIDDEN, vocab_size=VOCAB))

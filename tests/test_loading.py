@@ -366,3 +366,21 @@ def test_opened_base_model_notes_no_chat_template(tmp_path):
     save_family_dir(tmp_path, "qwen3", chat_template=False)
     om = _open(tmp_path)
     assert om.chat_template is None and om.notes == [NO_CHAT_TEMPLATE_NOTE] == load_model(str(tmp_path)).notes
+
+
+def test_a_miscounting_config_is_one_note_line_on_the_command_line(tmp_path):
+    """The console script as a user runs it: a third-party config.json that miscounts the heads is one
+    ``[note: ...]`` line on stderr, not Python's warning with its category and a line of our source."""
+    import subprocess
+    import sys
+
+    write_medusa_1_0(tmp_path / "m", "mistral", num_heads=3, fmt="safetensors")
+    _edit_config(tmp_path / "m", medusa_num_heads=5)
+    proc = subprocess.run([sys.executable, "-m", "medusa_export.cli", "generate", "--model", str(tmp_path / "m"),
+                           "--prompt", "hi", "--raw", "--tree", "chain", "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    note = f"[note: {tmp_path / 'm'}/config.json says 5 heads but the weights hold 3: the weights' count is used]"
+    lines = proc.stderr.splitlines()
+    assert lines.count(note) == 1, proc.stderr
+    assert "Warning" not in proc.stderr and ".py:" not in proc.stderr, proc.stderr

@@ -204,6 +204,45 @@ def test_emulated_engine_build_records_the_plan_key(engine_art, emulated):
     assert not list((engine_art / "engines").glob(".*.tmp-*"))  # nothing half-written
 
 
+def test_rebuilding_over_engine_plans_names_each_one_and_force_says_what_it_replaced(engine_art, emulated, tmp_path,
+                                                                                        capsys):
+    """``medusa-export engine`` lists its plans among the manifest's checksums, so a rebuild's refusal counted them
+    as the artifact's own ("17 files, 547.8 MB") and ``--force`` deleted them unnamed. Now every file under
+    engines/ is named with its size, plans first, and ``--force`` says before and after what it replaced."""
+    from conftest import save_tiny_hf_dir
+    from medusa_runtime.contract.artifact import MANIFEST
+
+    art = Path(shutil.copytree(engine_art, tmp_path / "art"))
+    checksums = json.loads((art / MANIFEST).read_text())["checksums"]
+    engine_files = sorted(rel for rel in checksums if rel.startswith("engines/"))
+    plans = [rel for rel in engine_files if rel.endswith(".plan")]
+    on_disk = sorted(p.relative_to(art).as_posix() for p in (art / "engines").rglob("*") if p.is_file())
+    assert len(plans) == 2 and engine_files == on_disk  # the engine step listed every file it wrote
+    save_tiny_hf_dir(tmp_path / "tiny")
+    argv = ["build", "--model", str(tmp_path / "tiny"), "--tree", "4", "--max-context", "256", "--no-validate",
+            "--out", str(art)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    named = err[err.index("the TensorRT files of `medusa-export engine`: "):]
+    listed = [item.split(" (")[0] for item in named.split(": ", 1)[1].split(", which would all be deleted")[0]
+              .split(", ")]
+    assert listed[:2] == sorted(plans) and sorted(listed) == engine_files  # plans first, then every other file
+    for rel in engine_files:  # each size as printed, read back, within its rounding of the file's
+        number, unit = named.split(f"{rel} (", 1)[1].split(")", 1)[0].split()
+        scale = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+        assert abs(float(number) * scale - (art / rel).stat().st_size) <= 0.05 * scale, (rel, number, unit)
+    assert "Give --force to replace all of it" in err and sorted(checksums) == sorted(
+        json.loads((art / MANIFEST).read_text())["checksums"])  # refused: nothing touched
+    assert main(argv + ["--force"]) == 0
+    out, err = capsys.readouterr()
+    for line in ([l for l in err.splitlines() if l.startswith("[note: --force: ")]
+                 + [l for l in out.splitlines() if l.startswith("  replaced (--force): ")]):
+        assert all(rel in line for rel in engine_files), line
+    assert "all of it is replaced when this build passes" in err and "  replaced (--force): an artifact" in out
+    assert not (art / "engines").exists()
+
+
 def test_emulated_trt_backend_is_token_exact_with_onnxruntime(engine_art, live_bytes):
     """Greedy Medusa with the artifact's tree: the emulated TensorRT backend gives ONNX Runtime's tokens."""
     a, ort, trt_engine = _engines(engine_art)
@@ -607,7 +646,9 @@ def _gpu_check(tmp_path, **env) -> subprocess.CompletedProcess:
 def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
     """scripts/gpu_check.sh with tests/emulated first on PYTHONPATH and no GPU: it builds the tiny artifact and
     EMULATED fp32 plans, finds the emulated backend token-identical to ONNX Runtime, labels that row EMULATED,
-    and prints the summary last (what a GPU run prints is not known: no GPU has run it)."""
+    and prints the summary last (what a GPU run prints is not known: no GPU has run it). The emulation's times
+    are the CPU's: no speed figure of it is printed (it printed "expected speedup 2.03x"), only "emulated: no GPU
+    timing"; the CPU's own rows keep theirs."""
     r = _gpu_check(tmp_path, PRECISIONS="fp32", PYTHONPATH=os.pathsep.join([str(EMULATED), *sys.path]))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout.split("== summary\n", 1)[1]
@@ -616,7 +657,13 @@ def test_gpu_check_runs_end_to_end_against_the_emulation(tmp_path):
     assert "EMULATED" in line and "PASS" in line and "3/3 prompts token-identical" in line
     steps = {ln.split("  ")[0]: ln for ln in summary.splitlines() if ln.startswith("step time")}
     assert set(steps) == {"step time onnxruntime cpu", "step time tensorrt fp32", "step time pytorch 7b fp16"}
-    assert "expected speedup" in steps["step time tensorrt fp32"] and "[EMULATED]" in steps["step time tensorrt fp32"]
+    assert "expected speedup" in steps["step time onnxruntime cpu"] and "tok/s" in summary  # the CPU's, labelled
+    for emulated in (line, steps["step time tensorrt fp32"]):
+        assert "emulated: no GPU timing" in emulated
+        assert not any(figure in emulated for figure in ("tok/s", "speedup", " ms", "x a 1-token step")), emulated
+    emulated_table = r.stdout.split("step time: emulated: no GPU timing (", 1)[1].split("\n== ", 1)[0]
+    assert "exp. tokens" in emulated_table and "ms" not in emulated_table and "speedup" not in emulated_table
+    assert r.stdout.count("exp. speedup") == 1  # the step-time table of onnxruntime cpu only
     assert "skipped" in steps["step time pytorch 7b fp16"]  # no PyTorch with CUDA here
 
 

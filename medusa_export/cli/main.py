@@ -9,12 +9,14 @@ commands (``generate --artifact``, ``chat``) import neither torch, transformers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from medusa_runtime.front.cli import (MAX_THREADS, add_chat_args, add_prompt_args, add_runtime_args, add_sampling_args,
-                                check_threads, check_utf8, run_command, sampling_from_args)
+                                check_threads, check_utf8, nothing_asked, run_command, sampling_from_args)
 from medusa_runtime.errors import EXIT_CODES_HELP, EXIT_MISMATCH, MedusaError
 
 from .args import add_artifact_arg, add_hidden_alias, add_prompt_file_arg, check_int, check_output_file
@@ -100,7 +102,10 @@ def cmd_generate(args) -> int:
                           sampling=sampling, on_tokens=streamer.put, sampler=True)  # any top-k / top-p
     streamer.end()
     dt = time.perf_counter() - t1
-    print(f"\n[{len(res.tokens)} tokens in {res.steps + 1} forward passes (prefill + {res.steps} tree steps); "
+    if not res.forward_passes:
+        print(f"\n{nothing_asked(res.finish_reason)}", file=sys.stderr)
+        return 0
+    print(f"\n[{len(res.tokens)} tokens in {res.forward_passes} forward passes (prefill + {res.steps} tree steps); "
           f"mean accepted tokens per step: {res.mean_accepted:.2f}; {len(res.tokens) / dt:.1f} tokens/s "
           f"(PyTorch reference, {sampling.describe()}); finish: {res.finish_reason}]", file=sys.stderr)
     if lm.heads_are_initial:
@@ -130,6 +135,8 @@ def cmd_build(args) -> int:
                                heads=args.heads, trust_remote_code=args.trust_remote_code,
                                prompt_file=args.prompt_file), cfg)
     _print_summary(built.path, time.perf_counter() - t0, built.lm, opening=built.opening)
+    if built.replaced:
+        print(f"  replaced (--force): {built.replaced}")
     print_machine_tree(built.path)
     return after_build(args, built.path)
 
@@ -566,6 +573,25 @@ _COMMANDS = {
 }
 
 
+@contextlib.contextmanager
+def notes_as_lines():
+    """While it is open, a :class:`~medusa_export.errors.NoteWarning` prints as the command's other notes do: one
+    ``[note: ...]`` line on stderr, without Python's category and source line; other warnings print as before."""
+    from ..errors import NoteWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, NoteWarning):
+                print(f"[note: {message}]", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``medusa-export`` on ``argv`` (default: the process's); returns the exit code.
 
@@ -573,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and argv[0] in _COMMANDS else None
-    return run_command(build_parser(command).parse_args(argv), PROG)
+    with notes_as_lines():
+        return run_command(build_parser(command).parse_args(argv), PROG)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ Formats:
   ``weight_scale``, e.g. nvidia/Llama-3.1-8B-Medusa-FP8; TensorRT-LLM
   ``models/medusa/weight.py`` ``load_medusa_hf(is_modelopt_ckpt=True)``; counts in config.json
   ``"medusa": {"num_medusa_heads", "num_medusa_layers"}``);
+* a heads-only file of either format whose keys all carry one of those prefixes (heads cut out of
+  such a checkpoint): read as the shards' heads are, the prefix removed (:func:`file_prefix`);
 * ours: ``heads.safetensors`` + ``heads.json`` (:data:`~medusa_export.model.heads.HEADS_FORMAT`,
   written by :func:`~medusa_export.model.heads.save_heads`). Its ``head_type`` (absent =
   "medusa") may also say "hydra": path-conditioned heads (:mod:`medusa_export.model.hydra_heads`,
@@ -43,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import HeadsFormatError, MedusaError
+from ..errors import HeadsFormatError, MedusaError, NoteWarning
 from ..model.heads import HEAD_TYPES, HEADS_CONFIG, HEADS_FILE, HeadsConfig, MedusaHeads
 from ..model.hydra_heads import HydraHeads
 from . import fp8, hf_folder
@@ -65,16 +67,43 @@ def file_beside_heads(heads: str | Path, name: str) -> Path | None:
 def read_head_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a heads file: ``.safetensors`` or a torch pickle (``weights_only=True``).
 
+    Keys that all carry a full model's heads prefix (:func:`file_prefix`) are returned without it.
+
     Raises:
-        HeadsFormatError: the file is missing, unreadable or not a flat tensor dict.
+        HeadsFormatError: the file is missing, unreadable or not a flat tensor dict; keys named two ways
+            (:func:`file_prefix`).
     """
     path = Path(path)
     if not path.is_file():
         raise HeadsFormatError(f"heads file {path} does not exist")
     try:
-        return hf_folder.read_file(path)
+        tensors = hf_folder.read_file(path)
     except MedusaError as exc:
         raise HeadsFormatError(str(exc).replace("weights file", "heads file")) from exc
+    prefix = file_prefix(tensors)
+    return {k.removeprefix(prefix): v for k, v in tensors.items()} if prefix else tensors
+
+
+def file_prefix(keys) -> str | None:
+    """The model prefix (:data:`HEAD_PREFIXES`) every key of a heads-only file carries, or None when none does.
+
+    Heads cut out of a medusa-1.0 or modelopt checkpoint keep the names its shards give them
+    (``medusa_head.0.0.linear.weight``); they load as the shards' heads do, the prefix removed.
+
+    Raises:
+        HeadsFormatError: some keys carry a prefix and others do not, or keys carry both prefixes
+            (the message names a key of each kind).
+    """
+    keys = list(keys)
+    prefix = heads_prefix(keys)
+    if prefix is None:
+        return None
+    bare = next((k for k in keys if not k.startswith(prefix)), None)
+    if bare is not None:
+        first = next(k for k in keys if k.startswith(prefix))
+        raise HeadsFormatError(f"unexpected key {first!r} in heads file: some keys carry the model prefix {prefix!r} "
+                               f"and others ({bare!r}) do not; a heads file names every head one way")
+    return prefix
 
 
 def heads_prefix(keys) -> str | None:
@@ -223,7 +252,8 @@ def stated_heads_config(
         counts_from: None when they come from our own ``heads.json`` (a disagreement is an error);
             else the third-party file they come from (e.g. ``config.json``), whose counts are known
             to be wrong at times (FasterDecoding's medusa-vicuna-7b-v1.3 says 2 heads for its 5):
-            the weights' counts are used and a disagreement is a warning.
+            the weights' counts are used and a disagreement is a :class:`~medusa_export.errors.NoteWarning`
+            (``medusa-export`` prints it as a ``[note: ...]`` line).
 
     Raises:
         HeadsFormatError: see :func:`infer_heads_config`.
@@ -235,7 +265,7 @@ def stated_heads_config(
     for what, (said, held) in stated.items():
         if not strict and said is not None and said != held:
             warnings.warn(f"{counts_from} says {said} {what} but the weights hold {held}: the weights' count is "
-                          "used", stacklevel=3)
+                          "used", NoteWarning, stacklevel=3)
     return cfg
 
 

@@ -25,8 +25,8 @@ from .architectures import backbone_config
 from .checkpoint import (DictSource, PrefixSource, SafetensorsSource, TensorSource, TorchBinSource, ZeroHeadsSource,
                          backbone_shapes, check_backbone, find_weights, hf_config_dict, open_source)
 from .draft_vocab import load_draft_vocab
-from .heads_formats import (HEAD_FILES, HEAD_PREFIXES, HEADS_CONFIG, config_counts, config_head_counts, heads_prefix,
-                            hydra_heads_config, stated_head_type, stated_heads_config)
+from .heads_formats import (HEAD_FILES, HEAD_PREFIXES, HEADS_CONFIG, config_counts, config_head_counts, file_prefix,
+                            heads_prefix, hydra_heads_config, stated_head_type, stated_heads_config)
 
 
 @dataclass
@@ -125,6 +125,8 @@ def open_heads(path: Path, cfg: BackboneConfig) -> tuple[TensorSource, HeadsConf
     try:
         if file is not None:
             src = SafetensorsSource([file]) if file.suffix == ".safetensors" else TorchBinSource([file])
+            prefix = file_prefix(src.keys())  # heads cut out of a medusa-1.0 / modelopt checkpoint keep its names
+            src = PrefixSource(src, prefix) if prefix else src
         else:  # a model folder with its heads inside (medusa-1.0, modelopt)
             kind, files, weight_map = find_weights(path)
             whole = open_source(kind, files, weight_map, cfg)

@@ -229,6 +229,16 @@ class SequenceState:
         self.cancelled = True
 
 
+def check_row_fits(prompt_tokens: int, capacity: int) -> None:
+    """A prompt of ``prompt_tokens`` must fit a batch row's context of ``capacity`` tokens.
+
+    Raises:
+        ContextOverflowError: it does not (the message gives both).
+    """
+    if prompt_tokens > capacity:
+        raise ContextOverflowError(f"the prompt has {prompt_tokens} tokens but a sequence's context holds {capacity}")
+
+
 class Scheduler:
     """In-flight batching: sequences join and leave at step boundaries; each runs its own decode loop.
 
@@ -275,9 +285,7 @@ class Scheduler:
         """
         tree = request.tree or self.tree
         prompt = check_request(self.engine, request.prompt_ids, tree, request.max_new_tokens)
-        if prompt.size > self.capacity:
-            raise ContextOverflowError(f"the prompt has {prompt.size} tokens but a sequence's context holds "
-                                       f"{self.capacity}")
+        check_row_fits(int(prompt.size), self.capacity)
         if request.sampling is not None and self.engine.capabilities.step_topk:
             engine_sampling_route(self.engine, request.sampling)
         state = SequenceState(request, submitted=time.perf_counter())

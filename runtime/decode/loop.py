@@ -109,6 +109,7 @@ class GenerationResult:
         prompt_tokens: prompt length.
         engine_seconds / host_seconds: wall time in engine calls / in the loop's own work.
         prefill_seconds: wall time of the prefill call.
+        prefilled: the prefill call ran (False only when there was nothing to generate: ``max_new_tokens`` 0).
     """
 
     tokens: list[int]
@@ -119,11 +120,17 @@ class GenerationResult:
     engine_seconds: float = 0.0
     host_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefilled: bool = False
 
     @property
     def steps(self) -> int:
         """Tree steps run after the prefill."""
         return len(self.step_tokens)
+
+    @property
+    def forward_passes(self) -> int:
+        """Step-graph calls that ran: the prefill (when it ran) and the tree steps."""
+        return int(self.prefilled) + self.steps
 
     @property
     def mean_accepted(self) -> float:
@@ -213,6 +220,17 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None) -> np.nd
     return np.asarray(ids, dtype=np.int64)
 
 
+def check_prompt_fits(prompt_tokens: int, capacity: int, used: int = 0) -> None:
+    """A prompt of ``prompt_tokens`` must fit the ``capacity - used`` slots a cache has free.
+
+    Raises:
+        ContextOverflowError: it does not (the message gives the prompt's tokens, the free slots and the context).
+    """
+    if used + prompt_tokens > capacity:
+        raise ContextOverflowError(f"the prompt has {prompt_tokens} tokens but only {capacity - used} of the "
+                                   f"{capacity}-token context are free")
+
+
 def check_request(engine: Engine, prompt_ids: Sequence[int], tree: StepTree,
                   max_new_tokens: int) -> np.ndarray:
     """The prompt as int64 [n] after checking a generation's settings against the engine.
@@ -265,11 +283,7 @@ class Decoding:
                  on_tokens: Callable[[list[int]], bool | int | None] | None = None):
         self.sampling = sampling if sampling is not None else SamplingConfig()
         self.prompt = check_request(engine, prompt_ids, tree, max_new_tokens)
-        if cache.length + self.prompt.size > cache.capacity:
-            raise ContextOverflowError(
-                f"the prompt has {self.prompt.size} tokens but only {cache.capacity - cache.length} of the "
-                f"{cache.capacity}-token context are free"
-            )
+        check_prompt_fits(int(self.prompt.size), cache.capacity, cache.length)
         self.engine, self.tree, self.cache = engine, tree, cache
         self.max_new_tokens, self.eos_token_ids, self.on_tokens = max_new_tokens, eos_token_ids, on_tokens
         self.route = engine_sampling_route(engine, self.sampling) if engine.capabilities.step_topk else None
@@ -382,6 +396,7 @@ class Decoding:
             if self.route is None:  # the engine does not say its k: the prefill's outputs do
                 self.route = engine_sampling_route(self.engine, self.sampling, step_topk=out.topk_ids.shape[-1])
             self.cache.keep(out.new_kv, np.arange(n), tokens)
+            self.result.prefilled = True
             self._root = int(self._draw(out, [n - 1], [0])[0])
             self._emit([self._root])
             last = n - 1

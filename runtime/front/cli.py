@@ -35,7 +35,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     from .session import DEFAULT_MAX_NEW_TOKENS
 
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"maximum new tokens, >= 0 (default: {DEFAULT_MAX_NEW_TOKENS})")
+                   help=f"maximum new tokens, >= 0 (0: none, and no forward pass runs) "
+                        f"(default: {DEFAULT_MAX_NEW_TOKENS})")
     for setting in SAMPLING_SETTINGS:
         p.add_argument(setting.option, type=_CLI_TYPES[setting.dtype], choices=setting.choices,
                        default=setting.default, help=setting.help)
@@ -107,8 +108,11 @@ def check_threads(threads: int | None, err: TextIO | None = None) -> int | None:
     return threads
 
 
-def _session(args):
-    from .session import MedusaSession
+def _session(args, prompts=None):
+    """The session ``args`` ask for; ``prompts`` (generate's) are checked to fit the context first, before the engine
+    is made and the tree timed (:func:`~.session.check_prompts_fit`)."""
+    from ..contract.artifact import load_artifact
+    from .session import MedusaSession, check_prompts_fit
 
     check_threads(args.threads)
 
@@ -122,8 +126,13 @@ def _session(args):
             raise InvalidSettingError(f"--engine-precision picks TensorRT plans: use it with --backend tensorrt "
                                       f"(got --backend {args.backend})")
         device["precision"] = precision
-    session = MedusaSession(args.artifact, backend=args.backend, threads=args.threads,
-                            max_context=getattr(args, "max_context", None), tree=tree, **device)
+    artifact = load_artifact(args.artifact)
+    max_context = getattr(args, "max_context", None)
+    if prompts is not None:
+        check_prompts_fit(artifact, prompts, raw=getattr(args, "raw", False), max_context=max_context,
+                          batched=getattr(args, "prompt_file", None) is not None)
+    session = MedusaSession(artifact, backend=args.backend, threads=args.threads, max_context=max_context, tree=tree,
+                            **device)
     if session.tree_resolution.timed_now:
         print(format_table(session.tree_timings, session.tree.size), file=sys.stderr)
         print(f"{session.tree_source.split(',')[0]} chose {session.tree.size} nodes (* above: most expected tokens/s)",
@@ -170,6 +179,12 @@ def _gen_kwargs(args, session) -> dict:
                 stop=args.stop, vanilla=args.vanilla)
 
 
+def nothing_asked(finish_reason: str) -> str:
+    """The summary of a reply of ``--max-new-tokens 0``: the loop runs no forward pass for it (not even the prefill,
+    whose only use is the first new token), so there are no timings to report."""
+    return f"[0 tokens: --max-new-tokens 0 asks for none, so no forward pass ran; finish: {finish_reason}]"
+
+
 def summary(c, mode: str) -> str:
     """One line after a reply: tokens, steps, tokens per step, tokens/s, finish reason.
 
@@ -178,11 +193,13 @@ def summary(c, mode: str) -> str:
     tokens.
     """
     r = c.result
+    if not r.forward_passes:
+        return nothing_asked(c.finish_reason)
     host = r.host_seconds / c.seconds if c.seconds else 0.0
     reused = (f"; {c.reused_tokens} of {c.prompt_tokens} prompt tokens reused from the last turn"
               if c.reused_tokens else "")
     uncounted = " (the stop token or string not counted)" if c.finish_reason == "stop" else ""
-    return (f"[{len(c.token_ids)} tokens in {r.steps + 1} forward passes (prefill + {r.steps} steps); "
+    return (f"[{len(c.token_ids)} tokens in {r.forward_passes} forward passes (prefill + {r.steps} steps); "
             f"{c.tokens_per_step:.2f} tokens/step{uncounted}; {c.tokens_per_second:.1f} tokens/s ({mode}; host work "
             f"{100 * host:.1f}%); finish: {c.finish_reason}{reused}]")
 
@@ -218,7 +235,7 @@ def run_generate_batch(args, out: TextIO, err: TextIO) -> int:
         raise InvalidSettingError(f"--batch-size must be >= 1, got {batch}")
     records = read_prompt_file(args.prompt_file)
     base = sampling_from_args(args)
-    session = _session(args)
+    session = _session(args, [r.prompt for r in records])
     try:
         samplings = [session.sampling(base, seed=r.seed) for r in records]  # before any work
         budgets = [args.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens for r in records]
@@ -265,7 +282,7 @@ def run_generate(args, out: TextIO | None = None, err: TextIO | None = None) -> 
         return run_generate_batch(args, out, err)
     if getattr(args, "batch_size", None) is not None:
         raise InvalidSettingError("--batch-size needs --prompt-file (a single --prompt runs alone)")
-    session = _session(args)
+    session = _session(args, [args.prompt])
     try:
         if not session.tokenizer.has_chat_template and not getattr(args, "raw", False):
             print("[note: this artifact has no chat template (a base model): the prompt is encoded as plain text and "

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 from ..contract.artifact import Artifact, load_artifact
 from ..contract.tokenizer import NO_TEMPLATE_MESSAGE, RuntimeTokenizer
 from ..decode.acceptance import SamplingConfig, sampling_config
-from ..decode.batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine
-from ..decode.loop import GenerationResult, engine_sampling_route, generate
+from ..decode.batch import DEFAULT_BATCH_SIZE, Scheduler, SequenceRequest, batch_engine, check_row_fits
+from ..decode.loop import GenerationResult, check_prompt_fits, engine_sampling_route, generate
 from ..engines import DEFAULT_BACKEND, create_engine
 from ..engines.kvcache import KVCache
 from ..errors import ChatTemplateError, MedusaError
@@ -155,6 +155,60 @@ def _per_prompt(value, n: int, name: str, kind: type) -> list:
     return values
 
 
+def session_capacity(artifact: Artifact, max_context: int | None) -> int:
+    """The KV capacity a session over ``artifact`` runs with: ``max_context``, else the artifact's.
+
+    Raises:
+        MedusaError: ``max_context`` outside 1 .. the artifact's.
+    """
+    limit = int(artifact.model.max_context)
+    if max_context is not None and not 1 <= max_context <= limit:
+        raise MedusaError(f"max_context must be in 1..{limit} (the artifact's), got {max_context}")
+    return max_context or limit
+
+
+def encode_prompt(tokenizer: RuntimeTokenizer, prompt: str | Sequence[dict], raw: bool = False) -> list[int]:
+    """Prompt ids: a user message (or a message list) through the chat template, or ``raw`` text.
+
+    Without a chat template (a base model's artifact) a string prompt is encoded as plain text, as with ``raw``; a
+    message list raises :class:`ChatTemplateError`.
+    """
+    if isinstance(prompt, str):
+        if raw or not tokenizer.has_chat_template:
+            return tokenizer.encode(prompt)
+        prompt = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(list(prompt))
+
+
+def check_prompts_fit(artifact: Artifact, prompts: Sequence[str | Sequence[dict]], *, raw: bool = False,
+                      max_context: int | None = None, batched: bool = False) -> None:
+    """Refuse a prompt the context cannot hold before a session makes its engine or times its tree (the CLIs'
+    ``generate``: timing the default tree takes seconds and writes a cache record).
+
+    Args:
+        artifact: the loaded artifact (its tokenizer and context).
+        prompts: what :meth:`MedusaSession.generate` (or ``generate_batch``, with ``batched``) would be given.
+        raw, max_context: as the session and its generation take them.
+        batched: the prompts are a batch (each one a row of the context; the message names its index).
+
+    Raises:
+        ContextOverflowError: the first prompt that does not fit, as the generation would raise it.
+        ChatTemplateError: a message list for an artifact without a chat template.
+        MedusaError: a bad ``max_context``.
+    """
+    capacity = session_capacity(artifact, max_context)
+    tokenizer = RuntimeTokenizer.from_artifact(artifact)
+    for i, prompt in enumerate(prompts):
+        size = len(encode_prompt(tokenizer, prompt, raw))
+        if not batched:
+            check_prompt_fits(size, capacity)
+            continue
+        try:
+            check_row_fits(size, capacity)
+        except MedusaError as exc:
+            raise type(exc)(f"prompt {i}: {exc}") from None  # as generate_batch names it
+
+
 @dataclass
 class _Chat:
     messages: list[dict] = field(default_factory=list)
@@ -165,7 +219,8 @@ class MedusaSession:
     """An artifact loaded for generation.
 
     Args:
-        artifact_dir: the artifact directory (``medusa-export build`` output).
+        artifact_dir: the artifact directory (``medusa-export build`` output), or that artifact already loaded
+            (:func:`~medusa_runtime.contract.artifact.load_artifact`; e.g. after :func:`check_prompts_fit`).
         backend: engine backend name (see :mod:`medusa_runtime.engines`).
         threads: intra-op threads for CPU work (None: ONNX Runtime's default).
         max_context: KV capacity in tokens, at most the artifact's (default: the artifact's).
@@ -193,15 +248,13 @@ class MedusaSession:
         MedusaError: bad ``max_context`` or ``tree``.
     """
 
-    def __init__(self, artifact_dir: str | Path, backend: str = DEFAULT_BACKEND, threads: int | None = None,
+    def __init__(self, artifact_dir: str | Path | Artifact, backend: str = DEFAULT_BACKEND, threads: int | None = None,
                  max_context: int | None = None, tree: Tree | str | None = None, full_verify: bool = False,
                  progress: Callable[[str], None] | None = None,
                  notice: Callable[[str], None] | None = _stderr_line, **engine_options):
-        self.artifact: Artifact = load_artifact(artifact_dir, full_verify=full_verify)
-        limit = int(self.artifact.model.max_context)
-        if max_context is not None and not 1 <= max_context <= limit:
-            raise MedusaError(f"max_context must be in 1..{limit} (the artifact's), got {max_context}")
-        self.max_context = max_context or limit
+        self.artifact: Artifact = artifact_dir if isinstance(artifact_dir, Artifact) else \
+            load_artifact(artifact_dir, full_verify=full_verify)
+        self.max_context = session_capacity(self.artifact, max_context)
         self.tokenizer = RuntimeTokenizer.from_artifact(self.artifact)
         self.backend = backend
         self.engine = create_engine(self.artifact, backend, threads=threads, **engine_options)
@@ -225,16 +278,9 @@ class MedusaSession:
         return self.tokenizer.eos_token_ids
 
     def encode(self, prompt: str | Sequence[dict], raw: bool = False) -> list[int]:
-        """Prompt ids: a user message (or a message list) through the chat template, or ``raw`` text.
-
-        Without a chat template (a base model's artifact) a string prompt is encoded as plain
-        text, as with ``raw``; a message list raises :class:`ChatTemplateError`.
-        """
-        if isinstance(prompt, str):
-            if raw or not self.tokenizer.has_chat_template:
-                return self.tokenizer.encode(prompt)
-            prompt = [{"role": "user", "content": prompt}]
-        return self.tokenizer.apply_chat_template(list(prompt))
+        """Prompt ids: a user message (or a message list) through the chat template, or ``raw`` text
+        (:func:`encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, raw)
 
     def sampling(self, sampling: SamplingConfig | None = None, **overrides) -> SamplingConfig:
         """The settings a generation would use, checked against this artifact.
