@@ -18,7 +18,6 @@ import torch
 from conftest import make_tiny_tokenizer, plain_greedy, rmsnorm_chains
 from medusa_export.pipeline import BuildConfig, build_artifact
 from medusa_export.loading.sources import open_model
-from medusa_export.trt.commands import fp32_node_names
 from medusa_runtime.contract.artifact import load_artifact
 from medusa_runtime.engines.kvcache import KVCache
 from medusa_runtime.engines.ort import OrtEngine
@@ -122,10 +121,16 @@ def test_family_greedy_equals_transformers(family, artifact, name, graph):
     np.testing.assert_allclose(out.topk_logprobs[:, 0], logp.max(-1), atol=1e-4)
     if graph == "portable":
         assert m["trt_readiness"]["passed"], m["trt_readiness"]["errors"]
+        from medusa_export.trt.typed import write_typed_graphs
+
         model = onnx.load(str(path / "model.onnx"), load_external_data=False)
-        pinned, chains = set(fp32_node_names(model)), rmsnorm_chains(model)
+        chains = rmsnorm_chains(model)
         assert len(chains) == (4 if name.startswith("qwen3") else 2) * 2 + 1  # q / k norms: 2 more per layer
-        assert all(n.name in pinned for chain in chains for n in chain)
+        write_typed_graphs(path, {"model": "model.onnx"}, "fp16")  # TensorRT's fp16 graph: every chain in fp32
+        typed = onnx.shape_inference.infer_shapes(onnx.load(str(path / "engines/model.fp16.onnx"),
+                                                            load_external_data=False)).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*typed.value_info, *typed.output]}
+        assert {types[n.output[0]] for chain in chains for n in chain} == {onnx.TensorProto.FLOAT}
 
 
 @pytest.mark.parametrize("graph", ["portable", "fused"])
