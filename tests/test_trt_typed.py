@@ -41,9 +41,9 @@ def _env(version: str, **extra) -> dict:
             "PYTHONPATH": os.pathsep.join([str(EMULATED), *sys.path]), **extra}
 
 
-def _run(version: str, *args, **extra) -> subprocess.CompletedProcess:
+def _run(version: str, *args, cwd=None, **extra) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=_env(version, **extra), capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=cwd)
 
 
 def _plan_header(path: Path) -> dict:
@@ -103,6 +103,16 @@ def test_fp32_plans_clear_tf32(tiny_trt_artifact, version, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TF32" not in _plan_header(art / "engines/model.fp32.plan")["flags"]
     assert json.loads((art / "manifest.json").read_text())["engines"]["fp32"]["computes_in"] == "float32"
+
+
+def test_engine_takes_a_relative_artifact_path(tiny_trt_artifact, tmp_path):
+    """docs/tensorrt.md's command gives the artifact as a relative path: the typed graph's validation (and the W8A8
+    calibration) resolved its files under the doubled path (artifacts/x/artifacts/x/engines/...) and crashed."""
+    shutil.copytree(tiny_trt_artifact, tmp_path / "artifacts" / "tiny")
+    for precision in ("fp16", "int8"):
+        r = _run("10.15.1", "-m", "medusa_export.cli.main", "engine", "--artifact", "artifacts/tiny", "--precision",
+                 precision, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_bf16_is_refused_on_a_gpu_older_than_ampere(tiny_trt_artifact, tmp_path):

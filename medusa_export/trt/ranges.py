@@ -56,6 +56,7 @@ def activation_ranges(folder: Path, files: dict[str, str], prompts: list[str], *
     """
     if not prompts:
         raise MedusaError("W8A8 calibration needs at least one prompt (--prompt-file FILE with one or more records)")
+    folder = Path(folder).resolve()  # the copies are named by absolute path in the view below
     art = load_artifact(folder)
     tok = RuntimeTokenizer.from_artifact(art)
     ids = [tok.apply_chat_template([{"role": "user", "content": t}]) if tok.has_chat_template else tok.encode(t)

@@ -103,6 +103,7 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
     """
     from ..validation.validate import default_prompts
 
+    folder = Path(folder).resolve()  # the view below names its files by absolute path (a relative folder doubled)
     art = load_artifact(folder)
     texts = prompts or default_prompts()
     tok = RuntimeTokenizer.from_artifact(art)
