@@ -49,7 +49,6 @@ from medusa_runtime.decode.loop import causal_mask, proposer
 from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.engines import BACKENDS, DEFAULT_BACKEND
 from medusa_runtime.front.session import MedusaSession
-from medusa_runtime.trees.tree import Tree, default_accuracies, greedy_tree
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts (transformers reference)
 
@@ -90,7 +89,7 @@ def time_steps(session: MedusaSession, past_lengths: list[int], repeats: int) ->
     past length; and the heads graph."""
     engine = session.engine
     tree = session.tree
-    shape = tree if isinstance(tree, Tree) else greedy_tree(tree.size, default_accuracies(tree.num_heads, tree.topk))
+    shape = tree.static_shape()
     b = shape.buffers()  # a per-step tree is timed on a fixed tree of its size: the same shapes
     cap = session.max_context
     cache = KVCache.for_engine(engine, cap)
@@ -244,7 +243,7 @@ def _run(session: MedusaSession, args) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "tree": {"size": session.tree.size, "depth": session.tree.max_depth,
                  "medusa_choices": [list(c) for c in getattr(session.tree, "choices", ())],
-                 "policy": "static" if isinstance(session.tree, Tree) else "dynamic"},
+                 "policy": session.tree.policy},
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": texts,
         "vanilla": summarize(vanilla, session.tree.max_depth),
         "medusa": summarize(medusa, session.tree.max_depth),
