@@ -54,6 +54,8 @@ from typing import Callable, Sequence
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when an OpenMP runtime starts (torch, llama.cpp)
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench.py, scripts/bench_limit.py
+from bench_limit import artifact_traffic, graph_traffic, limit_tokens_per_second, machine_limits  # noqa: E402
 PEERS = ("ours", "transformers", "optimum", "genai-fp32", "genai-int4", "llama-q4_1", "llama-f32")
 NO_SPIN = {"session.intra_op.allow_spinning": "0", "session.inter_op.allow_spinning": "0"}
 
@@ -134,21 +136,41 @@ def agreement_cell(a: dict | None) -> str:
     return cell
 
 
+def limit_cell(summary: dict) -> str:
+    """Table cell: measured tokens/s as a fraction of the bandwidth limit, and the limit."""
+    if summary.get("limit_tokens_per_second") is None:
+        return "–"
+    return f"{summary['fraction_of_limit']:.2f} of {summary['limit_tokens_per_second']:.0f}"
+
+
 def markdown_table(report: dict) -> str:
     """The results as a markdown table, systems fastest first, then notes and skipped peers."""
     rows = sorted(report["systems"], key=lambda s: -(s["summary"]["median_tokens_per_second"] or 0))
-    lines = ["| system | precision | tokens/s (median) | range | first token ms | tokens/step | "
-             "same tokens as fp32 greedy |", "|---|---|---|---|---|---|---|"]
+    lines = ["| system | precision | tokens/s (median) | range | first token ms | tokens/step | MB/step | "
+             "of the bandwidth limit | same tokens as fp32 greedy | Medusa = own plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in rows:
         m = s["summary"]
+        mb = s.get("bytes_per_step")
         lines.append(f"| {s['name']} | {s['precision']} | {_fmt(m['median_tokens_per_second'], '.1f')} | "
                      f"{_fmt(m['min_tokens_per_second'], '.1f')}-{_fmt(m['max_tokens_per_second'], '.1f')} | "
                      f"{_fmt(m['median_ttft_ms'], '.0f')} | {_fmt(m['mean_tokens_per_step'], '.2f')} | "
-                     f"{agreement_cell(s.get('agreement'))} |")
+                     f"{_fmt(mb / 1e6 if mb else None, '.0f')} | {limit_cell(m)} | "
+                     f"{agreement_cell(s.get('agreement'))} | {agreement_cell(s.get('equals_own_plain'))} |")
     cfg = report["config"]
     notes = [f"{cfg['prompts']} MT-Bench first turns x {cfg['max_new_tokens']} new tokens, greedy, "
              f"{cfg['rounds']} interleaved round(s), {cfg['threads']} threads, passive waiting; "
              f"reference: {report['reference'] or 'none'}."]
+    lim = report.get("limits")
+    if lim:
+        h = lim["host"]
+        notes.append(f"bandwidth limit: STREAM-like triad {lim['bandwidth'] / 1e9:.1f} GB/s at {lim['threads']} threads "
+                     f"(copy {lim['bandwidth_bytes_per_s']['copy'] / 1e9:.1f}); a plain decoder cannot beat "
+                     f"bandwidth / MB per step tokens/s, Medusa's ceiling is that times its tokens/step "
+                     f"(scripts/bench_limit.py; {h['cpu']}, {h['date']}).")
+    if report.get("machine"):
+        notes.append(f"load average before / after: {report['machine']['load_average_before'][0]:.2f} / "
+                     f"{report['machine']['load_average_after'][0]:.2f}")
     notes += [f"{s['name']}: {s['note']}" for s in rows if s.get("note")]
     notes += [f"{s['name']}: outputs differ between rounds" for s in rows if not s.get("deterministic", True)]
     notes += [f"skipped {name}: {why}" for name, why in report["skipped"].items()]
@@ -172,6 +194,8 @@ class System:
         run: ``run(prompt_ids, max_new_tokens)`` -> dict with ``tokens`` (EOS excluded), ``seconds``
             (wall time, prefill included), ``ttft_seconds`` (or None) and optionally ``tokens_per_step``.
         note: a remark for the table's notes.
+        bytes_per_step: bytes of weights one step reads (``scripts/bench_limit.py``'s rules), or None if unknown.
+        plain_of: for a Medusa system, the name of the same artifact's vanilla system (its outputs must be equal).
     """
 
     name: str
@@ -179,6 +203,8 @@ class System:
     run: Callable[[list[int], int], dict]
     note: str = ""
     runs: list = field(default_factory=list)
+    bytes_per_step: float | None = None
+    plain_of: str | None = None
 
 
 @dataclass
@@ -264,9 +290,14 @@ def ours(artifacts: Sequence[str], threads: int) -> tuple[list[System], Callable
                     "tokens_per_step": c.tokens_per_step}
 
         label = Path(path).name
-        systems.append(System(f"medusa-export vanilla ({label})", precision,
-                              lambda ids, n, run=run: run(ids, n, vanilla=True)))
-        systems.append(System(f"medusa-export Medusa, tree {session.tree.size} ({label})", precision, run))
+        traffic = artifact_traffic(path)
+        step = traffic["model"].weight_bytes
+        vanilla = System(f"medusa-export vanilla ({label})", precision, lambda ids, n, run=run: run(ids, n, vanilla=True),
+                         bytes_per_step=step)
+        systems.append(vanilla)
+        heads = traffic["heads"].weight_bytes if "heads" in traffic and session.tree.size > 1 else 0.0
+        systems.append(System(f"medusa-export Medusa, tree {session.tree.size} ({label})", precision, run,
+                              bytes_per_step=step + heads, plain_of=vanilla.name))
     return systems, encoder, eos
 
 
@@ -306,7 +337,8 @@ def _hf_generate(model, eos: list[int]) -> Callable[[list[int], int], dict]:
 def transformers_peer(ctx: Context) -> list[System]:
     """transformers ``generate``, fp32."""
     _require("torch", "torch")
-    return [System("transformers generate", "fp32", _hf_generate(ctx.hf_model(), ctx.eos))]
+    step = float(sum(p.numel() * p.element_size() for p in ctx.hf_model().parameters()))
+    return [System("transformers generate", "fp32", _hf_generate(ctx.hf_model(), ctx.eos), bytes_per_step=step)]
 
 
 def optimum_peer(ctx: Context) -> list[System]:
@@ -326,7 +358,8 @@ def optimum_peer(ctx: Context) -> list[System]:
         so.add_session_config_entry(k, v)
     model = ORTModelForCausalLM.from_pretrained(str(out), session_options=so, provider="CPUExecutionProvider",
                                                 use_cache=True)
-    return [System("optimum ORTModelForCausalLM", "fp32", _hf_generate(model, ctx.eos))]
+    step = float(sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".onnx", ".onnx_data", ".data")))
+    return [System("optimum ORTModelForCausalLM", "fp32", _hf_generate(model, ctx.eos), bytes_per_step=step)]
 
 
 def genai_peer(ctx: Context, precision: str) -> list[System]:
@@ -368,7 +401,10 @@ def genai_peer(ctx: Context, precision: str) -> list[System]:
         return {"tokens": tokens, "seconds": seconds, "ttft_seconds": ttft}
 
     note = "int4 weights (MatMulNBits, builder defaults)" if precision == "int4" else ""
-    return [System(f"onnxruntime-genai {og.__version__}", precision, run, note)]
+    import onnx
+
+    step = graph_traffic(onnx.load(str(out / "model.onnx"), load_external_data=False)).weight_bytes
+    return [System(f"onnxruntime-genai {og.__version__}", precision, run, note, bytes_per_step=step)]
 
 
 def _f32_gguf(ctx: Context, llama_cpp) -> Path:
@@ -409,7 +445,8 @@ def llama_peer(ctx: Context, precision: str) -> list[System]:
         return {"tokens": tokens, "seconds": time.perf_counter() - start, "ttft_seconds": ttft}
 
     note = "the shipped GGUF's Q4_1 weights" if precision == "q4_1" else "f32 GGUF dequantized from the shipped Q4_1"
-    return [System(f"llama-cpp-python {llama_cpp.__version__}", "fp32" if precision == "f32" else precision, run, note)]
+    return [System(f"llama-cpp-python {llama_cpp.__version__}", "fp32" if precision == "f32" else precision, run, note,
+                   bytes_per_step=float(path.stat().st_size))]
 
 
 PEER_FACTORIES = {
@@ -445,7 +482,6 @@ def hf_encoder(ctx: Context) -> tuple[Callable[[str], list[int]], list[int]]:
 
 def run(args) -> dict:
     """Prepare every system, run the interleaved rounds, aggregate."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench.py
     from medusa_runtime.front.prompts import read_first_turns
 
     wanted = [p for p in args.systems.split(",") if p]
@@ -483,6 +519,10 @@ def run(args) -> dict:
             skipped[s.name] = f"failed in warm-up: {type(exc).__name__}: {str(exc)[:300]}"
             systems.remove(s)
     load_before = os.getloadavg()
+    limits = None
+    if args.limit:
+        print("measuring the memory bandwidth and GEMM peak (scripts/bench_limit.py) ...", file=sys.stderr)
+        limits = machine_limits(args.threads)
     order = schedule(len(systems), len(prompt_ids), args.rounds)
     for i, (r, p, k) in enumerate(order):
         s = systems[k]
@@ -503,11 +543,19 @@ def run(args) -> dict:
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before,
                     "load_average_after": os.getloadavg(), "platform": platform.platform()},
         "versions": _versions(), "prompts": texts, "prompt_tokens": [len(ids) for ids in prompt_ids],
-        "reference": ref.name if ref else None, "skipped": skipped, "systems": [],
+        "reference": ref.name if ref else None, "skipped": skipped, "systems": [], "limits": limits,
     }
+    by_name = {s.name: s for s in systems}
     for s in systems:
+        summary = aggregate(s.runs)
+        if limits and s.bytes_per_step:
+            summary["limit_tokens_per_second"] = limit_tokens_per_second(limits["bandwidth"], s.bytes_per_step)
+            summary["fraction_of_limit"] = (summary["median_tokens_per_second"] or 0) / summary["limit_tokens_per_second"]
+        own = by_name.get(s.plain_of) if s.plain_of else None
         report["systems"].append({
-            "name": s.name, "precision": s.precision, "note": s.note, "summary": aggregate(s.runs),
+            "bytes_per_step": s.bytes_per_step,
+            "equals_own_plain": agreement(outputs(s), outputs(own)) if own else None,
+            "name": s.name, "precision": s.precision, "note": s.note, "summary": summary,
             "deterministic": deterministic(s.runs),
             "agreement": agreement(outputs(s), outputs(ref)) if ref else None,
             "outputs": outputs(s),
@@ -564,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system (default: 2)")
+    p.add_argument("--no-limit", dest="limit", action="store_false",
+                   help="skip measuring the bandwidth limit (scripts/bench_limit.py) before the rounds")
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "peers"),
                    help="where peer models are made once and reused (default: .cache/peers)")
     p.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmark"), help="output folder (default: docs/benchmark)")

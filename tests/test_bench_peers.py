@@ -79,7 +79,25 @@ def test_deterministic_and_table():
                            "agreement": {"identical": 0, "prompts": 1, "prefix_tokens": [4], "prefix_fraction": 0.5}}]}
     table = bp.markdown_table(report)
     lines = table.splitlines()
-    assert lines[2].startswith("| fast | int4 | 16.0 | 16.0-16.0 | – | – | 0/1 (50% of tokens before divergence) |")
-    assert lines[3].startswith("| slow | fp32 | 8.0 | 8.0-8.0 | 50 | – | 1/1 |")
+    assert lines[2] == "| fast | int4 | 16.0 | 16.0-16.0 | – | – | – | – | 0/1 (50% of tokens before divergence) | – |"
+    assert lines[3] == "| slow | fp32 | 8.0 | 8.0-8.0 | 50 | – | – | – | 1/1 | – |"
     assert "- skipped llama-f32: llama-cpp-python is not installed" in lines
     assert "- fast: int4 weights" in lines
+
+
+def test_table_gives_the_fraction_of_the_bandwidth_limit_and_medusa_against_its_own_plain():
+    # 30 GB/s over 600 MB a step: 50 tokens/s at most; 40 measured is 0.80 of it (by hand)
+    summary = bp.aggregate([{"tokens": [0] * 40, "seconds": 1.0, "ttft_seconds": None}])
+    summary["limit_tokens_per_second"] = bp.limit_tokens_per_second(30e9, 600e6)
+    summary["fraction_of_limit"] = 40 / summary["limit_tokens_per_second"]
+    same = {"identical": 2, "prompts": 2, "prefix_tokens": [8, 8], "prefix_fraction": 1.0}
+    report = {"config": {"prompts": 2, "max_new_tokens": 8, "rounds": 1, "threads": 2}, "reference": "ref",
+              "skipped": {}, "machine": {"load_average_before": (0.05, 0, 0), "load_average_after": (0.5, 0, 0)},
+              "limits": {"bandwidth": 30e9, "bandwidth_bytes_per_s": {"copy": 25e9, "triad": 30e9}, "threads": 2,
+                         "host": {"cpu": "cpu", "date": "today"}},
+              "systems": [{"name": "m", "precision": "fp32", "summary": summary, "note": "", "bytes_per_step": 600e6,
+                           "agreement": same, "equals_own_plain": same}]}
+    lines = bp.markdown_table(report).splitlines()
+    assert lines[2] == "| m | fp32 | 40.0 | 40.0-40.0 | – | – | 600 | 0.80 of 50 | 2/2 | 2/2 |"
+    assert "- load average before / after: 0.05 / 0.50" in lines
+    assert any(line.startswith("- bandwidth limit: STREAM-like triad 30.0 GB/s") for line in lines)
