@@ -334,7 +334,9 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
 
     prompts = read_prompts(request.prompt_file) if request.prompt_file else None
     entry, _ = entry_for(request.model)
-    asked = build_spec(entry.default_tree if request.tree is None else request.tree)
+    chains_only = cfg.export.step_rows is not None  # Medusa is exact on chains only (ExportConfig.step_rows)
+    default_tree = "chain" if chains_only else entry.default_tree
+    asked = build_spec(default_tree if request.tree is None else request.tree)
     early_out = request.out or default_out(entry.name, asked, None, cfg.precision, cfg.graph)
     if early_out:  # None: a preset or tree file, whose size needs the heads' count (checked once they are open)
         check_replaceable(Path(early_out), force=request.force, default=not request.out)
@@ -350,7 +352,8 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
     if cfg.max_context is not None and not 2 <= cfg.max_context <= positions:
         raise InvalidSettingError(f"--max-context must be in 2..{positions} ({lm.name}'s max_position_embeddings is "
                                   f"{positions}), got {cfg.max_context}")
-    res = resolve_tree(asked, TreeContext(num_heads=lm.sources.heads_config.num_heads, accuracies=lm.head_accuracies))
+    res = resolve_tree(asked, TreeContext(num_heads=lm.sources.heads_config.num_heads, accuracies=lm.head_accuracies,
+                                          chains_only=chains_only))
     tree = res.tree.static_shape(lm.head_accuracies)  # per-step trees: the T-node tree fixed-tree engines run
     out = request.out or default_out(lm.name, asked, tree.size, cfg.precision, cfg.graph)
     replacing = check_replaceable(Path(out), force=request.force, default=not request.out)  # a preset's, or made

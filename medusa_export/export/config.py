@@ -164,6 +164,20 @@ class ExportConfig:
             return self.precision
         return QUANTIZED_HEADS_DEFAULT if self.heads_precision == "auto" else self.heads_precision
 
+    @property
+    def step_rows(self) -> dict | None:
+        """The manifest's ``precision.step_rows`` (:class:`medusa_runtime.contract.manifest.StepRows`) of this
+        build, or None: a backbone whose MatMulNBits quantize their activations (accuracy level 4) is exact only when
+        every step runs at least 2 rows (ONNX Runtime's one-row kernel rounds differently) and on chain trees (the
+        attention's sums round differently when masked keys sit between a row's keys). Measured on ONNX Runtime
+        1.32's CPU kernels: docs/precisions.md, "int8 activations"."""
+        wo = self.weight_only(self.precision)
+        if wo is None or wo.accuracy_level != 4:
+            return None
+        return {"min_rows": 2, "trees": "chain",
+                "reason": "int8 activations (MatMulNBits accuracy level 4): one-token steps run as 2 rows and trees "
+                          "are chains, so every row is computed bit for bit as in plain decoding (docs/precisions.md)"}
+
     def weight_only(self, precision: str, heads: bool = False) -> WeightOnlyConfig | None:
         """The MatMulNBits settings of ``precision`` (None for fp32 / fp16).
 

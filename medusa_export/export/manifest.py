@@ -46,9 +46,12 @@ def _precision_json(cfg: ExportConfig, dtype: str, quantized: dict) -> dict:
         return PRECISION_TABLE[precision].dtype if wo is None else wo.describe()
 
     heads = cfg.resolved_heads_precision
-    return {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,
-            "heads_weights": weights(heads, True), "quantized_matmuls": quantized,
-            "kv_dtype": dtype, "norm_and_softmax": "float32"}
+    out = {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,
+           "heads_weights": weights(heads, True), "quantized_matmuls": quantized,
+           "kv_dtype": dtype, "norm_and_softmax": "float32"}
+    if cfg.step_rows is not None:
+        out["step_rows"] = cfg.step_rows
+    return out
 
 
 def _flavour(folder: Path, files: list[str], graph: str) -> tuple[str, list[str]]:

@@ -107,6 +107,8 @@ class ValidationReport:
         reference: how the reference is named (:data:`~.independent.REFERENCE_TEXT`; "" in records written
             before it existed).
         reference_seconds: the independent reference's time over every prompt (None: not measured).
+        regime: how the engine ran the steps when the manifest's ``precision.step_rows`` asks for a regime (e.g.
+            "one-token steps as 2 rows, chain trees"), "" otherwise.
     """
 
     precision: str
@@ -114,13 +116,14 @@ class ValidationReport:
     prompts: list[PromptReport] = field(default_factory=list)
     reference: str = ""
     reference_seconds: float | None = None
+    regime: str = ""
 
     @staticmethod
     def from_json(record: dict) -> "ValidationReport":
         """A check's record in the manifest (``precision``, ``new_tokens``, ``prompts``) as a report."""
         return ValidationReport(record["precision"], record["new_tokens"],
                                 [PromptReport(**p) for p in record["prompts"]], record.get("reference", ""),
-                                record.get("reference_seconds"))
+                                record.get("reference_seconds"), record.get("regime", ""))
 
     def failure(self, p: PromptReport) -> str | None:
         """Why prompt ``p`` fails (one line), or None when it passes."""
@@ -167,7 +170,7 @@ class ValidationReport:
     def to_json(self) -> dict:
         tol = tolerance(self.precision)
         return {"precision": self.precision, "new_tokens": self.new_tokens, "passed": self.passed,
-                "reference": self.reference, "reference_seconds": self.reference_seconds,
+                "reference": self.reference, "reference_seconds": self.reference_seconds, "regime": self.regime,
                 "checks": _CHECKS[tol.reference], "tolerance": asdict(tol), "prompts": [asdict(p) for p in self.prompts]}
 
     def summary(self) -> str:
@@ -239,7 +242,8 @@ def _report_summary(v: dict) -> str:
     if v["tolerance"].get("reference") == "vanilla":
         lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
         agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
-        return (f"Medusa == plain greedy of the same graph on {lossless}/{n} prompts x "
+        regime = f" (steps: {v['regime']})" if v.get("regime") else ""
+        return (f"Medusa == plain greedy of the same graph{regime} on {lossless}/{n} prompts x "
                 f"{compared_tokens(prompts, v['new_tokens'])}; "
                 f"vs {ref} (information): identical on {same}/{n}, tokens before the first divergence {agree}")
     both = sum(p["identical"] and p.get("plain_identical") is not False for p in prompts)

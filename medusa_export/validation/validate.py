@@ -221,8 +221,11 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     tol = tolerance(precision)
     root = make_tree([], num_heads=artifact.model.medusa_heads, topk=artifact.tree.topk)
     eng = engine or OrtEngine(artifact)
+    caps = eng.capabilities
+    regime = ", ".join(filter(None, (f"one-token steps as {caps.min_rows} rows" if caps.min_rows > 1 else "",
+                                     "chain trees" if caps.chain_trees else "")))
     report = ValidationReport(precision, new_tokens, reference=reference,
-                              reference_seconds=round(sum(r.seconds for r in runs), 2))
+                              reference_seconds=round(sum(r.seconds for r in runs), 2), regime=regime)
     compare_accepted = exact_heads(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
     desc = "validating: ONNX Runtime, Medusa and plain, against the reference"

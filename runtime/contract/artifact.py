@@ -314,6 +314,8 @@ class StepLimits(NamedTuple):
     vocab_size: int
     step_topk: int | None  # k of topk_ids / topk_logprobs (None: not recorded)
     has_sampler: bool  # the in-graph sampler (step_sampler)
+    min_rows: int = 1  # precision.step_rows.min_rows: pad smaller steps to this many rows
+    chain_trees: bool = False  # precision.step_rows.trees == "chain": Medusa is exact on chains only
 
 
 def step_limits(manifest: Manifest | dict) -> StepLimits:
@@ -324,8 +326,10 @@ def step_limits(manifest: Manifest | dict) -> StepLimits:
     """
     manifest = as_manifest(manifest)
     m = manifest.model
+    rows = manifest.precision.step_rows if manifest.precision is not None else None
     return StepLimits(int(m.max_context), int(m.vocab_size), int(manifest.step_topk or 0) or None,
-                      step_sampler(manifest))
+                      step_sampler(manifest), min_rows=int(rows.min_rows) if rows else 1,
+                      chain_trees=bool(rows and rows.trees == "chain"))
 
 
 #: Versions of the manifest's ``batch`` entry this runtime reads.

@@ -132,6 +132,29 @@ class ModelInfo(Section):
     key_order: tuple = _order()
 
 
+#: The tree shapes a :class:`StepRows` regime may require (``any``: every tree; ``chain``: one path, no branching).
+STEP_TREES = ("any", "chain")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRows(Section):
+    """How a step graph must be called for Medusa to equal plain greedy decoding of the same graph bit for bit.
+
+    Written for backbones whose weight products quantize their activations (ONNX Runtime's MatMulNBits at
+    accuracy level 4: int8 activations): a rounding difference of one ulp between two ways of computing a row flips
+    an int8 step that then grows through the layers. Measured on ONNX Runtime 1.32's CPU kernels (docs/precisions.md):
+    MatMulNBits gives one row the same bits at every M >= 2 but others at M = 1, and the attention's softmax sums
+    give a row the same bits whenever its keys are contiguous (a chain) but others when masked keys sit between them
+    (a branching tree).
+    """
+
+    min_rows: int = _doc("pad every step to at least this many rows (extra rows: copies of the last one, masked)", 1)
+    trees: str = _doc("tree shapes that keep Medusa exact: any, or chain (one path)", "any")
+    reason: str = _doc("why, in words", "")
+    extra: dict = _extra()
+    key_order: tuple = _order()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Precision(Section):
     """The precision of the graphs' weights, KV cache and heads."""
@@ -143,6 +166,7 @@ class Precision(Section):
     quantized_matmuls: dict[str, dict[str, int]] = _doc("MatMulNBits counts by graph file")
     kv_dtype: str = _doc("float32 or float16: dtype of the KV tensors and float graph I/O")
     norm_and_softmax: str
+    step_rows: StepRows | None = _doc("the row regime the step needs (absent: any rows, any tree)", None)
     extra: dict = _extra()
     key_order: tuple = _order()
 

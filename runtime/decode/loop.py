@@ -338,9 +338,10 @@ class Decoding:
             self._pending = (None, self.prompt, draws)
             return self._row_inputs(self.prompt, cache.length + np.arange(n, dtype=np.int64), causal_mask(n), draws)
         proposal, self._proposal = self._proposal, None
-        if proposal is None or not fits(cache.length, proposal.tree.size, cache.capacity):
+        rows = self.engine.capabilities.min_rows  # the engine pads smaller steps to this many rows
+        if proposal is None or not fits(cache.length, max(proposal.tree.size, rows), cache.capacity):
             proposal = Proposal(self.root_tree, np.array([self._root], np.int64))
-        if not fits(cache.length, proposal.tree.size, cache.capacity):
+        if not fits(cache.length, max(proposal.tree.size, rows), cache.capacity):
             self.result.finish_reason = "length"  # the context is full
             self.done = True
             return None

@@ -45,6 +45,10 @@ class Capabilities:
         vocab_size: V, the embedding table's rows (prompt ids are checked against it); None: unchecked.
         device_id: the CUDA device the engine runs on; None on the host (part of the tree cache's
             backend fingerprint, :mod:`medusa_runtime.tuning.treecache`).
+        min_rows: ``step`` pads a call of fewer rows to this many (the manifest's ``precision.step_rows``), so
+            that every row is computed in one kernel regime; the loop leaves room for the padding in the cache.
+        chain_trees: Medusa equals plain greedy decoding of this engine on chain trees only (``--tree auto``
+            times chains; other trees are refused).
 
     Whether the tree is fixed when the engine is built is a fact of the backend, not of one engine:
     :attr:`medusa_runtime.engines.BackendSpec.fixed_tree`.
@@ -63,6 +67,8 @@ class Capabilities:
     step_topk: int | None = None
     vocab_size: int | None = None
     device_id: int | None = None
+    min_rows: int = 1
+    chain_trees: bool = False
 
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:
@@ -72,7 +78,8 @@ class Capabilities:
     def with_limits(cls, limits, **facts) -> "Capabilities":
         """The capabilities ``facts`` with the limits of an artifact's step graph (``max_context``,
         ``step_topk``, ``vocab_size`` of a :class:`medusa_runtime.contract.artifact.StepLimits`)."""
-        return cls(max_context=limits.max_context, step_topk=limits.step_topk, vocab_size=limits.vocab_size, **facts)
+        return cls(max_context=limits.max_context, step_topk=limits.step_topk, vocab_size=limits.vocab_size,
+                   min_rows=limits.min_rows, chain_trees=limits.chain_trees, **facts)
 
 
 class StepResult(NamedTuple):

@@ -56,6 +56,38 @@ def session_options(threads: int | None, spin: bool = False):
 _STEP_OUTPUTS = ("topk_ids", "topk_logprobs", "entropy", "token_logprobs", "hidden_states")
 
 
+def pad_rows(input_ids, position_ids, mask, sampling: SamplerInputs | None, rows: int):
+    """A step padded to ``rows`` rows: each extra row repeats the last token one position further on, sees the
+    real rows and itself, and is seen by none (so the real rows compute exactly what they would alone, given
+    row-independent kernels) and is never sampled.
+
+    Args:
+        input_ids, position_ids: int64 [1, S]; mask: bool [S, S]; sampling: the in-graph sampler's inputs or None.
+        rows: the padded row count R > S.
+
+    Returns:
+        (input_ids [1, R], position_ids [1, R], mask [R, R], sampling with uniforms [R] (-1: not sampled) or None).
+    """
+    s = int(input_ids.shape[1])
+    extra = rows - s
+    ids = np.concatenate([input_ids, np.repeat(input_ids[:, -1:], extra, axis=1)], axis=1)
+    pos = np.concatenate([position_ids, position_ids[:, -1:] + np.arange(1, extra + 1)], axis=1)
+    m = np.zeros((rows, rows), dtype=bool)
+    m[:s, :s] = mask
+    m[s:, :] = np.tril(np.ones((extra, rows), dtype=bool), k=s)
+    if sampling is not None:
+        sampling = sampling._replace(uniforms=np.concatenate([np.asarray(sampling.uniforms, np.float32),
+                                                              np.full(extra, -1.0, np.float32)]))
+    return ids, pos, m, sampling
+
+
+def first_rows(out: StepResult, s: int) -> StepResult:
+    """The first ``s`` rows of a padded step's result (views; the K/V of the padding rows are dropped)."""
+    return StepResult(out.topk_ids[:s], out.topk_logprobs[:s], out.entropy[:s], out.token_logprobs[:s, :s],
+                      out.hidden[:s], [(k[:, :s], v[:, :s]) for k, v in out.new_kv],
+                      None if out.sampled_ids is None else out.sampled_ids[:s])
+
+
 class OrtEngine:
     """Runs ``model.onnx`` (backbone step) and ``heads.onnx`` (or, for path-conditioned heads, the level
     graphs ``heads_level{j}.onnx``) with ONNX Runtime.
@@ -138,7 +170,18 @@ class OrtEngine:
         ``sampling`` feeds the in-graph sampler (artifacts whose manifest has ``step_sampler``);
         ``StepResult.sampled_ids`` is then its draw per row. A batched step graph (manifest ``batch``)
         runs this one sequence as a batch of one (``past_sequence_length`` = its whole past).
+
+        A step of fewer rows than ``capabilities.min_rows`` (the manifest's ``precision.step_rows``) runs padded
+        (:func:`pad_rows`) and returns its real rows only, so that every row goes through the kernels' multi-row
+        path; a step whose padding would not fit the in-place cache runs as it is.
         """
+        s, want = int(input_ids.shape[1]), self.capabilities.min_rows
+        if s >= want or (isinstance(past, InPlacePast) and past[1] + want > past[0].capacity):
+            return self._step(input_ids, position_ids, mask, temperature, past, sampling)
+        ids, pos, m, smp = pad_rows(input_ids, position_ids, mask, sampling, want)
+        return first_rows(self._step(ids, pos, m, temperature, past, smp), s)
+
+    def _step(self, input_ids, position_ids, mask, temperature, past, sampling: SamplerInputs | None = None) -> StepResult:
         if isinstance(past, InPlacePast):
             if self.max_batch:  # a batched fused graph: it reads the buffers and returns the new K/V
                 if sampling is not None:

@@ -181,7 +181,9 @@ class OrtCudaEngine:
         self.hidden_size = m.hidden_size
         self.io_device = io_device
         self.device_id = device_id if io_device == "cuda" else 0
-        self.capabilities = Capabilities.with_limits(limits, own_cache=True, device_id=self.device_id)
+        # precision.step_rows describes ONNX Runtime's CPU kernels (int8 activations); this engine does not pad
+        self.capabilities = Capabilities.with_limits(limits._replace(min_rows=1, chain_trees=False), own_cache=True,
+                                                     device_id=self.device_id)
         self.copies = _CudaCopies() if io_device == "cuda" else _HostCopies()
         providers = ([("CUDAExecutionProvider", {"device_id": device_id})] if io_device == "cuda" else []) + [
             "CPUExecutionProvider"]

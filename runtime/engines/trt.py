@@ -273,8 +273,8 @@ class TrtEngine:
         self.level_graphs = [self._graphs[g] for g in heads_graphs(manifest) if g != "heads"]
         self.kv_dtype = self.model.dtypes["past_key_values.0.key"]
         self.hidden_dtype = self.model.dtypes["hidden_states"]
-        self.capabilities = Capabilities.with_limits(
-            limits, head_type=manifest.head_type, own_cache=True, device_id=device_id,
+        self.capabilities = Capabilities.with_limits(  # step_rows: ONNX Runtime CPU kernels' regime, not TensorRT's
+            limits._replace(min_rows=1, chain_trees=False), head_type=manifest.head_type, own_cache=True, device_id=device_id,
             heads_logprobs=self.heads_graph is not None and "medusa_topk_logprobs" in self.heads_graph.outputs)
 
     def make_cache(self, capacity: int) -> TrtKVCache:

@@ -344,9 +344,23 @@ def greedy_tree(budget: int, accuracies: np.ndarray, *, topk: int | None = None)
 # ---------------------------------------------------------------------------
 
 
-def chain_tree(num_heads: int, topk: int = DEFAULT_TOPK) -> Tree:
-    """The chain of every head's top-1 guess: [0], [0,0], ... (depth = num_heads)."""
-    return make_tree([(0,) * d for d in range(1, num_heads + 1)], num_heads=num_heads, topk=topk)
+def chain_tree(num_heads: int, topk: int = DEFAULT_TOPK, nodes: int | None = None) -> Tree:
+    """The chain of the heads' top-1 guesses: [0], [0,0], ... ``nodes`` nodes with the root (default and at most
+    ``num_heads + 1``: every head's).
+
+    Raises:
+        InvalidTreeError: ``nodes`` outside 1..num_heads + 1.
+    """
+    nodes = num_heads + 1 if nodes is None else int(nodes)
+    if not 1 <= nodes <= num_heads + 1:
+        raise InvalidTreeError(f"a chain of {num_heads} heads has 1..{num_heads + 1} nodes (root included), got {nodes}")
+    return make_tree([(0,) * d for d in range(1, nodes)], num_heads=num_heads, topk=topk)
+
+
+def is_chain(tree) -> bool:
+    """Whether a tree is one path from the root (every node but the last has one child): its size is its depth + 1.
+    A per-step tree (:class:`~medusa_runtime.trees.dynamic.DynamicTree`) of more than one node is not."""
+    return tree.policy == "static" and tree.size == tree.max_depth + 1
 
 
 def load_tree(path: str | Path, *, num_heads: int, topk: int = DEFAULT_TOPK) -> Tree:

@@ -10,6 +10,7 @@ spec                kind             meaning
 ==================  ===============  ======================================================================
 ``N`` (e.g. 64)     ``size``         the greedy N-node tree from the heads' accuracies (Medusa paper §2.3.3)
 ``root``/``chain``  ``preset``       :data:`PRESETS`
+``chain:N``         ``chain``        the heads' top-1 guesses in a chain of N nodes, root included (1..K+1)
 ``dynamic:T``       ``dynamic``      a T-node tree chosen every step (:class:`DynamicTree`)
 ``auto``            ``auto``         the size with the most expected tokens/s, timed on an engine
 ``auto:dynamic``    ``auto``         the same over per-step trees
@@ -47,16 +48,19 @@ PRESETS = {
     "root": "root only (T=1): plain one-token-per-step decoding through the tree step",
     "chain": "each head's top-1 guess in a chain (T = 1 + num_heads)",
 }
+#: ``--tree chain:N``: a chain of N nodes (the root and the first N - 1 heads' top-1 guesses).
+CHAIN_PREFIX = "chain:"
 #: The kinds of spec (:attr:`TreeSpec.kind`).
-KINDS = ("size", "preset", "dynamic", "auto", "artifact", "file")
+KINDS = ("size", "preset", "chain", "dynamic", "auto", "artifact", "file")
 
 _FILE_OR_PRESET = f"a JSON file of medusa_choices, or a preset: {', '.join(sorted(PRESETS))}"
 #: What a spec may be, for error messages.
-CHOICES = (f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T (a T-node tree chosen every step), {AUTO} or "
+CHOICES = (f"a node budget (e.g. 64), {CHAIN_PREFIX}N (a chain of N nodes), {DYNAMIC_PREFIX}T (a T-node tree chosen every step), {AUTO} or "
            f"{AUTO_DYNAMIC} (measured on this machine), {ARTIFACT} (with an artifact: the tree it was built "
            f"with), {_FILE_OR_PRESET}")
 #: What build's ``--tree`` may be (all but ``artifact``: build writes the artifact).
-BUILD_TREES = f"a node budget (e.g. 64), {DYNAMIC_PREFIX}T, {AUTO} or {AUTO_DYNAMIC} (timed after the export), {_FILE_OR_PRESET}"
+BUILD_TREES = (f"a node budget (e.g. 64), {CHAIN_PREFIX}N, {DYNAMIC_PREFIX}T, {AUTO} or {AUTO_DYNAMIC} (timed after the "
+               f"export), {_FILE_OR_PRESET}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class TreeSpec:
     Attributes:
         text: the spec as given, stripped.
         kind: one of :data:`KINDS`.
-        size: the node count of ``size`` and ``dynamic`` specs, else None.
+        size: the node count of ``size``, ``chain`` and ``dynamic`` specs, else None.
         policy: "dynamic" for ``dynamic:T`` and ``auto:dynamic`` (a tree chosen every step), else "static".
     """
 
@@ -100,6 +104,12 @@ def parse_tree_spec(spec: str | int) -> TreeSpec:
             raise InvalidTreeError(f"--tree {DYNAMIC_PREFIX}T takes a node count T >= 1 (e.g. {DYNAMIC_PREFIX}6), "
                                    f"got {text!r}")
         return TreeSpec(text, "dynamic", int(n), "dynamic")
+    if text.startswith(CHAIN_PREFIX):
+        n = text[len(CHAIN_PREFIX):]
+        if not re.fullmatch(r"[0-9]+", n) or int(n) < 1:
+            raise InvalidTreeError(f"--tree {CHAIN_PREFIX}N takes a node count N >= 1, root included (e.g. "
+                                   f"{CHAIN_PREFIX}3), got {text!r}")
+        return TreeSpec(text, "chain", int(n))
     if re.fullmatch(r"-?[0-9]+", text):  # a negative budget gets the same message as 0, not "unknown tree"
         if int(text) < 1:
             raise InvalidTreeError(f"a tree has at least 1 node (the root), got --tree {text}: give {CHOICES}")
@@ -165,6 +175,8 @@ def tree_from_spec(
         return make_tree([], num_heads=num_heads, topk=topk)
     if ts.text == "chain":
         return chain_tree(num_heads, topk)
+    if ts.kind == "chain":
+        return chain_tree(num_heads, topk, ts.size)
     if ts.kind == "auto":
         raise InvalidTreeError(f"--tree {ts.text} times the tree step on an engine, so it needs an artifact: "
                                f"medusa-export build --tree {AUTO}, generate/chat --artifact DIR --tree {AUTO}, "

@@ -29,11 +29,11 @@ import numpy as np
 
 from ..trees.calibration import ProbabilityMap
 from ..errors import InvalidTreeError
-from ..trees.tree import DEFAULT_TOPK, default_accuracies, expected_accept_length, greedy_tree, make_tree
+from ..trees.tree import DEFAULT_TOPK, chain_tree, default_accuracies, expected_accept_length, greedy_tree, make_tree
 from ..trees.dynamic import DEFAULT_WIDTH, DynamicTree, StepTree
 
 #: Tree policies: one fixed tree, or a tree of fixed size chosen every step.
-POLICIES = ("static", "dynamic")
+POLICIES = ("static", "dynamic", "chain")
 
 #: Node counts tried by ``--tree auto`` (1 = plain decoding).
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -103,7 +103,8 @@ def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: 
             columns beyond ``topk`` are ignored.
         sizes: node counts (each >= 1).
         num_heads, topk: the engine's heads and candidate top-k.
-        policy: "static" (the greedy tree of each size) or "dynamic" (a per-step tree of each size).
+        policy: "static" (the greedy tree of each size), "dynamic" (a per-step tree of each size) or "chain" (the
+            chain of each size; sizes above ``num_heads + 1`` are left out: no chain is longer).
         calibration, width: of the per-step trees.
 
     Raises:
@@ -121,6 +122,9 @@ def candidate_trees(accuracies: np.ndarray, sizes: Sequence[int], *, num_heads: 
             raise InvalidTreeError(f"tree sizes must be >= 1 node, got {n}")
         if n == 1:
             out[n] = make_tree([], num_heads=num_heads, topk=topk)
+        elif policy == "chain":
+            if n <= num_heads + 1:
+                out[n] = chain_tree(num_heads, topk, n)
         elif policy == "dynamic":
             out[n] = DynamicTree(n, num_heads, topk, width, calibration)
         else:
@@ -371,6 +375,8 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
     """
     if accuracies is None:
         accuracies = default_accuracies(engine.num_heads, topk)
+    if policy == "chain":  # every chain: 1 (plain decoding) .. K + 1 nodes
+        sizes = range(1, engine.num_heads + 2)
     if capacity is not None:
         sizes = [n for n in sizes if n <= capacity // 2]
         if not sizes:

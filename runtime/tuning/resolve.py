@@ -31,7 +31,8 @@ from ..decode.loop import runs_dynamic_trees
 from ..engines import backend_spec
 from ..errors import InvalidTreeError, MedusaError
 from ..trees.dynamic import DynamicTree, StepTree
-from ..trees.tree import DEFAULT_TOPK, Tree, default_accuracies
+from ..trees.tree import DEFAULT_TOPK, Tree, default_accuracies, is_chain
+from ..contract.artifact import step_limits
 from ..trees.treespec import BUILD_TREES, TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
 from .autotree import DEFAULT_SIZES, TreeTiming, auto_tree, candidate_trees
 from .treecache import (DEFAULT_SPEC, TREE_ENV, DefaultTree, artifact_identity, backend_fingerprint, cached_choice,
@@ -57,6 +58,8 @@ class TreeContext:
         progress: called with a line per measurement of ``auto`` (None: silent).
         notice: called with one line when ``auto`` starts timing, when the default tree is timed, or when a
             fixed-tree engine runs the artifact's (None: silent).
+        chains_only: Medusa is exact on chain trees only (the manifest's ``precision.step_rows``, an engine's
+            ``capabilities.chain_trees``): ``auto`` and the default time chains, other trees are refused.
     """
 
     num_heads: int
@@ -71,13 +74,17 @@ class TreeContext:
     capacity: int | None = None
     progress: Callable[[str], None] | None = None
     notice: Callable[[str], None] | None = None
+    chains_only: bool = False
 
     @classmethod
     def of_artifact(cls, artifact, engine=None, **options) -> "TreeContext":
-        """The context of a loaded artifact (its heads, accuracies and calibration), run on ``engine``."""
+        """The context of a loaded artifact (its heads, accuracies and calibration), run on ``engine`` (whose
+        capabilities say whether only chains are exact; without one, the artifact's manifest says)."""
+        chains = (engine.capabilities.chain_trees if engine is not None
+                  else step_limits(artifact.manifest).chain_trees)
         return cls(num_heads=engine.num_heads if engine is not None else artifact.tree.num_heads,
                    topk=artifact.tree.topk, accuracies=artifact.head_accuracies, calibration=artifact.calibration,
-                   simulated=artifact.simulated, artifact=artifact, engine=engine, **options)
+                   simulated=artifact.simulated, artifact=artifact, engine=engine, chains_only=chains, **options)
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ def resolve_tree(spec: StepTree | TreeSpec | str | int | None, ctx: TreeContext)
         MedusaError: a tree wider or deeper than the artifact's heads graph.
     """
     if isinstance(spec, (Tree, DynamicTree)):
-        return ResolvedTree(_fits(spec, ctx), "as given", spec.policy)
+        return ResolvedTree(_fits(_chain_checked(spec, "the given tree", ctx), ctx), "as given", spec.policy)
     if spec is None:
         if ctx.backend is not None and backend_spec(ctx.backend).fixed_tree:  # e.g. TensorRT plans
             base = ctx.artifact.tree
@@ -159,22 +166,40 @@ def resolve_tree(spec: StepTree | TreeSpec | str | int | None, ctx: TreeContext)
         source = "the artifact's"
         policy = ctx.artifact.manifest.tree.policy  # "dynamic:T" when built with --tree dynamic:T
         if not policy or ctx.engine is None or not runs_dynamic_trees(ctx.engine.capabilities):
-            return ResolvedTree(ctx.artifact.tree, source)
+            return ResolvedTree(_chain_checked(ctx.artifact.tree, "the artifact's tree", ctx), source)
         ts = parse_tree_spec(policy)
     if ts.kind == "auto":
+        policy = "chain" if ctx.chains_only else ts.policy
         if ctx.engine is None:  # build: export the largest candidate, time after the export
-            most = min(max(DEFAULT_SIZES), most_nodes(ctx.num_heads, ctx.topk))
-            tree = tree_from_spec(str(most), num_heads=ctx.num_heads, topk=ctx.topk, accuracies=ctx.accuracies)
-            return ResolvedTree(tree, source, ts.policy, deferred=True)
+            most = ctx.num_heads + 1 if ctx.chains_only else min(max(DEFAULT_SIZES), most_nodes(ctx.num_heads, ctx.topk))
+            tree = tree_from_spec(f"chain:{most}" if ctx.chains_only else str(most), num_heads=ctx.num_heads,
+                                  topk=ctx.topk, accuracies=ctx.accuracies)
+            return ResolvedTree(tree, source, policy, deferred=True)
         if ctx.notice:
-            ctx.notice(f"--tree {ts.text}: timing the tree step at several sizes on this engine ...")
+            ctx.notice(f"--tree {ts.text}: timing the tree step at several sizes on this engine"
+                       + (" (chains: this engine's Medusa is exact on chains only)" if ctx.chains_only else "") + " ...")
         tree, table = auto_tree(ctx.engine, ctx.accuracies, capacity=_capacity(ctx), topk=ctx.topk,
-                                progress=ctx.progress, policy=ts.policy, calibration=ctx.calibration,
+                                progress=ctx.progress, policy=policy, calibration=ctx.calibration,
                                 simulated=ctx.simulated)
-        return ResolvedTree(tree, f"--tree {ts.text}, timed now", ts.policy, tuple(table))
+        return ResolvedTree(tree, f"--tree {ts.text}, timed now", policy, tuple(table))
     tree = tree_from_spec(ts, num_heads=ctx.num_heads, topk=ctx.topk, accuracies=ctx.accuracies,
                           calibration=ctx.calibration)
-    return ResolvedTree(_fits(tree, ctx), source, tree.policy)
+    return ResolvedTree(_fits(_chain_checked(tree, f"--tree {ts.text}", ctx), ctx), source, tree.policy)
+
+
+def _chain_checked(tree: StepTree, what: str, ctx: TreeContext) -> StepTree:
+    """``tree`` itself, unless only chains are exact here and it is not one.
+
+    Raises:
+        InvalidTreeError: a branching or per-step tree where ``ctx.chains_only``; the message names the choices.
+    """
+    if ctx.chains_only and not is_chain(tree):
+        raise InvalidTreeError(
+            f"{what} ({tree.size} nodes, depth {tree.max_depth}) branches, but this artifact's backbone computes with "
+            f"int8 activations (precision.step_rows: MatMulNBits accuracy level 4), where Medusa equals plain greedy "
+            f"decoding only on a chain. Use --tree auto, chain, chain:N (N = 1..{ctx.num_heads + 1}) or root; or "
+            f"build with --accuracy-level 1 (fp32 activations, any tree)")
+    return tree
 
 
 def _capacity(ctx: TreeContext) -> int | None:
@@ -192,7 +217,8 @@ def _fastest_here(ctx: TreeContext) -> ResolvedTree:
     """The default tree: the cached ``auto`` choice for this artifact, machine and backend, timed and cached when
     there is none or it is stale (:mod:`.treecache`)."""
     art, engine = ctx.artifact, ctx.engine
-    policy = "dynamic" if art.manifest.tree.policy and runs_dynamic_trees(engine.capabilities) else "static"
+    policy = ("chain" if ctx.chains_only else
+              "dynamic" if art.manifest.tree.policy and runs_dynamic_trees(engine.capabilities) else "static")
     key = timing_key(artifact=artifact_identity({f: c.sha256 for f, c in art.manifest.checksums.items()}),
                      machine=machine_fingerprint(), backend=backend_fingerprint(ctx.backend, engine, ctx.threads),
                      capacity=_capacity(ctx), policy=policy)
