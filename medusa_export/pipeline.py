@@ -120,7 +120,8 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
     artifact = load_artifact(folder)
     say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if progress else None
     res = resolve_tree(AUTO_DYNAMIC if policy == "dynamic" else AUTO,
-                       TreeContext.of_artifact(artifact, OrtEngine(artifact), progress=say))
+                       TreeContext.of_artifact(artifact, OrtEngine(artifact), progress=say,
+                                               notice=lambda line: print(f"[note: {line}]", file=sys.stderr, flush=True)))
     return res.tree.static_shape(artifact.head_accuracies), list(res.timings), res.tree.policy_spec
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from medusa_runtime.tuning.autotree import TreeTiming, candidate_trees, choose_tree, time_tree_steps
+from medusa_runtime.tuning.autotree import TreeTiming, candidate_trees, choose_tree, pick, time_tree_steps, timing_noise
 from medusa_runtime.engines.base import Capabilities, StepResult
 from medusa_runtime.errors import InvalidTreeError
 from medusa_runtime.trees.treespec import tree_from_spec
@@ -182,3 +182,42 @@ def test_session_tree_auto_is_lossless(auto_artifact, monkeypatch):
     prompt = [5, 17, 33, 2]
     out = s.generate(prompt_ids=prompt, max_new_tokens=20).token_ids
     assert len(out) == 20 and out == big.generate(prompt_ids=prompt, max_new_tokens=20, vanilla=True).token_ids
+
+
+def _row(size, tokens, ms, spread):
+    return TreeTiming(size, tokens, ms, 0.0, spread=spread)
+
+
+def test_timing_noise_flags_a_lead_within_the_spread_by_hand():
+    # plain 40 tokens/s (25 ms); 4 nodes: 1.4 tokens / 30 ms = 46.7 tokens/s, a lead of 16.7% over plain, 6.1% beyond
+    # the 10% margin (46.67 / 44 = 1.0606)
+    table = [_row(1, 1.0, 25.0, 0.02), _row(4, 1.4, 30.0, 0.02)]
+    assert pick(table).size == 4
+    assert timing_noise(table) is None  # 6.1% beyond the margin > 2% spread
+    noisy = [_row(1, 1.0, 25.0, 0.08), _row(4, 1.4, 30.0, 0.02)]
+    note = timing_noise(noisy)
+    assert note is not None and "4 node(s) lead 1 by 6.1% beyond the margin" in note and "8.0%" in note
+    # two trees 2% apart (1.4 / 30 ms vs 1.45 / 31.7 ms = 45.74 tokens/s), spread 3%: noisy; spread 1%: not
+    trees = [_row(1, 1.0, 40.0, 0.01), _row(4, 1.4, 30.0, 0.03), _row(6, 1.45, 31.7, 0.01)]
+    assert pick(trees).size == 4 and "lead 6 by 2.0%" in timing_noise(trees)
+    assert timing_noise([_row(1, 1.0, 40.0, 0.01), _row(4, 1.4, 30.0, 0.01), _row(6, 1.45, 31.7, 0.01)]) is None
+    assert timing_noise([_row(1, 1.0, 25.0, 0.0), _row(4, 1.4, 30.0, 0.0)]) is None  # spread not measured
+
+
+def test_a_noisy_default_tree_is_used_but_not_cached(tmp_path):
+    from medusa_runtime.tuning.treecache import cached_choice
+
+    table = [_row(1, 1.0, 25.0, 0.08), _row(4, 1.4, 30.0, 0.02)]
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return 4, table
+
+    key = {"artifact": "a", "margin": 0.1}
+    first = cached_choice(tmp_path / "art", key, measure, folder=tmp_path, cacheable=lambda t: timing_noise(t) is None)
+    assert first.timed and first.record.chosen == 4 and first.cache_error == "the timing was noisy"
+    again = cached_choice(tmp_path / "art", key, measure, folder=tmp_path, cacheable=lambda t: timing_noise(t) is None)
+    assert again.timed and len(calls) == 2  # timed again: nothing was cached
+    kept = cached_choice(tmp_path / "art", key, measure, folder=tmp_path)
+    assert kept.timed and not cached_choice(tmp_path / "art", key, measure, folder=tmp_path).timed

@@ -63,6 +63,8 @@ class TreeTiming:
             when not measured (:func:`refine_with_loop` measures the leading sizes).
         overhead_ms: the loop's cost beyond step_ms + heads_ms, estimated from the sizes whose loop
             was measured (used when ``loop_ms`` is None), milliseconds.
+        spread: the step timing's relative spread, (75th - 25th percentile) / median of its repeats (0: not
+            measured); :func:`timing_noise` compares a pick's lead with it.
     """
 
     size: int
@@ -71,6 +73,7 @@ class TreeTiming:
     heads_ms: float
     loop_ms: float | None = None
     overhead_ms: float = 0.0
+    spread: float = 0.0
 
     @property
     def ms_per_step(self) -> float:
@@ -90,6 +93,8 @@ class TreeTiming:
             doc["loop_ms"] = round(self.loop_ms, 3)
         elif self.overhead_ms:
             doc["overhead_ms"] = round(self.overhead_ms, 3)
+        if self.spread:
+            doc["spread"] = round(self.spread, 4)
         return doc
 
 
@@ -147,7 +152,8 @@ def expected_tokens(tree: StepTree, accuracies: np.ndarray,
 
 def choose_tree(trees: Mapping[int, StepTree], accuracies: np.ndarray, step_ms: Mapping[int, float],
                 heads_ms: float | Mapping[int, float], simulated: Mapping[int, float] | None = None,
-                margin: float = DEFAULT_MARGIN) -> tuple[StepTree, list[TreeTiming]]:
+                margin: float = DEFAULT_MARGIN, spreads: Mapping[int, float] | None = None
+                ) -> tuple[StepTree, list[TreeTiming]]:
     """Pick the tree with the most expected tokens per second (pure; no timing).
 
     Args:
@@ -159,6 +165,7 @@ def choose_tree(trees: Mapping[int, StepTree], accuracies: np.ndarray, step_ms: 
         simulated: size -> simulated tokens per step of the policy in use (:func:`expected_tokens`).
         margin: when size 1 (plain decoding) is among ``trees``, another size is chosen only if its
             expected tokens/s exceed plain decoding's by this fraction (:data:`DEFAULT_MARGIN`; >= 0).
+        spreads: size -> the step timing's relative spread (:attr:`TreeTiming.spread`), or None.
 
     Returns:
         (the best tree, the table of every size in increasing size). Ties go to the smaller tree.
@@ -176,8 +183,40 @@ def choose_tree(trees: Mapping[int, StepTree], accuracies: np.ndarray, step_ms: 
     acc = np.asarray(accuracies, dtype=np.float64)
     heads = heads_ms if isinstance(heads_ms, Mapping) else {n: float(heads_ms) for n in trees}
     table = [TreeTiming(n, expected_tokens(t, acc, simulated), float(step_ms[n]),
-                        float(heads.get(n, 0.0)) if t.size > 1 else 0.0) for n, t in sorted(trees.items())]
+                        float(heads.get(n, 0.0)) if t.size > 1 else 0.0, spread=float((spreads or {}).get(n, 0.0)))
+             for n, t in sorted(trees.items())]
     return trees[pick(table, margin).size], table
+
+
+def timing_noise(table: Sequence[TreeTiming], margin: float = DEFAULT_MARGIN) -> str | None:
+    """Why the pick of ``table`` (:func:`pick`) cannot be trusted, or None when it can. Pure.
+
+    The pick is a comparison of measured tokens per second: the chosen tree against plain decoding (it must lead by
+    ``margin``) and against the best other tree (it must lead). When the lead over either falls within the timings'
+    spread (the larger relative spread of the two rows), a repeat of the same timing on the same machine could pick
+    otherwise: on a loaded machine that is the common case, and the answer is a notice rather than a silent flip.
+    """
+    chosen = pick(table, margin)
+    root = next((r for r in table if r.size == 1), None)
+    others = [r for r in table if r.size not in (chosen.size, 1)]
+    rivals = []  # (rival, the ratio the decision rests on, the threshold it must clear)
+    if chosen.size == 1:
+        if others:
+            best = max(others, key=lambda r: r.tokens_per_second)
+            rivals.append((best, (1 + margin) * chosen.tokens_per_second / best.tokens_per_second, 1.0))
+    else:
+        if root is not None:
+            rivals.append((root, chosen.tokens_per_second / root.tokens_per_second, 1 + margin))
+        if others:
+            best = max(others, key=lambda r: r.tokens_per_second)
+            rivals.append((best, chosen.tokens_per_second / best.tokens_per_second, 1.0))
+    for rival, ratio, threshold in rivals:
+        noise = max(chosen.spread, rival.spread)
+        if noise and ratio - threshold < noise * threshold:
+            return (f"the timing was noisy: {chosen.size} node(s) lead {rival.size} by {100 * (ratio / threshold - 1):.1f}%"
+                    f"{' beyond the margin' if threshold > 1 else ''}, within the timings' spread of {100 * noise:.1f}%; "
+                    "the pick may differ on a quiet machine (run alone, or give --tree)")
+    return None
 
 
 def pick(table: Sequence[TreeTiming], margin: float = DEFAULT_MARGIN) -> TreeTiming:
@@ -275,8 +314,8 @@ def _cache_after(engine, capacity: int, past_length: int, cache=None):
 
 
 def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int = DEFAULT_PAST_LENGTH,
-                    repeats: int = 5, warmup: int = 1,
-                    progress: Callable[[str], None] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+                    repeats: int = 5, warmup: int = 1, progress: Callable[[str], None] | None = None,
+                    spreads: dict[int, float] | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Time one tree step of each tree, and the heads with the candidate selection, on ``engine``.
 
     Each step runs a T-node tree's real attention mask and positions after ``past_length``
@@ -293,6 +332,8 @@ def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int =
         repeats, warmup: timed and untimed runs per size; the median is kept. All sizes are
             warmed up first, then timed in interleaved rounds (one run of each size per round).
         progress: called with a short line per measured size.
+        spreads: when given, filled with size -> the step times' relative spread, (75th - 25th percentile) /
+            median (:attr:`TreeTiming.spread`).
 
     Returns:
         (size -> median step ms, size -> median heads ms (0 for size 1)).
@@ -325,6 +366,10 @@ def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int =
             step()
             times[n].append(time.perf_counter() - t)
     step_ms = {n: 1e3 * statistics.median(ts) for n, ts in times.items()}
+    if spreads is not None:
+        for n, ts in times.items():
+            q1, _, q3 = np.percentile(ts, [25, 50, 75])
+            spreads[n] = float((q3 - q1) / statistics.median(ts)) if len(ts) > 1 else 0.0
     if progress:
         for n in steps:
             progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
@@ -385,9 +430,12 @@ def auto_tree(engine, accuracies: np.ndarray | None, *, capacity: int | None = N
     loop_past = max(0, min(past_length, int(capacity or engine.capabilities.max_context) - LOOP_TOKENS - 1 - max(sizes)))
     trees = candidate_trees(accuracies, sizes, num_heads=engine.num_heads, topk=topk, policy=policy,
                             calibration=calibration)
-    step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress)
+    spreads: dict[int, float] = {}
+    step_ms, heads_ms = time_tree_steps(engine, trees, past_length=past_length, repeats=repeats, progress=progress,
+                                        spreads=spreads)
     table = {int(n): float(v) for n, v in (simulated or {}).get(policy, {}).items()}
-    _, rows = choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms, table, margin)
+    _, rows = choose_tree(trees, np.asarray(accuracies)[: engine.num_heads, :topk], step_ms, heads_ms, table, margin,
+                          spreads)
     if loop:
         rows = refine_with_loop(rows, lambda n: time_decode_loop(engine, trees[n], past_length=loop_past), margin=margin)
         if progress:

@@ -34,7 +34,7 @@ from ..trees.dynamic import DynamicTree, StepTree
 from ..trees.tree import DEFAULT_TOPK, Tree, default_accuracies, is_chain
 from ..contract.artifact import step_limits
 from ..trees.treespec import BUILD_TREES, TreeSpec, most_nodes, parse_tree_spec, tree_from_spec
-from .autotree import DEFAULT_SIZES, TreeTiming, auto_tree, candidate_trees
+from .autotree import DEFAULT_SIZES, TreeTiming, auto_tree, candidate_trees, timing_noise
 from .treecache import (DEFAULT_SPEC, TREE_ENV, DefaultTree, artifact_identity, backend_fingerprint, cached_choice,
                         default_spec, machine_fingerprint, timing_key)
 
@@ -181,6 +181,9 @@ def resolve_tree(spec: StepTree | TreeSpec | str | int | None, ctx: TreeContext)
         tree, table = auto_tree(ctx.engine, ctx.accuracies, capacity=_capacity(ctx), topk=ctx.topk,
                                 progress=ctx.progress, policy=policy, calibration=ctx.calibration,
                                 simulated=ctx.simulated)
+        noisy = timing_noise(table)
+        if noisy and ctx.notice:
+            ctx.notice(f"--tree {ts.text}: {noisy}")
         return ResolvedTree(tree, f"--tree {ts.text}, timed now", policy, tuple(table))
     tree = tree_from_spec(ts, num_heads=ctx.num_heads, topk=ctx.topk, accuracies=ctx.accuracies,
                           calibration=ctx.calibration)
@@ -230,7 +233,11 @@ def _fastest_here(ctx: TreeContext) -> ResolvedTree:
                                 sizes=key["sizes"], margin=key["margin"])
         return tree.size, table
 
-    choice = cached_choice(art.path, key, measure)
+    # a noisy timing is used now but not cached: a later, quieter run times again
+    choice = cached_choice(art.path, key, measure, cacheable=lambda table: timing_noise(table, key["margin"]) is None)
+    noisy = timing_noise(choice.record.table, key["margin"]) if choice.timed else None
+    if noisy and ctx.notice:
+        ctx.notice(f"the default tree: {noisy}; not cached")
     if choice.timed and ctx.notice:
         ctx.notice(choice.notice())
     # the chosen size's tree, as auto_tree made it (greedy trees are a function of the accuracies)

@@ -144,7 +144,8 @@ class TreeRecord:
         """Inverse of :meth:`to_json`. Raises KeyError, TypeError or ValueError on a malformed record."""
         table = tuple(TreeTiming(int(r["size"]), float(r["expected_tokens_per_step"]), float(r["step_ms"]),
                                  float(r["heads_ms"]), float(r["loop_ms"]) if r.get("loop_ms") is not None else None,
-                                 float(r.get("overhead_ms") or 0.0)) for r in doc["table"])
+                                 float(r.get("overhead_ms") or 0.0), float(r.get("spread") or 0.0))
+                      for r in doc["table"])
         chosen = int(doc["chosen"])
         if chosen not in {r.size for r in table}:
             raise ValueError(f"chosen size {chosen} is not in the table")
@@ -225,7 +226,8 @@ class DefaultTree:
 
 
 def cached_choice(artifact_dir: str | Path, key: dict, measure: Callable[[], tuple[int, Sequence[TreeTiming]]],
-                  *, folder: Path | None = None, clock: Callable[[], float] = time.perf_counter) -> DefaultTree:
+                  *, folder: Path | None = None, clock: Callable[[], float] = time.perf_counter,
+                  cacheable: Callable[[Sequence[TreeTiming]], bool] = lambda table: True) -> DefaultTree:
     """The cached choice for ``key``, or a new one from ``measure()`` written to the cache.
 
     Args:
@@ -234,6 +236,8 @@ def cached_choice(artifact_dir: str | Path, key: dict, measure: Callable[[], tup
         measure: times the sizes; returns (chosen size, the table).
         folder: the cache folder (default :func:`cache_dir`).
         clock: seconds counter for the timing's duration.
+        cacheable: whether a new table may be written to the cache (False: it is used once and not kept,
+            e.g. a timing too noisy to trust: :func:`medusa_runtime.tuning.autotree.timing_noise`).
 
     Returns:
         A :class:`DefaultTree` (``timed`` False when a record of ``key`` was reused). The file keeps the
@@ -250,6 +254,8 @@ def cached_choice(artifact_dir: str | Path, key: dict, measure: Callable[[], tup
     chosen, table = measure()
     # as it is stored (rounded), so that a reused record equals the one timed now
     record = TreeRecord.from_json(TreeRecord(key, int(chosen), tuple(table), clock() - t, time.time()).to_json())
+    if not cacheable(record.table):
+        return DefaultTree(record, path, timed=True, reason=reason, cache_error="the timing was noisy")
     kept = [r for r in records if r.key.get("artifact") == key.get("artifact")][: MAX_RECORDS - 1]
     error = write_records(path, [record, *kept])
     return DefaultTree(record, path, timed=True, reason=reason, cache_error=error or "")
