@@ -45,7 +45,8 @@ def built(tiny_lm, tmp_path_factory):
         key = (precision, heads_precision)
         if key not in cache:
             out = tmp_path_factory.mktemp("quantized") / f"{precision}-{heads_precision}"
-            cache[key] = _build(tiny_lm, out, precision=precision, heads_precision=heads_precision)
+            graph = "contrib" if precision in ("int8", "int4") else "portable"  # the MatMulNBits graphs
+            cache[key] = _build(tiny_lm, out, precision=precision, heads_precision=heads_precision, graph=graph)
         return cache[key]
 
     return get
