@@ -289,7 +289,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             else "portable step (standard ONNX ops)"
         heads = "Medusa heads" if src.heads_config.head_type == "medusa" else "path-conditioned heads (a graph per level)"
         with stages(f"writing the graphs from the checkpoint: {flavour} + {heads}, weights streamed to "
-                    f"{WEIGHTS_FILE} ({ecfg.precision})"):
+                    f"{WEIGHTS_FILE} ({ecfg.graphs_dtype + ', quantized below' if ecfg.qdq else ecfg.precision})"):
             written = write_graphs(tmp, src, ecfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
                                    max_context=max_context, progress=progress)
             say(f"    {written.weights['bytes'] / 1e9:.2f} GB in {written.seconds:.1f}s "
@@ -379,7 +379,7 @@ def default_out(name: str, spec, size: int | None, precision: str, graph: str) -
         spec: the ``--tree`` asked for (a :class:`~medusa_runtime.trees.treespec.TreeSpec`): ``auto`` names the
             folder ``tauto``, a per-step policy prefixes ``dyn``.
         size: the built tree's node count, or None before the heads are open.
-        precision: ``--precision``; graph: ``--graph`` (``fused`` appends ``-fused``).
+        precision: ``--precision``; graph: ``--graph`` (``fused`` / ``contrib`` append ``-fused`` / ``-contrib``).
 
     Returns:
         The folder path, or None when it depends on ``size`` and that is not known yet (a preset or a
@@ -389,7 +389,7 @@ def default_out(name: str, spec, size: int | None, precision: str, graph: str) -
     if n is None:
         return None
     tree = f"dyn{n}" if spec.policy == "dynamic" else f"{n}"
-    return f"artifacts/{name}-t{tree}-{precision}{'-fused' if graph == 'fused' else ''}"
+    return f"artifacts/{name}-t{tree}-{precision}{'' if graph == 'portable' else f'-{graph}'}"
 
 
 def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:

@@ -306,3 +306,30 @@ def test_engine_of_another_precision_from_a_qdq_artifact_names_the_build(built, 
     assert main(["engine", "--artifact", str(art), "--precision", "int8", "--no-validate"]) == 2
     assert main(["engine", "--artifact", str(art), "--precision", "fp16", "--no-validate"]) == 2
     assert not (art / "engines").exists() or not list((art / "engines").glob("*.onnx"))
+
+
+def test_a_medusa_divergence_below_the_graphs_own_near_tie_is_reported_not_failed():
+    """The Q/DQ forms compute in float16: a tree step and one-token steps accumulate in different orders, so a
+    Medusa-vs-plain divergence where the graph's own top-2 margin is below the form's near_tie (0.8) is reported,
+    one above it fails, and the float32-compute MatMulNBits forms keep the strict rule (near_tie 0)."""
+    from dataclasses import replace as dc_replace
+
+    from medusa_export.export.precisions import PRECISION_TABLE
+    from medusa_export.validation.report import PromptReport, ValidationReport
+    from medusa_export.validation.validate import self_near_tie
+
+    assert PRECISION_TABLE["int4"].graphs["portable"].near_tie == 0.8
+    assert PRECISION_TABLE["int4"].graphs["contrib"].near_tie == PRECISION_TABLE["int4"].graphs["fused"].near_tie == 0
+    base = PromptReport("p", 16, False, 0.0, 0.0, 0.0, vanilla_identical=False, vanilla_divergence=5, vanilla_token=1,
+                        medusa_token=2, vanilla_margin=0.3, vanilla_near_tie=True)
+    assert ValidationReport("int4", 16, [base]).passed
+    bad = dc_replace(base, vanilla_margin=1.7, vanilla_near_tie=False)
+    report = ValidationReport("int4", 16, [bad])
+    assert not report.passed and "top-2 log-prob margin 1.7" in report.failure(bad)
+
+    class M:  # the two manifest fields self_near_tie reads
+        def __init__(self, name, flavour):
+            self.precision_name, self.flavour = name, flavour
+
+    assert self_near_tie(M("int4", "portable")) == 0.8 and self_near_tie(M("int4", "ort-contrib")) == 0.0
+    assert self_near_tie(M("fp32", "portable")) == 0.0

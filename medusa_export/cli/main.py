@@ -397,7 +397,8 @@ def _add_build_parser(sub) -> None:
                                   "log-probabilities; the artifact's static tree is the T-node greedy tree) or "
                                   "'auto:dynamic' (auto over per-step trees) (default: the model's registered tree)")
     p.add_argument("--out", help="artifact directory, new or empty (default: artifacts/MODEL-tTREE-PRECISION, + -fused "
-                                 "for --graph fused); an existing artifact there is replaced only with --force")
+                                 "or -contrib for --graph fused or contrib); an existing artifact there is replaced only "
+                                 "with --force")
     p.add_argument("--force", action="store_true",
                    help="replace an existing artifact in --out, with everything in it (engines/ plans, other files); "
                         "without it such an --out is refused, naming what would be deleted")
@@ -416,8 +417,8 @@ def _add_build_parser(sub) -> None:
     p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=ExportConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "
-                        f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
-                        f"(default: {ExportConfig.heads_precision})")
+                        f"or auto: same, except {QUANTIZED_HEADS_DEFAULT} for the MatMulNBits int8/int4 graphs (--graph "
+                        f"contrib|fused) (default: {ExportConfig.heads_precision})")
     p.add_argument("--heads-vocab", type=int, default=ExportConfig.heads_vocab, metavar="N",
                    help="project the Medusa heads onto the N most frequent tokens of the model's draft vocabulary "
                         "(draft_vocab.json beside the heads) instead of the whole vocabulary: the heads graph costs "

@@ -53,12 +53,19 @@ class GraphForm:
             them (measured on the embedded model, onnxruntime 1.32, rounded up: fp32 1.26, fp16 3.1 (float32
             copies of the fp16 weights), MatMulNBits int8 1.45, int4 1.23). The Q/DQ forms' factor is per byte of
             the float16 weights the build plans (their own file is 2-4x smaller), fp16's bound: not measured yet.
+        near_tie: below this top-2 log-prob margin of the graph itself, a divergence of Medusa from plain greedy
+            decoding of the same graph is a near-tie (reported with its step and margin, not a failure): a tree
+            step and one-token steps are products of different shapes whose float16 accumulation orders differ
+            (DESIGN.md "Precision and parity"). 0 (float32 compute): every divergence fails. The Q/DQ forms take
+            the typed graphs' provisional 0.8 (:data:`medusa_export.trt.typed_check.NEAR_TIE`: 8x fp16's 0.1,
+            their rounding is in the weights and, W8A8, the activations too).
     """
 
     flavour: str
     dtype: str
     weights: str = "float"
     ort_factor: float = 1.4
+    near_tie: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ _FUSED32 = GraphForm("ort-fused", "float32")
 #: The Q/DQ forms are written from the float16 graph (a 7B base is 13.5 GB on disk and streams in ~6 GB; float32 would
 #: double both, and the typed graph's activations are float16 anyway): per-precision base dtype, one place.
 _QDQ_BASE = "float16"
+_QDQ_TIE = 0.8
 
 #: name -> spec, in the CLI's order of choices.
 PRECISION_TABLE: dict[str, PrecisionSpec] = {p.name: p for p in (
@@ -145,17 +153,17 @@ PRECISION_TABLE: dict[str, PrecisionSpec] = {p.name: p for p in (
     PrecisionSpec("fp16", {"portable": GraphForm("portable", "float16", ort_factor=3.3)}, None, None,
                   # hidden values reach ~10: ulp ~1e-2
                   tolerance=Tolerance(atol=5e-2, hidden_atol=2e-1, margin=0.1, exact=False)),
-    PrecisionSpec("int8", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3),
+    PrecisionSpec("int8", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3, near_tie=_QDQ_TIE),
                            "contrib": GraphForm("ort-contrib", "float32", "nbits", ort_factor=1.6),
                            "fused": GraphForm("ort-fused", "float32", "nbits", ort_factor=1.6)}, 8, 4, tolerance=_SELF,
                   calibration_prompts=2, scheme="int8 W8A8: QuantizeLinear/DequantizeLinear on both inputs of every "
                   "weight product (per-channel weights, per-tensor calibrated activations, symmetric), float16 elsewhere"),
-    PrecisionSpec("int4", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3),
+    PrecisionSpec("int4", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3, near_tie=_QDQ_TIE),
                            "contrib": GraphForm("ort-contrib", "float32", "nbits", ort_factor=1.4),
                            "fused": GraphForm("ort-fused", "float32", "nbits")}, 4, 1, tolerance=_SELF,
                   scheme="int4 weight-only: blocked DequantizeLinear (opset 21, symmetric, float16 scales) feeding "
                   "float16 MatMuls"),
-    PrecisionSpec("fp8", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3)}, None, None,
+    PrecisionSpec("fp8", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3, near_tie=_QDQ_TIE)}, None, None,
                   tolerance=_SELF, calibration_prompts=2, scheme="float8 E4M3 W8A8: QuantizeLinear/DequantizeLinear on "
                   "both inputs of every weight product (per-channel weights, per-tensor calibrated activations), "
                   "float16 elsewhere"),

@@ -509,7 +509,8 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
     """
     low = LOW_TYPES[precision]
     paths = paths or typed_paths(precision, list(files))
-    (folder / "engines").mkdir(exist_ok=True)
+    for rel in paths.values():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
     weights_path = folder / paths["weights"]
     tmp_weights = weights_path.with_name(f".{weights_path.name}.tmp-{os.getpid()}")
     weights = _Weights(tmp_weights)
@@ -522,8 +523,9 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
             keep = any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer)
             if keep and not quant:
                 raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
-            typer = _Typer(model, src.parent, low, weights, os.path.relpath(folder / paths["weights"], (folder / paths[graph]).parent),
-                           report.kept_fp32_weights, quant=quant, act_amax=(act_amax or {}).get(graph), keep=keep)
+            weights_rel = os.path.relpath(folder / paths["weights"], (folder / paths[graph]).parent)
+            typer = _Typer(model, src.parent, low, weights, weights_rel, report.kept_fp32_weights, quant=quant,
+                           act_amax=(act_amax or {}).get(graph), keep=keep)
             typer.int4_blocks = (int4_block,) if int4_block else INT4_BLOCKS
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])

@@ -32,6 +32,7 @@ from medusa_runtime.decode.loop import causal_mask, generate
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.trees.tree import make_tree
 
+from ..validation.validate import graph_margins
 from .typed import TypedReport, rounded_in_float32
 
 #: How each typed precision is run on ONNX Runtime's CPU (the report's ``checked_on``).
@@ -52,22 +53,10 @@ CHECKED_ON = {
 NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, "int4": 0.8, "int8": 0.8, "fp8": 0.8}
 
 
-def _margins(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """float [len(tokens) + 1]: the engine's top-1 minus top-2 log-prob of each prediction after ``prompt`` (for
-    ``tokens[j]``, and the one after them), from one prefill of ``prompt + tokens``."""
-    from medusa_runtime.engines.kvcache import KVCache
-
-    seq = list(prompt) + list(tokens)
-    out = engine.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None], causal_mask(len(seq)),
-                      1.0, KVCache.for_engine(engine, len(seq)).past())
-    lp = out.topk_logprobs[len(prompt) - 1:]
-    return (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
-
-
 def _fp32_run(engine, prompt: list[int], root, new_tokens: int, eos: list[int], cap: int) -> tuple[list[int], np.ndarray]:
-    """Plain greedy decoding of the float32 graphs and the top-2 margin of each of its predictions (:func:`_margins`)."""
+    """Plain greedy decoding of the float32 graphs and the top-2 margin of each of its predictions (:func:`~medusa_export.validation.validate.graph_margins`)."""
     tokens = generate(engine, prompt, root, max_new_tokens=new_tokens, eos_token_ids=eos, max_context=cap).tokens
-    return tokens, _margins(engine, prompt, tokens)
+    return tokens, graph_margins(engine, prompt, tokens)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -137,7 +126,7 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
             j = _first_difference(plain.tokens, medusa.tokens)
             rec["passed"] = j is None
             if j is not None:
-                margin = float(_margins(typed, prompt, plain.tokens[:j])[-1])
+                margin = float(graph_margins(typed, prompt, plain.tokens[:j])[-1])
                 rec.update(medusa_divergence=j, medusa_margin=round(margin, 5),
                            near_tie=margin < NEAR_TIE[report.precision])
                 rec["passed"] = rec["near_tie"]
