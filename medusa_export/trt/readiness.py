@@ -521,8 +521,9 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
             f"this artifact's flavour is 'ort-contrib' (precision {name}, heads "
             f"{manifest.precision.heads or name}): its graphs use ONNX Runtime "
             "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
-            f"on ONNX Runtime only. For TensorRT build the portable flavour: --precision {' or '.join(TENSORRT_PRECISIONS)} with "
-            "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
+            f"on ONNX Runtime only. For TensorRT build the portable flavour: --graph portable --precision "
+            f"{' or '.join(TENSORRT_PRECISIONS)} with --heads-precision auto/same (int8, fp8 and int4 there are "
+            "standard Q/DQ graphs)")))
     elif manifest.flavour == "ort-fused":
         report.findings.append(Finding("error", "manifest.json", (
             f"this artifact's flavour is 'ort-fused' (precision {name}): its step graph is "
