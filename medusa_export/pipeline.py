@@ -182,9 +182,11 @@ def _write_qdq(tmp: Path, lm, src, tree: Tree, ecfg, max_context: int, written, 
                                      progress=progress)
     import onnx
 
-    offsets = {(e.value for e in t.external_data if e.key == "offset").__next__()
-               for f in files.values() for t in onnx.load(str(tmp / f), load_external_data=False).graph.initializer
-               if t.data_location == onnx.TensorProto.EXTERNAL}
+    offsets = set()  # the tensors of the new weights.bin (shared ones, e.g. the tied lm_head, once)
+    for f in files.values():
+        for t in onnx.load(str(tmp / f), load_external_data=False).graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                offsets.add({e.key: e.value for e in t.external_data}["offset"])
     info = {"tensors": len(offsets), "bytes": report.weights_bytes, "deduplicated": None, "records": None}
     qdq = WrittenGraphs(info, {}, written.seconds + time.perf_counter() - t0)
     manifest = write_files(tmp, lm, src, tree, ecfg, max_context, qdq, vocab_ids, policy)
