@@ -104,6 +104,7 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
             files[graph] = str(path)
         view = replace(art, manifest=replace(art.manifest, files={**art.manifest.files, **files}))
         reference = OrtEngine(art)
+        ref = "fp32" if art.manifest.precision.kv_dtype == "float32" else "fp16"  # an fp16 artifact: its own graphs
         if progress:
             print(f"    the float32 graphs' greedy tokens and margins ({len(ids)} prompts x {new_tokens} tokens) ...",
                   flush=True)
@@ -132,13 +133,14 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
                 rec["passed"] = rec["near_tie"]
             out.append(rec)
             if progress:
-                agree = "identical to fp32" if i is None else f"diverges from fp32 at token {i} (fp32 margin " \
-                                                              f"{rec['fp32_margin']})"
+                agree = f"identical to {ref}" if i is None else f"diverges from {ref} at token {i} ({ref} margin " \
+                                                                f"{rec['fp32_margin']})"
                 same = "Medusa == plain greedy" if j is None else \
                     (f"Medusa leaves plain greedy at token {j} (a near-tie: margin {rec['medusa_margin']})"
                      if rec["near_tie"] else f"Medusa LEAVES plain greedy at token {j} (margin {rec['medusa_margin']})")
                 print(f"    {report.precision} typed graph, {text[:40]!r}: {same}; {agree}", flush=True)
     return {"checked_on": CHECKED_ON[report.precision], "passed": all(r["passed"] for r in out),
+            "reference": f"the artifact's own {ref} graphs (the fp32_* fields: {ref})",
             "near_tie_margin": NEAR_TIE[report.precision],
             "new_tokens": new_tokens, "prompts": out,
             "agreement_with_fp32": round(float(np.mean([1.0 if r["first_divergence_from_fp32"] is None else
