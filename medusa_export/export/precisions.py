@@ -57,8 +57,8 @@ class GraphForm:
             decoding of the same graph is a near-tie (reported with its step and margin, not a failure): a tree
             step and one-token steps are products of different shapes whose float16 accumulation orders differ
             (DESIGN.md "Precision and parity"). 0 (float32 compute): every divergence fails. The Q/DQ forms take
-            the typed graphs' provisional 0.8 (:data:`medusa_export.trt.typed_check.NEAR_TIE`: 8x fp16's 0.1,
-            their rounding is in the weights and, W8A8, the activations too).
+            0.8, bf16's provisional margin (8x fp16's 0.1: their rounding is in the weights and, W8A8, the
+            activations too); the typed graphs' check (:data:`medusa_export.trt.typed_check.NEAR_TIE`) reads it.
     """
 
     flavour: str

@@ -32,6 +32,7 @@ from medusa_runtime.decode.loop import causal_mask, generate
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.trees.tree import make_tree
 
+from ..export.precisions import PRECISION_TABLE
 from ..validation.validate import graph_margins
 from .typed import TypedReport, rounded_in_float32
 
@@ -48,9 +49,10 @@ CHECKED_ON = {
 
 #: The top-2 log-prob margin below which a Medusa-vs-plain divergence of a typed graph is a near-tie. fp16: the fp16
 #: artifact's validation margin (``PRECISION_TABLE``); bf16: 8x it, as bfloat16's unit roundoff (2^-8) is 8x
-#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: bf16's, provisionally
-#: (their rounding is in the weights and, W8A8, the activations; not derived from a measured distribution yet).
-NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, "int4": 0.8, "int8": 0.8, "fp8": 0.8}
+#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: their Q/DQ graph form's
+#: (``PRECISION_TABLE[p].portable.near_tie``, bf16's 0.8, provisionally: their rounding is in the weights and, W8A8, the
+#: activations; not derived from a measured distribution yet), the rule the build's validation of the same graph uses.
+NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, **{p: PRECISION_TABLE[p].portable.near_tie for p in ("int4", "int8", "fp8")}}
 
 
 def _fp32_run(engine, prompt: list[int], root, new_tokens: int, eos: list[int], cap: int) -> tuple[list[int], np.ndarray]:
