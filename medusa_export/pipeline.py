@@ -125,6 +125,79 @@ def _choose_tree_here(folder: Path, *, progress: bool, policy: str = "static") -
     return res.tree.static_shape(artifact.head_accuracies), list(res.timings), res.tree.policy_spec
 
 
+def check_qdq_request(ecfg: ExportConfig, config) -> None:
+    """What a Q/DQ build can refuse from the model's config, before it opens a weight: an int4 ``block_size`` that
+    does not divide every product's input dimension K (hidden, the attention output, the MLP's intermediate), and fp8
+    where a visible GPU lacks its tensor cores (compute capability 8.9+, :data:`~.trt.config.ENGINE_PRECISION_TABLE`).
+
+    Raises:
+        UnsupportedGraphError: naming the dimension, the block sizes that divide them all, or the GPU's capability
+            and the way to build for another machine.
+    """
+    from .export.config import UnsupportedGraphError
+    from .trt.typed import INT4_BLOCKS
+
+    if ecfg.precision == "int4" and ecfg.block_size is not None:
+        dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+                "attention width (heads x head_dim)": config.num_attention_heads * config.head_dim}
+        bad = {k: v for k, v in dims.items() if v % ecfg.block_size}
+        if bad or ecfg.block_size not in INT4_BLOCKS:
+            ok = [b for b in INT4_BLOCKS if all(v % b == 0 for v in dims.values())]
+            why = (f"does not divide {', '.join(f'{k} {v}' for k, v in bad.items())}" if bad else
+                   f"is not one of TensorRT's int4 block sizes {', '.join(map(str, INT4_BLOCKS))}")
+            raise UnsupportedGraphError(f"--block-size {ecfg.block_size} {why}; choose "
+                                        f"{' or '.join(map(str, ok)) or 'another precision (no size divides them)'}, "
+                                        "or leave --block-size out (the largest that divides each weight's K)")
+    if ecfg.precision == "fp8":
+        from .trt.builder import gpu_key
+        from .trt.config import engine_precision
+
+        need = engine_precision("fp8").min_compute_capability
+        cc = str(gpu_key(0).get("compute_capability", "unknown"))
+        if cc != "unknown" and tuple(int(x) for x in cc.split(".")) < need:
+            raise UnsupportedGraphError(
+                f"--precision fp8 needs a GPU of compute capability {'.'.join(map(str, need))} or newer (Ada, Hopper); "
+                f"the visible GPU has {cc}: choose --precision int8 or int4, or build for another machine with no GPU "
+                "visible (CUDA_VISIBLE_DEVICES=)")
+
+
+def _write_qdq(tmp: Path, lm, src, tree: Tree, ecfg, max_context: int, written, vocab_ids, policy: str,
+               calibration_prompts: list[str] | None, progress: bool):
+    """``--graph portable --precision int8|fp8|int4``: the float16 graphs just written (with their manifest, which
+    the W8A8 calibration runs them through) rewritten in place as the Q/DQ graphs (:mod:`.trt.quantized`: the same
+    rewrite ``engine --precision`` does), then the manifest re-written over them (checksums, the rewrite's record in
+    ``precision.quantization``). The float16 weights' checkpoint records no longer describe ``weights.bin``: they are
+    dropped (the checksums check has nothing to re-make; the rewrite's inputs were checked as they were written).
+
+    Returns:
+        (the :class:`~.export.writer.WrittenGraphs` of the Q/DQ weights file, the manifest written).
+    """
+    from .export.writer import WrittenGraphs
+    from .trt.quantized import write_quantized
+
+    t0 = time.perf_counter()
+    art_manifest = load_artifact(tmp).manifest
+    files = {g: art_manifest.graphs[g].file for g in art_manifest.graphs}
+    report, record = write_quantized(tmp, files, ecfg.precision, calibration_prompts,
+                                     paths={**files, "weights": WEIGHTS_FILE}, int4_block=ecfg.block_size,
+                                     progress=progress)
+    import onnx
+
+    offsets = set()  # the tensors of the new weights.bin (shared ones, e.g. the tied lm_head, once)
+    for f in files.values():
+        for t in onnx.load(str(tmp / f), load_external_data=False).graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                offsets.add({e.key: e.value for e in t.external_data}["offset"])
+    info = {"tensors": len(offsets), "bytes": report.weights_bytes, "deduplicated": None, "records": None}
+    qdq = WrittenGraphs(info, {}, written.seconds + time.perf_counter() - t0)
+    manifest = write_files(tmp, lm, src, tree, ecfg, max_context, qdq, vocab_ids, policy)
+    record = {k: v for k, v in record.items() if k != "weights"}
+    manifest = replace(manifest, precision=replace(manifest.precision,
+                                                   extra={**manifest.precision.extra, "quantization": record}))
+    write_manifest(tmp, manifest)
+    return qdq, manifest
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -133,7 +206,7 @@ def _peak_rss() -> int:
 
 def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConfig = BuildConfig(), *,
                    prompts: list[str] | None = None, progress: bool = True, auto_tree: bool = False,
-                   tree_policy: str = "static") -> Path:
+                   tree_policy: str = "static", calibration_prompts: list[str] | None = None) -> Path:
     """Export, validate and write an artifact to ``out`` (atomically).
 
     Args:
@@ -152,6 +225,8 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         tree_policy: "static", or "dynamic" (``--tree dynamic:T`` / ``auto:dynamic``): the runtime chooses a
             ``tree.size``-node tree every step from the heads' log-probabilities; recorded as
             the manifest's ``tree.policy`` = "dynamic:T" (``tree`` stays the static tree of fixed-tree engines).
+        calibration_prompts: the W8A8 (``--graph portable --precision int8|fp8``) calibration prompts (user
+            messages); default: the project's own.
 
     Returns:
         The artifact path.
@@ -166,11 +241,19 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         InsufficientDiskError: the weights do not fit on the output's file system.
         CheckpointError: a checkpoint file is missing, truncated or disagrees with its config.
         ValidationError: a check failed (the first divergence is in the message).
+        CalibrationPromptsError: fewer calibration prompts than the precision's method needs.
+        UnsupportedGraphError: an int4 Q/DQ ``block_size`` that does not divide the model's dimensions; fp8 where a
+            visible GPU has no fp8 tensor cores.
     """
     t_start = time.perf_counter()
     ecfg, vcfg = cfg.export, cfg.validation
     out = Path(out).absolute()
     src = sources_of(lm)
+    if ecfg.qdq:  # refused before anything is written
+        from .trt.quantized import check_calibration_prompts
+
+        calibration_prompts = check_calibration_prompts(ecfg.precision, calibration_prompts)
+        check_qdq_request(ecfg, src.config)
     num_heads = src.heads_config.num_heads
     if tree.max_depth > num_heads:
         raise InvalidTreeError(f"tree depth {tree.max_depth} exceeds the model's {num_heads} Medusa heads")
@@ -190,7 +273,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
                     if k == "export" or k in plan.checks or (k.startswith("gpu") and "gpu" in plan.checks)))
     for line in plan.describe() if vcfg.validate else ["validation: skipped (--no-validate)"]:
         say(f"  {line}")
-    stages = Stages(3 + bool(plan.checks) + auto_tree, out=sys.stderr if progress else open(os.devnull, "w"))
+    stages = Stages(3 + bool(plan.checks) + auto_tree + ecfg.qdq, out=sys.stderr if progress else open(os.devnull, "w"))
     tmp = partial_dir(out)
     try:
         lock = OutputLock(out)
@@ -209,7 +292,7 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
             else "portable step (standard ONNX ops)"
         heads = "Medusa heads" if src.heads_config.head_type == "medusa" else "path-conditioned heads (a graph per level)"
         with stages(f"writing the graphs from the checkpoint: {flavour} + {heads}, weights streamed to "
-                    f"{WEIGHTS_FILE} ({ecfg.precision})"):
+                    f"{WEIGHTS_FILE} ({ecfg.graphs_dtype + ', quantized below' if ecfg.qdq else ecfg.precision})"):
             written = write_graphs(tmp, src, ecfg, tree.topk, vocab_ids=vocab_ids, vocab_origin=vocab_origin(lm, vocab_ids),
                                    max_context=max_context, progress=progress)
             say(f"    {written.weights['bytes'] / 1e9:.2f} GB in {written.seconds:.1f}s "
@@ -218,6 +301,10 @@ def build_artifact(lm: LoadedMedusa, tree: Tree, out: str | Path, cfg: BuildConf
         with stages("writing tree, tokenizer and manifest"):
             policy = f"dynamic:{tree.size}" if tree_policy == "dynamic" and not auto_tree else ""
             manifest = write_files(tmp, lm, src, tree, ecfg, max_context, written, vocab_ids, policy)
+        if ecfg.qdq:
+            with stages(f"rewriting the weight products as {ecfg.precision} Q/DQ (TensorRT explicit quantization)"):
+                written, manifest = _write_qdq(tmp, lm, src, tree, ecfg, max_context, written, vocab_ids, policy,
+                                               calibration_prompts, progress)
         if auto_tree:
             with stages("timing tree steps on ONNX Runtime to choose the tree (--tree auto)"):
                 tree, table, policy = _choose_tree_here(tmp, progress=progress, policy=tree_policy)
@@ -262,6 +349,7 @@ class BuildRequest:
         force: replace an existing artifact folder.
         model_path, heads, trust_remote_code: the model's sources (:func:`~.loading.sources.open_model`).
         prompt_file: a JSONL file of validation prompts (None: the project's own).
+        calibration_prompt_file: a JSONL file of W8A8 calibration prompts (None: the project's own).
     """
 
     model: str
@@ -272,6 +360,7 @@ class BuildRequest:
     heads: str | None = None
     trust_remote_code: bool = False
     prompt_file: str | None = None
+    calibration_prompt_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -293,7 +382,7 @@ def default_out(name: str, spec, size: int | None, precision: str, graph: str) -
         spec: the ``--tree`` asked for (a :class:`~medusa_runtime.trees.treespec.TreeSpec`): ``auto`` names the
             folder ``tauto``, a per-step policy prefixes ``dyn``.
         size: the built tree's node count, or None before the heads are open.
-        precision: ``--precision``; graph: ``--graph`` (``fused`` appends ``-fused``).
+        precision: ``--precision``; graph: ``--graph`` (``fused`` / ``contrib`` append ``-fused`` / ``-contrib``).
 
     Returns:
         The folder path, or None when it depends on ``size`` and that is not known yet (a preset or a
@@ -303,7 +392,7 @@ def default_out(name: str, spec, size: int | None, precision: str, graph: str) -
     if n is None:
         return None
     tree = f"dyn{n}" if spec.policy == "dynamic" else f"{n}"
-    return f"artifacts/{name}-t{tree}-{precision}{'-fused' if graph == 'fused' else ''}"
+    return f"artifacts/{name}-t{tree}-{precision}{'' if graph == 'portable' else f'-{graph}'}"
 
 
 def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
@@ -320,7 +409,8 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
         The :class:`Built` artifact.
 
     Raises:
-        PromptFileError, RegistryError, InvalidTreeError, ArtifactError: before the model opens.
+        PromptFileError, RegistryError, InvalidTreeError, ArtifactError, CalibrationPromptsError: before the model
+            opens.
         InvalidSettingError: ``max_context`` above the model's ``max_position_embeddings``.
         Everything :func:`build_artifact` raises.
     """
@@ -334,6 +424,12 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
     from .validation.validate import read_prompts
 
     prompts = read_prompts(request.prompt_file) if request.prompt_file else None
+    calibration = None
+    if cfg.export.qdq:  # missing, empty or too few calibration prompts: refused before the model opens
+        from .trt.quantized import check_calibration_prompts
+
+        file = request.calibration_prompt_file
+        calibration = check_calibration_prompts(cfg.precision, read_prompts(file) if file else None, source=file or "")
     entry, _ = entry_for(request.model)
     chains_only = cfg.export.step_rows is not None  # Medusa is exact on chains only (ExportConfig.step_rows)
     default_tree = "chain" if chains_only else entry.default_tree
@@ -365,5 +461,6 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
         texts, ids = prompt_ids(lm, prompts)
         for note in check_prompts_fit(texts, ids, cfg.max_context or lm.max_context, cfg.new_tokens):
             print(f"[note: {note}]", file=sys.stderr, flush=True)
-    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=res.deferred, tree_policy=res.policy)
+    path = build_artifact(lm, tree, out, cfg, prompts=prompts, auto_tree=res.deferred, tree_policy=res.policy,
+                          calibration_prompts=calibration or None)
     return Built(path, lm, opening, replacing)

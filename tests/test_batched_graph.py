@@ -170,7 +170,9 @@ def test_other_precisions_batch_row_for_row(tmp_path, precision):
     model = make_tiny_medusa()[1]
     sessions = [MedusaSession(build_artifact(tiny_loaded(model, max_context=128), tree_from_spec("16", num_heads=3),
                                              tmp_path / f"b{b}", BuildConfig(validate=False, batch_size=b,
-                                                                            precision=precision), progress=False),
+                                                                            precision=precision,
+                                                                            graph="contrib" if precision != "fp16"
+                                                                            else "portable"), progress=False),
                               threads=1) for b in (1, BATCH)]
     one, many = sessions
     assert isinstance(many.engine, OrtBatchEngine)

@@ -125,7 +125,8 @@ def test_positions_run_past_export_length(tmp_path):
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_reduced_precision_builds(tmp_path, precision):
     _, model = make_tiny_medusa(vocab=1001, medusa_heads=2, head_noise=0.3)
-    path = _build(tiny_loaded(model), tree_from_spec("4", num_heads=2), tmp_path / precision, precision=precision)
+    path = _build(tiny_loaded(model), tree_from_spec("4", num_heads=2), tmp_path / precision, precision=precision,
+                  **({"graph": "contrib"} if precision == "int8" else {}))  # MatMulNBits int8
     m = json.loads((path / "manifest.json").read_text())
     v = m["validation"]
     assert v["passed"], v

@@ -250,7 +250,7 @@ def test_in_place_cache_refuses_what_does_not_fit(built):
 @pytest.mark.parametrize("kw, match", [
     (dict(graph="fused", precision="fp16"), "--graph fused does not take --precision fp16.*choose --precision fp32, "
                                             "int8, int4, or --graph portable"),
-    (dict(graph="fast"), "unknown graph 'fast'; choose one of portable, fused"),
+    (dict(graph="fast"), "unknown graph 'fast'; choose one of portable, contrib, fused"),
 ])
 def test_bad_graph_choices_are_typed_errors(kw, match):
     with pytest.raises(UnsupportedGraphError, match=match):

@@ -45,7 +45,8 @@ def built(tiny_lm, tmp_path_factory):
         key = (precision, heads_precision)
         if key not in cache:
             out = tmp_path_factory.mktemp("quantized") / f"{precision}-{heads_precision}"
-            cache[key] = _build(tiny_lm, out, precision=precision, heads_precision=heads_precision)
+            graph = "contrib" if precision in ("int8", "int4") else "portable"  # the MatMulNBits graphs
+            cache[key] = _build(tiny_lm, out, precision=precision, heads_precision=heads_precision, graph=graph)
         return cache[key]
 
     return get
@@ -173,7 +174,9 @@ def test_per_tensor_blocks_equal_the_whole_graph_quantizer(bits, k):
 
 
 def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():
-    assert ExportConfig(precision="int4").weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
-    assert ExportConfig(precision="int8").weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
-    assert ExportConfig(precision="int4").weight_only("int8", heads=True).accuracy_level == 4  # heads only propose
-    assert ExportConfig(precision="int4", accuracy_level=4).weight_only("int4").accuracy_level == 4
+    nbits = dict(graph="contrib")  # the MatMulNBits graphs (--graph portable's int4 / int8 are Q/DQ: no level)
+    assert ExportConfig(precision="int4", **nbits).weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
+    assert ExportConfig(precision="int8", **nbits).weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
+    assert ExportConfig(precision="int4", **nbits).weight_only("int8", heads=True).accuracy_level == 4  # heads propose
+    assert ExportConfig(precision="int4", accuracy_level=4, **nbits).weight_only("int4").accuracy_level == 4
+    assert ExportConfig(precision="int4").weight_only("int4") is None

@@ -51,8 +51,8 @@ def _build(lm, out, **cfg):
                           BuildConfig(**cfg), progress=False)
 
 
-@pytest.mark.parametrize("graph, precision", [("portable", "fp32"), ("portable", "fp16"), ("portable", "int8"),
-                                              ("portable", "int4"), ("fused", "fp32"), ("fused", "int8"),
+@pytest.mark.parametrize("graph, precision", [("portable", "fp32"), ("portable", "fp16"), ("contrib", "int8"),
+                                              ("contrib", "int4"), ("fused", "fp32"), ("fused", "int8"),
                                               ("fused", "int4")])
 def test_every_flavour_and_precision_builds_from_the_checkpoint(ckpt, lm, tmp_path, graph, precision):
     hf, model, _, _ = ckpt
@@ -138,17 +138,17 @@ def test_plan_chooses_the_checks_that_fit(medium_ckpt):
     from medusa_export.export.writer import plan_graphs
 
     src = open_model(str(medium_ckpt[0])).sources
-    weights = plan_graphs(src, ExportConfig(precision="int4"), 10).nbytes()
-    est = plan_validation(src, "int4", weights, layers=1, available=10 ** 12, gpu_free=None).estimates
+    weights = plan_graphs(src, ExportConfig(precision="int4", graph="contrib"), 10).nbytes()  # MatMulNBits int4
+    est = plan_validation(src, "int4", weights, graph="contrib", layers=1, available=10 ** 12, gpu_free=None).estimates
     assert est["truncated"] < est["full"] and est["self"] < est["full"]  # int4 weights: ONNX Runtime needs less
     between = int((max(est["truncated"], est["self"], est["export"]) + est["full"]) / 2 / 0.9)
-    plan = plan_validation(src, "int4", weights, layers=1, available=between, gpu_free=None)
+    plan = plan_validation(src, "int4", weights, graph="contrib", layers=1, available=between, gpu_free=None)
     assert plan.checks == ["truncated", "checksums", "self"] and "needs about" in plan.skipped["full"]
     assert plan.skipped["gpu"] == "torch sees no GPU"
     low = int(max(est["export"], est["checksums"]) / 0.9) + 1
-    plan = plan_validation(src, "int4", weights, layers=1, available=low, gpu_free=None)
+    plan = plan_validation(src, "int4", weights, graph="contrib", layers=1, available=low, gpu_free=None)
     assert plan.checks[0] == "checksums" and {"full", "truncated", "gpu"} <= set(plan.skipped)
-    plan = plan_validation(src, "int4", weights, available=10 ** 12, gpu_free=None)
+    plan = plan_validation(src, "int4", weights, graph="contrib", available=10 ** 12, gpu_free=None)
     assert plan.checks == ["full", "checksums"]  # it fits: today's full check
 
 

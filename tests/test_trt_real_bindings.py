@@ -15,8 +15,8 @@ Against it, in a subprocess per release with ``EMULATED_TENSORRT_VERSION`` set t
 * (a) every public class, enum member, method (parameter names) and property the emulation offers exists in the
   real bindings; names starting with ``_``, ``emulator_*``, ``EMULATED`` and ``PLAN_MAGIC`` are the emulator's own
   and left out, as are constructors of classes TensorRT makes itself (no Python constructor in the bindings);
-* (b) every TensorRT name the project's builder and runtime read, write, construct or probe while they build fp32
-  and fp16 engines of a tiny artifact and generate with the tensorrt backend (recorded on the emulated module, its
+* (b) every TensorRT name the project's builder and runtime read, write, construct or probe while they build fp32,
+  fp16 and the explicit-Q/DQ int8 / int4 engines of a tiny artifact and generate with the tensorrt backend (recorded on the emulated module, its
   classes and their instances) exists in the real bindings, writable where written;
 * the emulated objects accept exactly the attribute writes the real classes accept among a set of probes
   (``layer.precision = ...`` and ``config.int8_calibrator = ...`` raise AttributeError under 11, as pybind does).
@@ -183,7 +183,8 @@ def test_every_name_the_project_touches_exists_in_the_real_bindings(real_api, em
     bindings (written ones as writable properties); the run itself succeeded and the recorder saw both sides."""
     run = emulated_run(major)
     assert "error" not in run["scenario"], run["scenario"]
-    assert run["scenario"]["engine_exit_codes"] == {"fp32": 0, "fp16": 0} and len(run["scenario"]["tokens"]) == 4
+    assert run["scenario"]["engine_exit_codes"] == {"fp32": 0, "fp16": 0, "int8": 0, "int4": 0}
+    assert len(run["scenario"]["tokens"]) == 4
     seen = {tuple(a) for a in run["accesses"]}
     assert {("Builder", "build_serialized_network", "get"), ("IBuilderConfig", "profiling_verbosity", "set"),
             ("Runtime", "__init__", "call"), ("IExecutionContext", "execute_async_v3", "get"),

@@ -255,3 +255,43 @@ def test_int4_weights_are_symmetric_blocks_of_the_fp32_weights(tiny_trt_artifact
         np.testing.assert_allclose(sk, np.abs(blocks).max(axis=1) / 7, rtol=1e-3)  # fp16-rounded scales
         deq = (qk.reshape(blocks.shape) * sk[:, None, :]).reshape(wk.shape)
         assert np.all(np.abs(deq - wk) <= sk.repeat(b, axis=0) * 0.5 + 1e-3 * np.abs(wk) + 1e-6)
+
+
+# ---------------------------------------------------------------- the portable Q/DQ artifacts (issue 42)
+
+@pytest.fixture(scope="module")
+def qdq_artifacts(tmp_path_factory):
+    """The tiny model built `--graph portable --precision int4|int8|fp8` (no validation: tests/test_qdq_build.py)."""
+    from conftest import make_tiny_medusa, tiny_loaded
+    from medusa_export.pipeline import BuildConfig, build_artifact
+    from medusa_runtime.trees.treespec import tree_from_spec
+
+    root = tmp_path_factory.mktemp("qdq-trt")
+    _, model = make_tiny_medusa()
+    return {p: build_artifact(tiny_loaded(model, max_context=256), tree_from_spec("16", num_heads=3), root / p,
+                              BuildConfig(precision=p, validate=False), progress=False) for p in ("int4", "int8", "fp8")}
+
+
+@pytest.mark.parametrize("version", MAJORS)
+@pytest.mark.parametrize("precision", ["int4", "int8", "fp8"])
+def test_portable_qdq_artifact_builds_and_generates_under_both_majors(qdq_artifacts, tmp_path, version, precision):
+    """`engine --precision P` of a `build --graph portable --precision P` artifact builds its plans from the artifact's
+    own Q/DQ graphs (no typed graph written, no builder precision flag) under the EMULATED TensorRT 10 and 11, and the
+    runtime's TensorRT backend decodes what ONNX Runtime decodes over the same artifact."""
+    from medusa_runtime.decode.loop import generate
+    from medusa_runtime.engines.ort import OrtEngine
+
+    art = Path(shutil.copytree(qdq_artifacts[precision], tmp_path / "art"))
+    r = _run(version, "-m", "medusa_export.cli.main", "engine", "--artifact", str(art), "--precision", precision)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((art / "manifest.json").read_text())["engines"][precision]
+    assert "typed_graphs" not in rec and not list((art / "engines").glob("*.onnx"))
+    for g in ("model", "heads"):
+        header = _plan_header(art / f"engines/{g}.{precision}.plan")
+        assert header["strongly_typed"] and header["onnx"].endswith(f"{g}.onnx")
+        assert not set(header["flags"]) & {"FP16", "BF16", "INT8", "FP8", "INT4", "OBEY_PRECISION_CONSTRAINTS"}
+    got = _run(version, "-c", _GENERATE, str(art), precision, json.dumps(PROMPT), str(NEW))
+    assert got.returncode == 0, got.stderr[-3000:]
+    a = load_artifact(art)
+    want = generate(OrtEngine(a), PROMPT, a.tree, max_new_tokens=NEW, max_context=a.model.max_context).tokens
+    assert json.loads(got.stdout.strip().splitlines()[-1]) == want

@@ -26,7 +26,7 @@ def test_a_precision_is_one_table_row(tmp_path, monkeypatch):
 
     _, model = make_tiny_medusa(vocab=503, hidden=128, intermediate=512, medusa_heads=2, head_noise=0.3)
     out = build_artifact(tiny_loaded(model), tree_from_spec("8", num_heads=2), tmp_path / "art",
-                         BuildConfig(precision=row.name, new_tokens=16), progress=False)
+                         BuildConfig(precision=row.name, graph="contrib", new_tokens=16), progress=False)
     m = json.loads((out / "manifest.json").read_text())
     assert m["precision"]["name"] == "int8-fp32act" and m["flavour"] == "ort-contrib"
     assert m["validation"]["passed"] and m["validation"]["tolerance"]["reference"] == "vanilla"

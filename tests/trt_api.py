@@ -7,7 +7,8 @@ Run as a script in a subprocess, one per release:
   libraries on ``LD_LIBRARY_PATH``) and write its API as JSON to OUT.
 * ``python trt_api.py emulated OUT ARTIFACT``: import the emulated ``tensorrt`` (``EMULATED_TENSORRT_VERSION`` picks
   its mode), write its API, then record every attribute the project's code (``medusa_export``, ``medusa_runtime``)
-  reads, writes, calls or probes on it while building fp32 and fp16 engines of ARTIFACT and generating with the
+  reads, writes, calls or probes on it while building fp32, fp16, int8 and int4 (Q/DQ) engines of ARTIFACT and
+  generating with the
   tensorrt backend.
 
 An API is ``{"version", "module": {name: entry}, "classes": {qualname: class}}``: a module entry is a class
@@ -407,11 +408,14 @@ def compare_accesses(accesses: list, real: dict) -> list[str]:
 
 
 def _scenario(artifact: str) -> dict:
-    """Build fp32 and fp16 engines of ``artifact`` and generate a few tokens with the tensorrt backend."""
+    """Build fp32, fp16 and the Q/DQ int8 / int4 engines of ``artifact`` (the graphs ``build --graph portable
+    --precision int8|int4`` writes: plans from explicit Q/DQ, no precision flag) and generate a few tokens with the
+    tensorrt backend."""
     from medusa_export.cli.main import main
     from medusa_runtime.front.session import MedusaSession
 
     codes = {p: main(["engine", "--artifact", artifact, "--precision", p]) for p in ("fp32", "fp16")}
+    codes.update({p: main(["engine", "--artifact", artifact, "--precision", p, "--no-validate"]) for p in ("int8", "int4")})
     session = MedusaSession(artifact, backend="tensorrt", tree="artifact", precision="fp16", notice=None)
     tokens = session.generate(prompt_ids=[3, 17, 42, 5], max_new_tokens=4).token_ids
     session.close()

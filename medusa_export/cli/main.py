@@ -130,10 +130,10 @@ def cmd_build(args) -> int:
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
-                      validate_layers=args.validate_layers, batch_size=args.batch_size)
+                      validate_layers=args.validate_layers, batch_size=args.batch_size, block_size=args.block_size)
     built = build(BuildRequest(args.model, tree=args.tree, out=args.out, force=args.force, model_path=args.model_path,
                                heads=args.heads, trust_remote_code=args.trust_remote_code,
-                               prompt_file=args.prompt_file), cfg)
+                               prompt_file=args.prompt_file, calibration_prompt_file=args.calibration_prompt_file), cfg)
     _print_summary(built.path, time.perf_counter() - t0, built.lm, opening=built.opening)
     if built.replaced:
         print(f"  replaced (--force): {built.replaced}")
@@ -397,24 +397,28 @@ def _add_build_parser(sub) -> None:
                                   "log-probabilities; the artifact's static tree is the T-node greedy tree) or "
                                   "'auto:dynamic' (auto over per-step trees) (default: the model's registered tree)")
     p.add_argument("--out", help="artifact directory, new or empty (default: artifacts/MODEL-tTREE-PRECISION, + -fused "
-                                 "for --graph fused); an existing artifact there is replaced only with --force")
+                                 "or -contrib for --graph fused or contrib); an existing artifact there is replaced only "
+                                 "with --force")
     p.add_argument("--force", action="store_true",
                    help="replace an existing artifact in --out, with everything in it (engines/ plans, other files); "
                         "without it such an --out is refused, naming what would be deleted")
     p.add_argument("--precision", choices=PRECISIONS, default=ExportConfig.precision,
-                   help="backbone weights: fp32 (exact) or fp16, portable graphs (ONNX Runtime and TensorRT); int8 or "
-                        "int4, weight-only MatMulNBits graphs (ONNX Runtime only), validated as Medusa == plain greedy "
-                        f"of the same graph (default: {ExportConfig.precision})")
+                   help="backbone weights: fp32 (exact) or fp16; int8, fp8 (W8A8) or int4 (weight-only): with --graph "
+                        "portable standard Q/DQ graphs (ONNX Runtime and TensorRT), with --graph contrib|fused "
+                        "MatMulNBits (int8 / int4, ONNX Runtime only); quantized ones validated as Medusa == plain "
+                        f"greedy of the same graph (default: {ExportConfig.precision})")
     p.add_argument("--graph", choices=GRAPHS, default=ExportConfig.graph,
-                   help="backbone step graph: portable (standard ONNX ops, written from the weights: ONNX Runtime and TensorRT) or fused "
+                   help="backbone step graph: portable (standard ONNX ops, written from the weights: ONNX Runtime and "
+                        "TensorRT), contrib (the portable step with MatMulNBits int8/int4 weights, flavour ort-contrib) "
+                        "or fused "
                         "(ONNX Runtime's fused operators: GroupQueryAttention with rotary inside, SimplifiedLayerNormalization, "
                         f"QuickGelu, head-major KV cache written in place; ONNX Runtime CPU only, flavour "
                         f"ort-fused; precisions {', '.join(FUSED_PRECISIONS)}) (default: {ExportConfig.graph})")
     p.add_argument("--heads-precision", choices=HEADS_PRECISIONS, default=ExportConfig.heads_precision,
                    help="Medusa heads graph weights (they only propose candidates, so the output does not change): "
                         "same as --precision, int8 or int4 (MatMulNBits: the heads cost ~2.7x less, ONNX Runtime only), "
-                        f"or auto: same for fp32/fp16 (portable), {QUANTIZED_HEADS_DEFAULT} for int8/int4 "
-                        f"(default: {ExportConfig.heads_precision})")
+                        f"or auto: same, except {QUANTIZED_HEADS_DEFAULT} for the MatMulNBits int8/int4 graphs (--graph "
+                        f"contrib|fused) (default: {ExportConfig.heads_precision})")
     p.add_argument("--heads-vocab", type=int, default=ExportConfig.heads_vocab, metavar="N",
                    help="project the Medusa heads onto the N most frequent tokens of the model's draft vocabulary "
                         "(draft_vocab.json beside the heads) instead of the whole vocabulary: the heads graph costs "
@@ -432,7 +436,13 @@ def _add_build_parser(sub) -> None:
                    help="sequences per step: 1 = the batch-1 step graph; N > 1 = a step graph with a dynamic batch "
                         "dimension (per-row past lengths), so generate --batch-size runs all "
                         "rows in one call (docs/batching.md) (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=ExportConfig.block_size, metavar="N",
+                   help="quantization block along K: MatMulNBits' (--graph contrib|fused; default 32) or the int4 Q/DQ "
+                        "graph's (--graph portable; one of 128, 64, 32, 16 dividing every K; default per weight the "
+                        "largest that divides its K)")
     add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
+    add_prompt_file_arg(p, "W8A8 (--graph portable --precision int8|fp8) calibration prompts, 2 or more (default: the "
+                           "project's own)", flag="--calibration-prompt-file", dest="calibration_prompt_file")
     p.add_argument("--max-new-tokens", type=int, default=ValidationConfig.new_tokens,
                    help=f"greedy tokens compared per validation prompt (default: {ValidationConfig.new_tokens})")
     add_hidden_alias(p, "--new-tokens", dest="max_new_tokens", type=int)

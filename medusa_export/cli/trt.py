@@ -67,7 +67,7 @@ def readiness_line(r: dict | None, flavour: str | None) -> str | None:
     flavour = flavour or "portable"
     if flavour != "portable" and not r["passed"]:  # refused by design, not a defect of this build
         return (f"  TensorRT {r['tensorrt']} readiness: not applicable: flavour {flavour} runs on ONNX Runtime only "
-                "(for TensorRT build --graph portable --precision fp32|fp16 --heads-precision auto)")
+                "(for TensorRT build --graph portable --precision fp32|fp16|int8|fp8|int4 --heads-precision auto)")
     line = f"  TensorRT {r['tensorrt']} readiness: {'PASSED' if r['passed'] else 'FAILED'}"
     if r["errors"]:
         line += f" ({len(r['errors'])} error(s); first: {r['errors'][0]})"

@@ -105,7 +105,7 @@ def write_files(folder: Path, lm: LoadedMedusa, src: ModelSources, tree: Tree, c
     lm.tokenizer.save_pretrained(str(folder / "tokenizer"))
     (folder / "chat_template.jinja").write_text(lm.chat_template or "")
     write_schema(folder)
-    m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, cfg.spec.dtype,
+    m = build_manifest(lm, src, tree, cfg, max_context, folder, artifact_files(src), written.weights, cfg.graphs_dtype,
                        written.quantized, vocab_ids, unchanged=graphs_checksums)
     if policy:
         m = replace(m, tree=replace(m.tree, policy=policy))

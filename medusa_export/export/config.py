@@ -15,11 +15,12 @@ from medusa_runtime.contract.manifest import Manifest
 
 from ..errors import MedusaError
 from ..loading.draft_vocab import HeadsVocabError
-from .precisions import PRECISION_TABLE, Column, PrecisionSpec
+from .precisions import PRECISION_TABLE, Column, GraphForm, PrecisionSpec, graphs_of, precisions_of
 from .quantize import WEIGHT_ONLY_BITS, WeightOnlyConfig
 
-#: Backbone precisions (:data:`.precisions.PRECISION_TABLE`): fp32 / fp16 are portable (standard ONNX ops,
-#: the TensorRT path); int8 / int4 are weight-only MatMulNBits graphs (ONNX Runtime only, see :mod:`.quantize`).
+#: Backbone precisions (:data:`.precisions.PRECISION_TABLE`): every one has a portable graph (standard ONNX ops, the
+#: TensorRT path; int8 / fp8 / int4 as Q/DQ); int8 / int4 also MatMulNBits graphs (``--graph contrib|fused``, ONNX
+#: Runtime only, see :mod:`.quantize`).
 PRECISIONS = Column("name")
 class _HeadsPrecisions(Collection):
     """"auto", "same", then the table's weight-only precisions (read live, as :class:`.precisions.Column`)."""
@@ -40,12 +41,15 @@ HEADS_PRECISIONS = _HeadsPrecisions()
 #: The heads of a weight-only artifact under "auto": on SmolLM2-135M int8 heads cost 1.6 ms per step
 #: against fp32's 4.3 ms on an idle machine, with 0.96 top-1 agreement (int4 0.65; see quantize.py).
 QUANTIZED_HEADS_DEFAULT = "int8"
-#: Backbone step graphs (``--graph``): "portable" standard ops (:mod:`.portable`), "fused" ONNX Runtime's
-#: fused operators (:mod:`.fused`, flavour ``ort-fused``).
-GRAPHS = ("portable", "fused")
+#: Backbone step graphs (``--graph``): "portable" standard ops (:mod:`.portable`; int8 / fp8 / int4 as standard
+#: Q/DQ), "contrib" the portable step with ONNX Runtime's MatMulNBits weights (flavour ``ort-contrib``: int8 / int4),
+#: "fused" ONNX Runtime's fused operators (:mod:`.fused`, flavour ``ort-fused``). Which graph carries which precision
+#: is the precision table's (:func:`.precisions.graphs_of`).
+GRAPHS = ("portable", "contrib", "fused")
 #: The step graph (:data:`GRAPHS`) of a manifest's ``flavour`` (:data:`.manifest.FLAVOURS`): ort-fused is the
-#: fused graph's; every other flavour (portable, ort-contrib) is a portable graph's.
-FLAVOUR_GRAPHS = {"ort-fused": "fused"}
+#: fused graph's; ort-contrib the contrib graph's (a portable step with MatMulNBits weights; a fp32 / fp16 backbone
+#: with MatMulNBits heads too), portable the portable graph's.
+FLAVOUR_GRAPHS = {"ort-fused": "fused", "ort-contrib": "contrib"}
 #: Precisions the fused graph composes with (weight-only ones quantize its MatMuls; its activations are fp32).
 FUSED_PRECISIONS = Column("name", fused=True)
 
@@ -71,7 +75,10 @@ class ExportConfig:
         heads_precision: heads-graph precision, one of :data:`HEADS_PRECISIONS`; the heads only
             propose candidates the backbone verifies, so their precision never changes the output.
         max_context: KV capacity (None: the model's registered context).
-        block_size: MatMulNBits block size of the weight-only precisions.
+        block_size: block size of the quantized weights along K: MatMulNBits' (``contrib`` / ``fused`` graphs; None:
+            32), or the int4 Q/DQ graph's (None: per weight the largest of TensorRT's 128 / 64 / 32 / 16 that divides
+            its K, :data:`medusa_export.trt.typed.INT4_BLOCKS`; a given size must divide every K, else
+            :class:`UnsupportedGraphError` naming the sizes that do).
         quantize_lm_head: quantize the (tied) lm_head in the backbone graph too (the embedding
             Gather always reads the float table).
         heads_vocab: 0 (the heads project onto the full vocabulary) or N: they project onto the
@@ -100,7 +107,7 @@ class ExportConfig:
     precision: str = "fp32"
     heads_precision: str = "auto"
     max_context: int | None = None
-    block_size: int = 32
+    block_size: int | None = None
     quantize_lm_head: bool = True
     accuracy_level: int | None = None
     graph: str = "portable"
@@ -114,13 +121,18 @@ class ExportConfig:
                 raise UnknownPrecisionError(f"unknown {what} {value!r}; choose one of {', '.join(choices)}")
         if self.graph not in GRAPHS:
             raise UnsupportedGraphError(f"unknown graph {self.graph!r}; choose one of {', '.join(GRAPHS)}")
-        if self.graph == "fused" and self.precision not in FUSED_PRECISIONS:
-            raise UnsupportedGraphError(f"--graph fused does not take --precision {self.precision} (its CPU kernels "
-                                        f"compute in fp32); choose --precision {', '.join(FUSED_PRECISIONS)}, or "
-                                        f"--graph portable for {self.precision}")
-        if self.spec.dtype != PRECISION_TABLE[self.resolved_heads_precision].dtype:  # fp16 with weight-only heads
-            raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only "
-                                        "backbone (the fp16 graph's hidden states are float16); use same or auto")
+        if self.graph not in self.spec.graphs:
+            why = " (its CPU kernels compute in fp32)" if self.graph == "fused" else \
+                " (MatMulNBits: weight-only int8 / int4)" if self.graph == "contrib" else ""
+            raise UnsupportedGraphError(f"--graph {self.graph} does not take --precision {self.precision}{why}; choose "
+                                        f"--precision {', '.join(precisions_of(self.graph))}, or --graph "
+                                        f"{' or '.join(graphs_of(self.precision))} for {self.precision}")
+        hp = self.resolved_heads_precision
+        if hp != self.precision and (self.form.dtype != "float32" or hp not in WEIGHT_ONLY_BITS):
+            # MatMulNBits heads read float32 hidden states; a Q/DQ backbone's heads are its own precision
+            raise UnknownPrecisionError(f"heads precision {self.heads_precision!r} needs an fp32 or weight-only backbone "
+                                        f"in MatMulNBits (the {self.precision} {self.graph} graph's hidden states "
+                                        f"are {self.form.dtype}); use same or auto")
         if self.heads_vocab < 0:
             raise HeadsVocabError(f"--heads-vocab must be 0 (the full vocabulary) or a subset size N > 0, "
                                   f"got {self.heads_vocab}")
@@ -143,7 +155,11 @@ class ExportConfig:
             ArtifactError: the manifest's ``batch`` entry is malformed (:func:`~medusa_runtime.contract.artifact.step_batch`).
             UnknownPrecisionError, UnsupportedGraphError: as the constructor.
         """
-        recorded = dict(precision=manifest.precision_name, graph=FLAVOUR_GRAPHS.get(manifest.flavour, "portable"),
+        precision = overrides.get("precision", manifest.precision_name)
+        graph = FLAVOUR_GRAPHS.get(manifest.flavour, "portable")
+        if precision in PRECISION_TABLE and graph not in PRECISION_TABLE[precision].graphs:
+            graph = "portable"  # e.g. fp32 with MatMulNBits heads (ort-contrib), or an fp32 re-export of a contrib one
+        recorded = dict(precision=manifest.precision_name, graph=graph,
                         batch_size=step_batch(manifest) or 1, max_context=manifest.model.max_context)
         return cls(**{**recorded, **overrides})
 
@@ -158,9 +174,24 @@ class ExportConfig:
         return PRECISION_TABLE[self.precision]
 
     @property
+    def form(self) -> GraphForm:
+        """What the backbone's ``--graph`` of its precision writes (flavour, dtype, weight form)."""
+        return self.spec.graphs[self.graph]
+
+    @property
+    def qdq(self) -> bool:
+        """Whether the graphs are written in float16 and then rewritten with Q/DQ (:mod:`medusa_export.trt.typed`)."""
+        return self.form.weights == "qdq"
+
+    @property
+    def graphs_dtype(self) -> str:
+        """The float dtype the graphs are written in (the heads' too)."""
+        return self.form.dtype
+
+    @property
     def resolved_heads_precision(self) -> str:
-        """The heads graph's precision name ("fp32", "fp16", "int8" or "int4")."""
-        if self.heads_precision == "same" or (self.heads_precision == "auto" and self.precision not in WEIGHT_ONLY_BITS):
+        """The heads graph's precision name ("fp32", "fp16", "int8", "int4" or "fp8")."""
+        if self.heads_precision == "same" or (self.heads_precision == "auto" and self.form.weights != "nbits"):
             return self.precision
         return QUANTIZED_HEADS_DEFAULT if self.heads_precision == "auto" else self.heads_precision
 
@@ -178,16 +209,23 @@ class ExportConfig:
                 "reason": "int8 activations (MatMulNBits accuracy level 4): one-token steps run as 2 rows and trees "
                           "are chains, so every row is computed bit for bit as in plain decoding (docs/precisions.md)"}
 
+    @property
+    def nbits_block(self) -> int:
+        """MatMulNBits block size (``block_size``, default 32)."""
+        return self.block_size or 32
+
     def weight_only(self, precision: str, heads: bool = False) -> WeightOnlyConfig | None:
-        """The MatMulNBits settings of ``precision`` (None for fp32 / fp16).
+        """The MatMulNBits settings of ``precision`` (None for float weights and for the Q/DQ forms, whose graphs are
+        written in float16 and quantized afterwards).
 
         Args:
             precision: a precision name.
             heads: settings for the heads graph, whose vocabulary projection is always
                 quantized (it is their whole cost, and they only propose candidates).
         """
-        if precision not in WEIGHT_ONLY_BITS:
+        nbits = (precision != self.precision or self.form.weights == "nbits") if heads else self.form.weights == "nbits"
+        if precision not in WEIGHT_ONLY_BITS or not nbits:
             return None
         level = 4 if heads else (self.accuracy_level or BACKBONE_ACCURACY[precision])
-        return WeightOnlyConfig.for_precision(precision, block_size=self.block_size, accuracy_level=level,
+        return WeightOnlyConfig.for_precision(precision, block_size=self.nbits_block, accuracy_level=level,
                                               vocab_projection=heads or self.quantize_lm_head)

@@ -43,7 +43,11 @@ FLAVOURS = {"portable": "standard ONNX ops only (ONNX Runtime and TensorRT)",
 def _precision_json(cfg: ExportConfig, dtype: str, quantized: dict) -> dict:
     def weights(precision: str, heads: bool) -> str:
         wo = cfg.weight_only(precision, heads)
-        return PRECISION_TABLE[precision].dtype if wo is None else wo.describe()
+        if wo is not None:
+            return wo.describe()
+        if cfg.qdq and precision == cfg.precision:
+            return PRECISION_TABLE[precision].scheme
+        return cfg.graphs_dtype if precision == cfg.precision else PRECISION_TABLE[precision].dtype
 
     heads = cfg.resolved_heads_precision
     out = {"name": cfg.precision, "weights": weights(cfg.precision, False), "heads": heads,

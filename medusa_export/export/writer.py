@@ -57,7 +57,7 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: ExportConfig, topk: i
     bc = src.config
     step_q = cfg.weight_only(cfg.precision)
     lm_q = step_q if step_q is not None and step_q.vocab_projection else None
-    step = GraphBuilder(weights, cfg.spec.dtype, step_q)
+    step = GraphBuilder(weights, cfg.graphs_dtype, step_q)
     if cfg.graph == "fused":
         ins, outs = write_fused_step(step, bc, max_context, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
@@ -65,7 +65,8 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: ExportConfig, topk: i
         ins, outs = write_portable_step(step, bc, lm_q, batched=cfg.batched)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step", "medusa-export")}
     hp = cfg.resolved_heads_precision
-    hd, hq, hc = PRECISION_TABLE[hp].dtype, cfg.weight_only(hp, True), src.heads_config
+    hq, hc = cfg.weight_only(hp, True), src.heads_config
+    hd = cfg.graphs_dtype if hp == cfg.precision else PRECISION_TABLE[hp].graphs["contrib"].dtype  # MatMulNBits heads
     if hc.head_type == "hydra":  # path-conditioned heads: one graph per tree level
         for j in range(1, hc.num_heads + 1):
             level = GraphBuilder(weights, hd)

@@ -15,7 +15,7 @@ from pathlib import Path
 from medusa_runtime.engines.trt_plan import ENGINE_DIR, graph_profiles, plan_files, plan_graphs, profile_shapes
 from medusa_runtime.contract.manifest import Manifest, as_manifest
 
-from .config import BUILD_SCRIPT, ENGINE_PRECISION_TABLE, TIMING_CACHE, TRTEXEC_COMMON, engine_precision
+from .config import BUILD_SCRIPT, ENGINE_PRECISION_TABLE, QDQ_ARTIFACTS, TIMING_CACHE, TRTEXEC_COMMON, engine_precision
 from .typed import typed_paths
 
 
@@ -28,7 +28,7 @@ def graph_sources(manifest: Manifest | dict, precision: str) -> dict[str, str]:
     """
     manifest = as_manifest(manifest)
     graphs = plan_graphs(manifest)
-    if engine_precision(precision).source(manifest.precision.kv_dtype) == "typed":
+    if engine_precision(precision).source(manifest.precision.kv_dtype, manifest.precision_name) == "typed":
         typed = typed_paths(precision, graphs)
         return {g: typed[g] for g in graphs}
     return {g: manifest.graphs[g].file for g in graphs}
@@ -75,7 +75,10 @@ def trtexec_args(manifest: Manifest | dict, graph: str, precision: str, *, onnx_
 
 def buildable(manifest: Manifest | dict) -> list[str]:
     """The engine precisions this artifact's type can be built in (the table's rows that take it)."""
-    kv = as_manifest(manifest).precision.kv_dtype
+    m = as_manifest(manifest)
+    kv, name = m.precision.kv_dtype, m.precision_name
+    if name in QDQ_ARTIFACTS:  # already Q/DQ: its own precision only (EnginePrecision.source)
+        return [name]
     return [n for n, r in ENGINE_PRECISION_TABLE.items() if not r.unavailable and kv in r.sources]
 
 

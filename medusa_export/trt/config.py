@@ -7,6 +7,11 @@ from dataclasses import dataclass
 from medusa_runtime.engines.trt_plan import ENGINE_PRECISIONS
 from medusa_runtime.errors import EXIT_UNAVAILABLE, MedusaError
 
+from ..export.precisions import Column
+
+#: Artifact precisions whose portable graphs are already Q/DQ (int8, int4, fp8): their engines build from them.
+QDQ_ARTIFACTS = Column("name", qdq=True)
+
 #: Exit code of ``medusa-export engine`` when TensorRT is not importable (the commands and
 #: build script are written, no engine is built): the command lines' "not available here" code.
 EXIT_NO_TENSORRT = EXIT_UNAVAILABLE
@@ -47,14 +52,26 @@ class EnginePrecision:
     validated: str = ""
     unavailable: str = ""
 
-    def source(self, kv_dtype: str) -> str:
-        """"artifact" or "typed" for an artifact of ``kv_dtype``.
+    def source(self, kv_dtype: str, artifact_precision: str = "") -> str:
+        """"artifact" or "typed" for an artifact of ``kv_dtype`` built with ``--precision artifact_precision``.
+
+        An artifact whose graphs are already Q/DQ (``build --graph portable --precision int8|fp8|int4``) builds the
+        engines of its own precision from its own graphs, and no other (its float weights are gone).
 
         Raises:
-            MedusaError: this precision is not built (:attr:`unavailable`), or not from such an artifact.
+            MedusaError: this precision is not built (:attr:`unavailable`), or not from such an artifact (the message
+                names the build command that makes one it is built from).
         """
         if self.unavailable:
             raise MedusaError(f"{self.name} engines: {self.unavailable}")
+        if artifact_precision in QDQ_ARTIFACTS:
+            if artifact_precision == self.name:
+                return "artifact"
+            raise MedusaError(f"{self.name} engines cannot be built from this artifact: its graphs are already "
+                              f"{artifact_precision} Q/DQ (the float weights are not in it). Build one with "
+                              f"`medusa-export build --graph portable --precision "
+                              f"{self.name if self.name in QDQ_ARTIFACTS else 'fp16'}` (or fp32 for any precision), "
+                              f"or choose --precision {artifact_precision}")
         if kv_dtype not in self.sources:
             kinds = " or ".join(k for k in self.sources)
             raise MedusaError(f"{self.name} engines are built from a {kinds} artifact, this one is {kv_dtype}: "
@@ -80,14 +97,14 @@ ENGINE_PRECISION_TABLE: dict[str, EnginePrecision] = {r.name: r for r in (
     EnginePrecision("fp32", "float32", {"float32": "artifact"}, trtexec=("--noTF32",),
                     validated="the artifact's own build validation (ONNX Runtime against PyTorch); TF32 cleared so the "
                               "GPU computes what was validated"),
-    EnginePrecision("int4", "float16 (int4 weights)", {"float32": "typed"},
+    EnginePrecision("int4", "float16 (int4 weights)", {"float32": "typed", "float16": "typed"},
                     validated="typed graph on ONNX Runtime's CPU (blocked DequantizeLinear, opset 21): Medusa == plain "
                               "greedy of the same graph (near-ties below 0.8 reported), agreement with the fp32 graphs"),
-    EnginePrecision("int8", "int8 (W8A8)", {"float32": "typed"},
+    EnginePrecision("int8", "int8 (W8A8)", {"float32": "typed", "float16": "typed"},
                     validated="typed graph on ONNX Runtime's CPU: Q/DQ pairs (int8, per-channel weights, per-tensor "
                               "activations calibrated on prompts) on every weight product; Medusa == plain greedy of "
                               "the same graph (near-ties below 0.8 reported), agreement with the fp32 graphs"),
-    EnginePrecision("fp8", "fp8 E4M3 (W8A8)", {"float32": "typed"}, min_compute_capability=(8, 9),
+    EnginePrecision("fp8", "fp8 E4M3 (W8A8)", {"float32": "typed", "float16": "typed"}, min_compute_capability=(8, 9),
                     validated="as int8, with float8 E4M3 Q/DQ (Ada and Hopper tensor cores: compute capability 8.9+)"),
 )}
 assert set(ENGINE_PRECISIONS) == {n for n, r in ENGINE_PRECISION_TABLE.items() if not r.unavailable}, \

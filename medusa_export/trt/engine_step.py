@@ -74,27 +74,20 @@ def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[
     """Write (and validate on ONNX Runtime) the typed graphs of ``cfg.precision``; return (their files by graph and
     ``weights``, the record of what was written and how it validated)."""
     from ..validation.validate import read_prompts
+    from .quantized import write_quantized
     from .typed import typed_paths, write_typed_graphs
     from .typed_check import validate_typed
-
-    from ..validation.validate import default_prompts
-    from .typed import W8A8
 
     graphs = plan_graphs(manifest)
     files = {g: manifest.graphs[g].file for g in graphs}
     prompts = read_prompts(cfg.prompts) if cfg.prompts else None
-    act_amax, calibration = None, None
-    if cfg.precision in W8A8:
-        from .ranges import activation_ranges
-
-        print(f"calibrating the {cfg.precision} activation ranges on ONNX Runtime ...", file=sys.stderr, flush=True)
-        act_amax, calibration = activation_ranges(folder, files, prompts or default_prompts())
-    print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
-          file=sys.stderr, flush=True)
-    report = write_typed_graphs(folder, files, cfg.precision, act_amax=act_amax)
-    record = report.to_json()
-    if calibration:
-        record["calibration"] = calibration
+    if cfg.precision in ("int4", "int8", "fp8"):  # the Q/DQ rewrite build --graph portable writes too
+        report, record = write_quantized(folder, files, cfg.precision, prompts)
+    else:
+        print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
+              file=sys.stderr, flush=True)
+        report = write_typed_graphs(folder, files, cfg.precision)
+        record = report.to_json()
     if cfg.validate:
         print("validating them on ONNX Runtime ...", file=sys.stderr, flush=True)
         record["validation"] = validate_typed(folder, report, prompts=prompts)
@@ -113,7 +106,7 @@ def run_engine_step(path: str | Path, cfg: EngineConfig = EngineConfig()) -> Eng
     art = load_artifact(path)
     folder, manifest = art.path, art.manifest
     row = engine_precision(cfg.precision)
-    source = row.source(manifest.precision.kv_dtype)
+    source = row.source(manifest.precision.kv_dtype, manifest.precision_name)
     _check_gpu(cfg)
     report = check_artifact(folder, manifest)
     patch = {"trt_readiness": report.to_json()}

@@ -69,9 +69,11 @@ def activation_ranges(folder: Path, files: dict[str, str], prompts: list[str], *
             model = onnx.load(str(folder / rel), load_external_data=False)
             names[graph] = product_inputs(model)
             graph_inputs = {i.name for i in model.graph.input}
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.value_info
+            elem = {v.name: v.type.tensor_type.elem_type for v in inferred}  # float16 in a float16 graph
             for x in names[graph]:
                 if x not in graph_inputs:
-                    model.graph.output.append(helper.make_tensor_value_info(x, TensorProto.FLOAT, None))
+                    model.graph.output.append(helper.make_tensor_value_info(x, elem.get(x, TensorProto.FLOAT), None))
             copy = folder / f".{Path(rel).stem}.ranges-{os.getpid()}.onnx"
             onnx.save(model, str(copy))
             copies[graph] = copy

@@ -13,6 +13,9 @@ Checks each graph of an artifact against the parser of the targeted TensorRT rel
   only the past length P stays dynamic in the inputs;
 * weights: every external-data location is a relative path inside the artifact, exists,
   and covers the recorded offset and length (nothing depends on the working directory);
+* Q/DQ: every QuantizeLinear / DequantizeLinear against TensorRT's explicit-quantization rules of each
+  major (:data:`QDQ_RULES`, :func:`check_qdq`): quantized types, scale shapes and axes, block sizes, zero
+  points, constant scales, and fp8's compute capability;
 * flavour: an ``ort-contrib`` artifact (weight-only MatMulNBits graphs, ONNX Runtime only) or
   an ``ort-fused`` one (step graph of ONNX Runtime fused contrib ops, head-major KV written in
   place) fails with that reason first, before the op-by-op findings.
@@ -37,6 +40,8 @@ from medusa_runtime.contract.manifest import MANIFEST, Manifest, as_manifest
 from ..export.precisions import Column
 
 TARGET = "10.15"
+#: The majors whose Q/DQ rules every artifact is checked against (:data:`QDQ_RULES`).
+QDQ_MAJORS = ("10", "11")
 #: The precisions whose artifacts TensorRT can run (the table's portable ones), for the flavour errors.
 TENSORRT_PRECISIONS = Column("name", tensorrt=True)
 #: ONNX elem type -> the type names the op table uses.
@@ -44,13 +49,162 @@ _TRT_TYPE = {
     onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
     onnx.TensorProto.INT32: "INT32", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT8: "INT8",
     onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.BOOL: "BOOL", onnx.TensorProto.DOUBLE: "DOUBLE",
+    onnx.TensorProto.FLOAT8E4M3FN: "FP8", onnx.TensorProto.INT4: "INT4",
 }
 _REDUCE_OPS = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin",
                "ReduceProd", "ReduceSum", "ReduceSumSquare")
 _TOPK_MAX = 3840
 #: Ops whose inputs after the first n are parameters (a constant axis, checked by the restrictions),
 #: not tensors of the types the op table lists: their types are not compared with the table.
-_TYPED_INPUTS = {"CumSum": 1}
+_TYPED_INPUTS = {"CumSum": 1, "QuantizeLinear": 1, "DequantizeLinear": 1}  # Q/DQ scales, zero points: check_qdq
+
+
+@dataclass(frozen=True)
+class QdqRules:
+    """TensorRT's explicit-quantization rules of one major version, as far as they can be read off an ONNX graph.
+
+    Sources: NvInfer.h's IQuantizeLayer / IDequantizeLayer comments (10.x: "scale must be a scalar for per-tensor
+    quantization, a 1D tensor for per-channel quantization, or the same rank as the input tensor for block
+    quantization"; "zeroPt must only contain zero-valued coefficients, because only symmetric quantization is
+    supported"; "All scale coefficients must have strictly positive values"; "For block quantization, the shape of
+    scale must match the shape of the input, except for one dimension (the last or second to last) in which blocking
+    occurs"), the operator pages of TensorRT's documentation (docs.nvidia.com/deeplearning/tensorrt, operators
+    Quantize / Dequantize: the scale is a build-time constant of type float32 / float16 / bfloat16; 10.0's page: block
+    quantization "supported for DataType::kINT4 only"; the current page: kINT4, kFP4, kFP8 and kINT8), and the
+    developer guide's "Working with Quantized Types" (INT8, INT4 weight-only, FP8 E4M3, FP4 E2M1; FP8 GEMMs on compute
+    capability 8.9+).
+
+    Attributes:
+        major: "10" or "11".
+        types: the quantized ONNX types this check accepts -> their name (FP4 is left out: never written here).
+        weight_only: types only a DequantizeLinear of a constant may carry (INT4: weight-only).
+        blocked: types whose scale may be blocked (same rank as the input).
+        block_sizes: the block sizes accepted along K (128 is the size TensorRT's and ModelOpt's INT4 AWQ examples
+            use; 64 / 32 / 16 for a K that 128 does not divide).
+        scale_types: the scale's ONNX types.
+        min_compute_capability: per type, the oldest GPU that computes in it.
+    """
+
+    major: str
+    types: dict
+    weight_only: frozenset
+    blocked: frozenset
+    block_sizes: tuple = (128, 64, 32, 16)
+    scale_types: frozenset = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+    min_compute_capability: tuple = ((onnx.TensorProto.FLOAT8E4M3FN, (8, 9)),)
+
+
+_Q_TYPES = {onnx.TensorProto.INT8: "int8", onnx.TensorProto.FLOAT8E4M3FN: "fp8 E4M3", onnx.TensorProto.INT4: "int4"}
+#: Per major: 10 blocks INT4 only (10.0's Dequantize page), 11 (the current pages) INT4, FP8 and INT8 too; both take
+#: INT4 weight-only and symmetric (zero) zero points only.
+QDQ_RULES = {
+    "10": QdqRules("10", _Q_TYPES, frozenset({onnx.TensorProto.INT4}), frozenset({onnx.TensorProto.INT4})),
+    "11": QdqRules("11", _Q_TYPES, frozenset({onnx.TensorProto.INT4}),
+                   frozenset({onnx.TensorProto.INT4, onnx.TensorProto.INT8, onnx.TensorProto.FLOAT8E4M3FN})),
+}
+
+
+def _qtype(node: onnx.NodeProto, types: dict[str, int]) -> int:
+    """The quantized type of a Q or DQ node: DQ's input; Q's zero point, else its ``output_dtype`` (opset 21), else
+    UINT8 (ONNX's default)."""
+    if node.op_type == "DequantizeLinear":
+        return types.get(node.input[0], 0)
+    if len(node.input) > 2 and node.input[2]:
+        return types.get(node.input[2], 0)
+    attrs = {a.name: a.i for a in node.attribute}
+    return attrs.get("output_dtype", 0) or onnx.TensorProto.UINT8
+
+
+def check_qdq(model: onnx.ModelProto, graph_name: str, major: str = "10",
+              compute_capability: tuple[int, int] | None = None) -> list[Finding]:
+    """Every QuantizeLinear / DequantizeLinear of ``model`` against :data:`QDQ_RULES` of ``major``.
+
+    Args:
+        model: the ONNX model (external data not loaded: zero points are read when inline, shapes from the
+            initializers' dims).
+        graph_name: file name for messages.
+        major: "10" or "11".
+        compute_capability: the target GPU's (major, minor), or None when unknown (not checked).
+
+    Returns:
+        Errors naming the node, what it has and what TensorRT ``major`` takes.
+    """
+    from onnx import numpy_helper
+
+    rules = QDQ_RULES[major]
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consts = _constant_names(g)
+    types = _types(model)
+    out: list[Finding] = []
+
+    def err(node, msg):
+        out.append(Finding("error", graph_name, f"TensorRT {major}: {node.op_type} node {node.name or node.output[0]!r}: "
+                                                f"{msg}"))
+
+    for node in g.node:
+        if node.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        qt = _qtype(node, types)
+        if qt not in rules.types:
+            name = onnx.TensorProto.DataType.Name(qt) if qt else "an unknown type"
+            err(node, f"quantizes to {name}; TensorRT {major} takes {', '.join(rules.types.values())}")
+            continue
+        if qt in rules.weight_only and (node.op_type == "QuantizeLinear" or node.input[0] not in consts):
+            err(node, f"{rules.types[qt]} is weight-only in TensorRT: only a DequantizeLinear of a constant weight may "
+                      "carry it")
+        scale = node.input[1]
+        if scale not in consts:
+            err(node, f"scale {scale!r} is computed at run time; TensorRT needs a build-time constant")
+            continue
+        st = types.get(scale, 0)
+        if st and st not in rules.scale_types:
+            err(node, f"scale type {onnx.TensorProto.DataType.Name(st)}; TensorRT takes FLOAT, FLOAT16 or BFLOAT16")
+        attrs = {a.name: a.i for a in node.attribute}
+        sdims = list(inits[scale].dims) if scale in inits else []
+        xdims = list(inits[node.input[0]].dims) if node.input[0] in inits else None
+        block = attrs.get("block_size", 0)
+        if block or (xdims is not None and len(sdims) == len(xdims) and len(sdims) > 1):
+            rank = len(xdims) if xdims is not None else len(sdims)
+            axis = attrs.get("axis", 1) % max(rank, 1)
+            if qt not in rules.blocked:
+                err(node, f"blocked scales of {rules.types[qt]}; TensorRT {major} blocks only "
+                          f"{', '.join(rules.types[t] for t in rules.blocked)} (per-tensor or per-channel otherwise)")
+            elif axis not in (rank - 1, rank - 2):
+                err(node, f"blocked along axis {axis}; TensorRT blocks the last or second to last dimension")
+            elif block not in rules.block_sizes:
+                err(node, f"block size {block}; this check accepts {', '.join(map(str, rules.block_sizes))}")
+            elif xdims is not None and (xdims[axis] % block or sdims[axis] != xdims[axis] // block
+                                        or any(s != x for i, (s, x) in enumerate(zip(sdims, xdims)) if i != axis)):
+                err(node, f"scale shape {sdims} does not block input {xdims} by {block} along axis {axis}")
+        elif len(sdims) > 1:
+            err(node, f"scale of shape {sdims}: TensorRT takes a scalar (per tensor), a 1-D tensor (per channel) or, "
+                      f"for {', '.join(rules.types[t] for t in rules.blocked)}, a blocked one of the input's rank")
+        elif len(sdims) == 1 and sdims[0] != 1 and xdims is not None:
+            axis = attrs.get("axis", 1) % len(xdims)
+            if xdims[axis] != sdims[0]:
+                err(node, f"per-channel scale of {sdims[0]} values along axis {axis} of an input of shape {xdims}")
+        if len(node.input) > 2 and node.input[2]:
+            zp = inits.get(node.input[2])
+            if zp is None:
+                err(node, f"zero point {node.input[2]!r} is not a constant; TensorRT takes none or zeros")
+            elif zp.data_location != onnx.TensorProto.EXTERNAL:
+                if list(zp.dims) != sdims:
+                    err(node, f"zero point of shape {list(zp.dims)} beside a scale of shape {sdims}; they must match")
+                elif zp.raw_data.strip(b"\0") if zp.raw_data else np_nonzero(numpy_helper.to_array(zp)):
+                    err(node, "zero point holds non-zero values; TensorRT quantization is symmetric (zeros only)")
+        for t, need in rules.min_compute_capability:
+            if qt == t and compute_capability is not None and tuple(compute_capability) < need:
+                err(node, f"{rules.types[qt]} needs compute capability {need[0]}.{need[1]}+, the target GPU has "
+                          f"{compute_capability[0]}.{compute_capability[1]}")
+    return out
+
+
+def np_nonzero(arr) -> bool:
+    """Whether an array (of any ONNX type numpy_helper returns) holds a non-zero value."""
+    import numpy as np
+
+    return bool(np.any(np.asarray(arr).astype(np.float32) != 0))
 
 
 @dataclass(frozen=True)
@@ -367,8 +521,9 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
             f"this artifact's flavour is 'ort-contrib' (precision {name}, heads "
             f"{manifest.precision.heads or name}): its graphs use ONNX Runtime "
             "contrib ops (com.microsoft::MatMulNBits weight-only quantization) that TensorRT does not parse; it runs "
-            f"on ONNX Runtime only. For TensorRT build the portable flavour: --precision {' or '.join(TENSORRT_PRECISIONS)} with "
-            "--heads-precision auto/same, and let TensorRT quantize (engine --precision int8)")))
+            f"on ONNX Runtime only. For TensorRT build the portable flavour: --graph portable --precision "
+            f"{' or '.join(TENSORRT_PRECISIONS)} with --heads-precision auto/same (int8, fp8 and int4 there are "
+            "standard Q/DQ graphs)")))
     elif manifest.flavour == "ort-fused":
         report.findings.append(Finding("error", "manifest.json", (
             f"this artifact's flavour is 'ort-fused' (precision {name}): its step graph is "
@@ -384,6 +539,8 @@ def check_artifact(path: str | Path, manifest: Manifest | dict | None = None, ve
         model = onnx.load(str(path / rel), load_external_data=False)
         findings, info = check_ops(model, rel, table)
         findings += check_external_data(model, rel, path)
+        for major in QDQ_MAJORS:
+            findings += check_qdq(model, rel, major)
         if key == "model":  # the tree step: S = T fixed (a batched graph: B at its built size), only P varies
             fixed = {"S": tree_size, **({"B": manifest.batch.max_batch_size} if manifest.batch else {})}
             findings += check_fixed_shapes(model, rel, fixed, ("P",))

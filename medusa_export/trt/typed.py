@@ -151,9 +151,11 @@ class _Typer:
     """One graph's rewrite (the module docstring's rules)."""
 
     def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
-                 kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None):
+                 kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None, keep: bool = False):
         self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
             weights_rel, kept
+        self.keep = keep  # an already typed (float16) graph: only its weight products are rewritten
+        self.int4_blocks = INT4_BLOCKS  # or the one block size asked for (write_typed_graphs' int4_block)
         self.quant, self.act_amax = quant, act_amax or {}
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         g = inferred.graph
@@ -218,7 +220,7 @@ class _Typer:
             return self.init_as[key]
         w = np.asarray(_read_initializer(self.inits[name], self.base), dtype=np.float32)
         k = w.shape[k_axis]
-        block = next((b for b in INT4_BLOCKS if k % b == 0), None)
+        block = next((b for b in self.int4_blocks if k % b == 0), None)
         if block is None:
             raise TypedGraphError(f"{name}: its input dimension {k} is a multiple of no int4 block size "
                                   f"({', '.join(map(str, INT4_BLOCKS))}): this model cannot be int4-quantized for TensorRT")
@@ -364,11 +366,45 @@ class _Typer:
                             n.input[i] = names[x]
                     self._rename_in_subgraphs(n, names)
 
+    def _as_is(self, name: str) -> str:
+        """An initializer of an already typed graph, in its own type (copied into the new weights file when external)."""
+        key = (name, "as_is")
+        if key not in self.init_as:
+            t = self.inits[name]
+            if t.data_location == TensorProto.EXTERNAL:
+                self._store(name, np.asarray(_read_initializer(t, self.base)), t.data_type, name)
+            else:
+                self.new_inits.append(t)
+            self.init_as[key] = name
+        return name
+
+    def _quantize_only(self, node: onnx.NodeProto) -> None:
+        """``keep`` mode: the node as it is, but a weight product's weight through its DequantizeLinear and (W8A8) its
+        activation through a Q/DQ pair, in the activation's own (float16) type."""
+        quantized = node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in self.inits
+        source = node.input[0]
+        if quantized:
+            k_axis = 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
+            node.input[1] = (self._int4_weight if self.quant == "int4" else self._w8_weight)(node.input[1], k_axis)
+            self.counts[f"{self.quant}_products"] += 1
+        for i, x in enumerate(node.input):
+            if x and x in self.inits:
+                node.input[i] = self._as_is(x)
+        for x in self._outer_refs(node):
+            if x in self.inits:
+                self._as_is(x)
+        if quantized and self.quant in W8A8:
+            node.input[0] = self._w8_activation(source, source, node.name)
+        self.nodes.append(node)
+
     def run(self) -> onnx.ModelProto:
         g = self.model.graph
         outputs = {o.name for o in g.output}
         for node in g.node:
             node = onnx.NodeProto.FromString(node.SerializeToString())
+            if self.keep:
+                self._quantize_only(node)
+                continue
             want = self._kind_type(node)
             if node.op_type == "Cast":  # an explicit cast keeps its target (the step's positions to float32)
                 node.input[0] = self.alias.get(node.input[0], node.input[0])
@@ -440,8 +476,16 @@ def typed_paths(precision: str, graphs: list[str]) -> dict[str, str]:
 
 
 def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
-                       act_amax: dict[str, dict[str, float]] | None = None) -> TypedReport:
-    """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules).
+                       act_amax: dict[str, dict[str, float]] | None = None,
+                       paths: dict[str, str] | None = None, int4_block: int | None = None) -> TypedReport:
+    """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules), or the Q/DQ graphs of its
+    float16 graphs.
+
+    A float16 graph (an fp16 artifact's, or the float16 graph ``build --graph portable --precision int8|fp8|int4`` writes
+    first) is already typed: its float32 islands and Casts are the exporter's. For int4 / int8 / fp8 only its weight
+    products are rewritten (the same DequantizeLinear / Q/DQ as from float32, weights read from float16), every other
+    node and initializer kept as it is; the graph's I/O stay float16. So ``engine --precision int4`` of an fp16 artifact
+    and ``build --graph portable --precision int4`` give the same graph from the same weights.
 
     Args:
         folder: the artifact.
@@ -449,18 +493,24 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
         precision: a key of :data:`LOW_TYPES`.
         act_amax: W8A8 (int8, fp8) only: per graph, the calibrated max |x| of each weight product's activation input
             (:func:`~.calibrate.activation_ranges`).
+        paths: graph name -> artifact-relative output file, and ``weights`` -> the weights file (default
+            :func:`typed_paths`; ``build`` gives the artifact's own ``model.onnx`` / ``heads.onnx`` / ``weights.bin``,
+            replaced once every graph is written).
+        int4_block: int4 only: the block size of every weight (None: per weight the largest of :data:`INT4_BLOCKS`
+            dividing its K).
 
     Returns:
-        The :class:`TypedReport`; the files are :func:`typed_paths`. Each is written beside its final name and renamed
-        into place, so an interrupted run leaves no half-written graph.
+        The :class:`TypedReport`. Each file is written beside its final name and renamed into place, so an interrupted
+        run leaves no half-written graph.
 
     Raises:
-        TypedGraphError: a graph that is not float32 (already typed: build its engine from it), or a written graph
-            that breaks strong typing (:func:`check_strong_typing`).
+        TypedGraphError: a float16 graph asked for fp16 / bf16 (already typed: build its engine from it), or a written
+            graph that breaks strong typing (:func:`check_strong_typing`).
     """
     low = LOW_TYPES[precision]
-    paths = typed_paths(precision, list(files))
-    (folder / "engines").mkdir(exist_ok=True)
+    paths = paths or typed_paths(precision, list(files))
+    for rel in paths.values():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
     weights_path = folder / paths["weights"]
     tmp_weights = weights_path.with_name(f".{weights_path.name}.tmp-{os.getpid()}")
     weights = _Weights(tmp_weights)
@@ -469,11 +519,14 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
         for graph, rel in files.items():
             src = folder / rel
             model = onnx.load(str(src), load_external_data=False)
-            if any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer):
-                raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
             quant = precision if precision in ("int4", *W8A8) else None
-            typer = _Typer(model, src.parent, low, weights, Path(paths["weights"]).name, report.kept_fp32_weights,
-                           quant=quant, act_amax=(act_amax or {}).get(graph))
+            keep = any(t.data_type == TensorProto.FLOAT16 for t in model.graph.initializer)
+            if keep and not quant:
+                raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
+            weights_rel = os.path.relpath(folder / paths["weights"], (folder / paths[graph]).parent)
+            typer = _Typer(model, src.parent, low, weights, weights_rel, report.kept_fp32_weights, quant=quant,
+                           act_amax=(act_amax or {}).get(graph), keep=keep)
+            typer.int4_blocks = (int4_block,) if int4_block else INT4_BLOCKS
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])
             out = folder / paths[graph]

@@ -32,6 +32,8 @@ from medusa_runtime.decode.loop import causal_mask, generate
 from medusa_runtime.engines.ort import OrtEngine
 from medusa_runtime.trees.tree import make_tree
 
+from ..export.precisions import PRECISION_TABLE
+from ..validation.validate import graph_margins
 from .typed import TypedReport, rounded_in_float32
 
 #: How each typed precision is run on ONNX Runtime's CPU (the report's ``checked_on``).
@@ -47,27 +49,16 @@ CHECKED_ON = {
 
 #: The top-2 log-prob margin below which a Medusa-vs-plain divergence of a typed graph is a near-tie. fp16: the fp16
 #: artifact's validation margin (``PRECISION_TABLE``); bf16: 8x it, as bfloat16's unit roundoff (2^-8) is 8x
-#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: bf16's, provisionally
-#: (their rounding is in the weights and, W8A8, the activations; not derived from a measured distribution yet).
-NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, "int4": 0.8, "int8": 0.8, "fp8": 0.8}
-
-
-def _margins(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """float [len(tokens) + 1]: the engine's top-1 minus top-2 log-prob of each prediction after ``prompt`` (for
-    ``tokens[j]``, and the one after them), from one prefill of ``prompt + tokens``."""
-    from medusa_runtime.engines.kvcache import KVCache
-
-    seq = list(prompt) + list(tokens)
-    out = engine.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None], causal_mask(len(seq)),
-                      1.0, KVCache.for_engine(engine, len(seq)).past())
-    lp = out.topk_logprobs[len(prompt) - 1:]
-    return (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
+#: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: their Q/DQ graph form's
+#: (``PRECISION_TABLE[p].portable.near_tie``, bf16's 0.8, provisionally: their rounding is in the weights and, W8A8, the
+#: activations; not derived from a measured distribution yet), the rule the build's validation of the same graph uses.
+NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, **{p: PRECISION_TABLE[p].portable.near_tie for p in ("int4", "int8", "fp8")}}
 
 
 def _fp32_run(engine, prompt: list[int], root, new_tokens: int, eos: list[int], cap: int) -> tuple[list[int], np.ndarray]:
-    """Plain greedy decoding of the float32 graphs and the top-2 margin of each of its predictions (:func:`_margins`)."""
+    """Plain greedy decoding of the float32 graphs and the top-2 margin of each of its predictions (:func:`~medusa_export.validation.validate.graph_margins`)."""
     tokens = generate(engine, prompt, root, max_new_tokens=new_tokens, eos_token_ids=eos, max_context=cap).tokens
-    return tokens, _margins(engine, prompt, tokens)
+    return tokens, graph_margins(engine, prompt, tokens)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
@@ -115,6 +106,7 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
             files[graph] = str(path)
         view = replace(art, manifest=replace(art.manifest, files={**art.manifest.files, **files}))
         reference = OrtEngine(art)
+        ref = "fp32" if art.manifest.precision.kv_dtype == "float32" else "fp16"  # an fp16 artifact: its own graphs
         if progress:
             print(f"    the float32 graphs' greedy tokens and margins ({len(ids)} prompts x {new_tokens} tokens) ...",
                   flush=True)
@@ -137,19 +129,20 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
             j = _first_difference(plain.tokens, medusa.tokens)
             rec["passed"] = j is None
             if j is not None:
-                margin = float(_margins(typed, prompt, plain.tokens[:j])[-1])
+                margin = float(graph_margins(typed, prompt, plain.tokens[:j])[-1])
                 rec.update(medusa_divergence=j, medusa_margin=round(margin, 5),
                            near_tie=margin < NEAR_TIE[report.precision])
                 rec["passed"] = rec["near_tie"]
             out.append(rec)
             if progress:
-                agree = "identical to fp32" if i is None else f"diverges from fp32 at token {i} (fp32 margin " \
-                                                              f"{rec['fp32_margin']})"
+                agree = f"identical to {ref}" if i is None else f"diverges from {ref} at token {i} ({ref} margin " \
+                                                                f"{rec['fp32_margin']})"
                 same = "Medusa == plain greedy" if j is None else \
                     (f"Medusa leaves plain greedy at token {j} (a near-tie: margin {rec['medusa_margin']})"
                      if rec["near_tie"] else f"Medusa LEAVES plain greedy at token {j} (margin {rec['medusa_margin']})")
                 print(f"    {report.precision} typed graph, {text[:40]!r}: {same}; {agree}", flush=True)
     return {"checked_on": CHECKED_ON[report.precision], "passed": all(r["passed"] for r in out),
+            "reference": f"the artifact's own {ref} graphs (the fp32_* fields: {ref})",
             "near_tie_margin": NEAR_TIE[report.precision],
             "new_tokens": new_tokens, "prompts": out,
             "agreement_with_fp32": round(float(np.mean([1.0 if r["first_divergence_from_fp32"] is None else

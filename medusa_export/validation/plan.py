@@ -110,8 +110,8 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def estimate_memory(src: ModelSources, precision: str, weights_bytes: int, largest_fp32: int, layers: int
-                    ) -> dict[str, int]:
+def estimate_memory(src: ModelSources, precision: str, weights_bytes: int, largest_fp32: int, layers: int,
+                    graph: str = "portable") -> dict[str, int]:
     """Estimated peak resident bytes of each stage (see the module docstring for the factors).
 
     Args:
@@ -120,10 +120,15 @@ def estimate_memory(src: ModelSources, precision: str, weights_bytes: int, large
         weights_bytes: planned size of ``weights.bin``.
         largest_fp32: float32 bytes of the largest matrix the export transposes whole.
         layers: N of the truncated check.
+        graph: the ``--graph`` (its :class:`~medusa_export.export.precisions.GraphForm` holds the factor).
     """
+    from ..export.precisions import PRECISION_TABLE
+
+    forms = PRECISION_TABLE[precision].graphs if precision in PRECISION_TABLE else {}
+    factor = forms[graph].ort_factor if graph in forms else ORT_FACTORS[precision]
     full_ref = src.fp32_bytes()
     trunc_ref = src.fp32_bytes(min(layers, src.config.num_hidden_layers))
-    ort = ORT_FACTORS[precision] * weights_bytes
+    ort = factor * weights_bytes
     trunc_ort = ORT_FACTORS["fp32"] * trunc_ref
     export = BASE_BYTES + 3 * largest_fp32 + EXPORT_WORKING_BYTES
     # The reference, then ONNX Runtime: their sum, not the larger (module docstring). The main job (smollm2-135m,
@@ -216,7 +221,7 @@ def plan_validation(src: ModelSources, precision: str, weights_bytes: int, *, gr
     gpu_free = gpu_memory() if gpu_free == -1 else gpu_free
     layers = max(1, min(layers, src.config.num_hidden_layers))
     largest = largest_transposed_fp32(src, graph)
-    est = estimate_memory(src, precision, weights_bytes, largest, layers)
+    est = estimate_memory(src, precision, weights_bytes, largest, layers, graph)
     budget = int(available * HEADROOM)
     options = ("--precision int4 (a smaller artifact for the ONNX Runtime checks), --validate-layers N (a smaller "
                "truncated check), --checks checksums (no model run), or --no-validate")

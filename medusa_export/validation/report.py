@@ -65,6 +65,8 @@ class PromptReport:
     vanilla_divergence: int | None = None  # first differing new token
     vanilla_token: int | None = None  # plain greedy's token there (Medusa's: ``medusa_token``)
     medusa_token: int | None = None
+    vanilla_margin: float | None = None  # the graph's own top-1 minus top-2 log-prob where plain greedy and Medusa part
+    vanilla_near_tie: bool = False  # below the graph form's near_tie (float16 Q/DQ graphs): reported, not a failure
     #: the tokens each tree step accepted equal the loop reference's (None: not compared, :func:`exact_heads`)
     accept_identical: bool | None = None
     accept_divergence_step: int | None = None  # first tree step (1 = the first after the prefill) that differs
@@ -131,10 +133,11 @@ class ValidationReport:
         if not any(q.tokens for q in self.prompts):
             return f"{p.prompt[:40]!r}: {NOTHING_COMPARED}"
         if tol.reference == "vanilla":
-            if p.vanilla_identical is False:
+            if p.vanilla_identical is False and not p.vanilla_near_tie:
+                margin = "" if p.vanilla_margin is None else f", the graph's top-2 log-prob margin {p.vanilla_margin}"
                 return (f"{p.prompt[:40]!r}: Medusa diverges from plain greedy decoding of the same "
                         f"{self.precision} graph at new token {p.vanilla_divergence}: Medusa {p.medusa_token}, "
-                        f"plain greedy {p.vanilla_token}")
+                        f"plain greedy {p.vanilla_token}{margin}")
             return None
         if not (p.max_logprob_diff <= tol.atol and p.max_entropy_diff <= tol.atol
                 and p.max_hidden_diff <= tol.hidden_atol):
@@ -241,10 +244,13 @@ def _report_summary(v: dict) -> str:
     ref = v.get("reference") or "the fp32 PyTorch reference"
     if v["tolerance"].get("reference") == "vanilla":
         lossless = sum(bool(p.get("vanilla_identical")) for p in prompts)
+        ties = [f"token {p['vanilla_divergence']}, margin {p['vanilla_margin']}" for p in prompts
+                if p.get("vanilla_near_tie")]
         agree = ", ".join(str(p["tokens"] if p["first_divergence"] is None else p["first_divergence"]) for p in prompts)
         regime = f" (steps: {v['regime']})" if v.get("regime") else ""
         return (f"Medusa == plain greedy of the same graph{regime} on {lossless}/{n} prompts x "
-                f"{compared_tokens(prompts, v['new_tokens'])}; "
+                f"{compared_tokens(prompts, v['new_tokens'])}"
+                + (f" (near-ties of the graph's own rounding on {len(ties)}: {'; '.join(ties)})" if ties else "") + "; "
                 f"vs {ref} (information): identical on {same}/{n}, tokens before the first divergence {agree}")
     both = sum(p["identical"] and p.get("plain_identical") is not False for p in prompts)
     worst = max((p["max_logprob_diff"] for p in prompts), default=0.0)

@@ -183,6 +183,27 @@ def exact_heads(manifest: Manifest) -> bool:
             and not (manifest.heads_vocab is not None and manifest.heads_vocab.subset))
 
 
+def graph_margins(engine, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """float [len(tokens) + 1]: the engine's top-1 minus top-2 log-prob of each prediction after ``prompt`` (for
+    ``tokens[j]``, and the one after them), from one prefill of ``prompt + tokens``."""
+    seq = list(prompt) + list(tokens)
+    out = engine.step(np.asarray(seq, np.int64)[None], np.arange(len(seq), dtype=np.int64)[None], causal_mask(len(seq)),
+                      1.0, KVCache.for_engine(engine, len(seq)).past())
+    lp = out.topk_logprobs[len(prompt) - 1:]
+    return (lp[:, 0] - lp[:, 1]) if lp.shape[1] > 1 else np.full(len(lp), np.inf)
+
+
+def self_near_tie(manifest) -> float:
+    """The near-tie margin of Medusa-vs-plain divergences of the artifact's graph form
+    (:attr:`~medusa_export.export.precisions.GraphForm.near_tie`; 0: none)."""
+    from ..export.config import FLAVOUR_GRAPHS
+    from ..export.precisions import PRECISION_TABLE
+
+    spec = PRECISION_TABLE.get(manifest.precision_name)
+    form = spec.graphs.get(FLAVOUR_GRAPHS.get(manifest.flavour, "portable")) if spec else None
+    return form.near_tie if form else 0.0
+
+
 def _divergence(reference: list[int], tokens: list[int]) -> int | None:
     """First new token where ``tokens`` differ from ``reference`` (a shorter or longer run differs at the end of
     the shorter), or None when they are equal."""
@@ -227,6 +248,7 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
     report = ValidationReport(precision, new_tokens, reference=reference,
                               reference_seconds=round(sum(r.seconds for r in runs), 2), regime=regime)
     compare_accepted = exact_heads(artifact.manifest)
+    self_tie = self_near_tie(artifact.manifest)
     kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos_token_ids, max_context=artifact.model.max_context)
     desc = "validating: ONNX Runtime, Medusa and plain, against the reference"
     for run, text in tqdm(list(zip(runs, texts)), desc=desc, disable=not progress, unit="prompt"):
@@ -246,6 +268,9 @@ def compare_runs(artifact: Artifact, runs: list[ReferenceRun], texts: list[str],
         if not rep.vanilla_identical:
             j = _first_difference(v.tokens, a.tokens)
             rep.vanilla_divergence, rep.vanilla_token, rep.medusa_token = j, _at(v.tokens, j), _at(a.tokens, j)
+            if self_tie:
+                rep.vanilla_margin = round(float(graph_margins(eng, run.prompt_ids, v.tokens[:j])[-1]), 5)
+                rep.vanilla_near_tie = rep.vanilla_margin < self_tie
         if not rep.plain_identical:
             j = _first_difference(run.tokens, v.tokens)
             rep.plain_divergence, rep.plain_token, rep.plain_margin = j, _at(v.tokens, j), _margin_at(run, j)
