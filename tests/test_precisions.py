@@ -43,7 +43,7 @@ def test_every_stage_reads_the_table(monkeypatch):
     monkeypatch.setitem(PRECISION_TABLE, "int8-acc1", row)
     assert list(config.PRECISIONS) == ["fp32", "fp16", "int8", "int4", "fp8", "int8-acc1"] == list(precisions())
     assert list(config.FUSED_PRECISIONS) == ["fp32", "int8", "int4", "int8-acc1"]
-    assert dict(config.BACKBONE_ACCURACY) == {"int8": 4, "int4": 1, "int8-acc1": 1}
+    assert dict(config.BACKBONE_ACCURACY) == {"int8": 4, "int4": 4, "int8-acc1": 1}
     assert dict(quantize.WEIGHT_ONLY_BITS) == {"int8": 8, "int4": 4, "int8-acc1": 8}
     assert list(config.HEADS_PRECISIONS) == ["auto", "same", "int8", "int4", "int8-acc1"]
     assert "int8-acc1" in config.HEADS_PRECISIONS and "fp16" not in config.HEADS_PRECISIONS

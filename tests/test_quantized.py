@@ -173,9 +173,11 @@ def test_per_tensor_blocks_equal_the_whole_graph_quantizer(bits, k):
     np.testing.assert_array_equal(zp, inits["w_zero_points"])
 
 
-def test_backbone_accuracy_level_defaults_keep_int4_batch_invariant():
+def test_backbone_accuracy_level_defaults_are_the_fast_int8_compute_with_its_row_regime():
     nbits = dict(graph="contrib")  # the MatMulNBits graphs (--graph portable's int4 / int8 are Q/DQ: no level)
-    assert ExportConfig(precision="int4", **nbits).weight_only("int4").accuracy_level == 1  # fp32 compute: lossless
+    assert ExportConfig(precision="int4", **nbits).weight_only("int4").accuracy_level == 4  # exact with step_rows
+    assert ExportConfig(precision="int4", **nbits).step_rows["trees"] == "chain"
+    assert ExportConfig(precision="int4", accuracy_level=1, **nbits).step_rows is None
     assert ExportConfig(precision="int8", **nbits).weight_only("int8").accuracy_level == 4  # the only fast int8 kernel
     assert ExportConfig(precision="int4", **nbits).weight_only("int8", heads=True).accuracy_level == 4  # heads propose
     assert ExportConfig(precision="int4", accuracy_level=4, **nbits).weight_only("int4").accuracy_level == 4

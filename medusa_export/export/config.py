@@ -90,14 +90,15 @@ class ExportConfig:
             :data:`FUSED_PRECISIONS`).
         accuracy_level: MatMulNBits compute type of the weight-only *backbone*: 4 (int8
             activations, VNNI; fastest), 1 (fp32 activations) or None (:data:`BACKBONE_ACCURACY`:
-            1 for int4, 4 for int8). Level 4 quantizes activations, so fp32 rounding differences
-            of 1e-6 between a tree step and one-token steps (different attention lengths) flip
-            quantization steps that then grow through the layers: measured on SmolLM2-135M, a
-            tree step's rows differ from one-token steps by up to 0.7 in the hidden state (level
-            1: 1e-5), and Medusa diverged from plain greedy of the same graph after ~30 tokens.
-            Level 1 keeps int4 lossless; ONNX Runtime has no fast fp32-compute kernel for 8-bit
-            weights (468 ms a step), so int8 keeps level 4 and is not lossless. The heads graph
-            always uses level 4 (its candidates are verified, so its rounding never changes the output).
+            4 for int4 and int8). Level 4 quantizes activations, so a rounding difference of one ulp
+            between two ways of computing a row flips an int8 step that grows through the layers: ONNX
+            Runtime's one-row kernel rounds otherwise than its multi-row one, and the attention's sums
+            otherwise when masked keys sit between a row's keys. Such a build records
+            :attr:`step_rows`: the runtime runs one-token steps as two rows and trees are chains, and then
+            Medusa equals plain greedy decoding of the same graph bit for bit (tests/test_step_rows.py).
+            Level 1 takes any tree but its multi-row steps are slow (the 4-bit kernel dequantizes the
+            weights for M > 1). The heads graph always uses level 4 (its candidates are verified, so its
+            rounding never changes the output).
         batch_size: sequences per step the artifact is built for (``--batch-size``): 1 writes the batch-1
             step graph of every artifact before; N > 1 the batched portable step (a dynamic batch dimension B,
             per-row past lengths; :func:`~.contract.step_io`; with ``graph`` "fused" its batched variant,

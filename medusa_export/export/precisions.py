@@ -160,7 +160,7 @@ PRECISION_TABLE: dict[str, PrecisionSpec] = {p.name: p for p in (
                   "weight product (per-channel weights, per-tensor calibrated activations, symmetric), float16 elsewhere"),
     PrecisionSpec("int4", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3, near_tie=_QDQ_TIE),
                            "contrib": GraphForm("ort-contrib", "float32", "nbits", ort_factor=1.4),
-                           "fused": GraphForm("ort-fused", "float32", "nbits")}, 4, 1, tolerance=_SELF,
+                           "fused": GraphForm("ort-fused", "float32", "nbits")}, 4, 4, tolerance=_SELF,
                   scheme="int4 weight-only: blocked DequantizeLinear (opset 21, symmetric, float16 scales) feeding "
                   "float16 MatMuls"),
     PrecisionSpec("fp8", {"portable": GraphForm("portable", _QDQ_BASE, "qdq", ort_factor=3.3, near_tie=_QDQ_TIE)}, None, None,
