@@ -7,7 +7,7 @@
 * ``qdq``: ``build --graph portable --precision int4``: standard ONNX, a blocked DequantizeLinear (opset 21) feeding
   each float16 MatMul (the TensorRT graph, flavour ``portable``);
 * ``nbits``: ``build --graph contrib --precision int4``: ONNX Runtime's ``com.microsoft::MatMulNBits`` (flavour
-  ``ort-contrib``, float32 activations, accuracy level 1).
+  ``ort-contrib``, accuracy level 4: int8 activations, with its row regime, so its tree is a chain, ``--nbits-tree``).
 
 Missing artifacts are built (``--no-validate``: validation is the build's business, not the benchmark's) into
 ``--work``. Timing: ``--rounds`` rounds, each running every prompt on both artifacts in alternating order (so a load
@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdq", type=Path, help="a --graph portable --precision int4 artifact (default: built)")
     ap.add_argument("--nbits", type=Path, help="a --graph contrib --precision int4 artifact (default: built)")
     ap.add_argument("--model", default="smollm2-135m", help="model the missing artifacts are built from")
-    ap.add_argument("--tree", default="16", help="--tree of the missing artifacts (default: 16)")
+    ap.add_argument("--tree", default="16", help="--tree of the missing Q/DQ artifact (default: 16)")
+    ap.add_argument("--nbits-tree", default="chain",
+                    help="--tree of the missing MatMulNBits artifact (default: chain; its int8 activations take chains)")
     ap.add_argument("--work", type=Path, default=ROOT / "artifacts", help="where missing artifacts are built")
     ap.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns (tests/data; default 5)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -117,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
     arts = {}
     for kind in GRAPHS:
-        path = getattr(args, kind) or args.work / f"{args.model}-t{args.tree}-int4-{kind}"
+        tree = args.nbits_tree if kind == "nbits" else args.tree
+        path = getattr(args, kind) or args.work / f"{args.model}-t{tree}-int4-{kind}"
         if not (path / "manifest.json").is_file():
-            build(kind, path, args.model, args.tree)
+            build(kind, path, args.model, tree)
         arts[kind] = load_artifact(path)
     load_before = os.getloadavg()
     report = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host_cpu": host_cpu(),
