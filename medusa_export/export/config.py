@@ -202,7 +202,13 @@ class ExportConfig:
         build, or None: a backbone whose MatMulNBits quantize their activations (accuracy level 4) is exact only when
         every step runs at least 2 rows (ONNX Runtime's one-row kernel rounds differently) and on chain trees (the
         attention's sums round differently when masked keys sit between a row's keys). Measured on ONNX Runtime
-        1.32's CPU kernels: docs/precisions.md, "int8 activations"."""
+        1.32's CPU kernels: docs/precisions.md, "int8 activations". A Q/DQ graph (float16 activations, explicit
+        attention) needs the two rows only: its tree rows then equal plain decoding's bit for bit on any tree
+        (tests/test_qdq_build.py). TensorRT engines do not pad (the regime is ONNX Runtime's)."""
+        if self.qdq:
+            return {"min_rows": 2, "trees": "any",
+                    "reason": "Q/DQ graph on ONNX Runtime's CPU: one-token steps run as 2 rows (the one-row kernels "
+                              "round otherwise), so every row is computed bit for bit as in plain decoding"}
         wo = self.weight_only(self.precision)
         if wo is None or wo.accuracy_level != 4:
             return None

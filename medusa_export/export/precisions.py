@@ -56,9 +56,9 @@ class GraphForm:
         near_tie: below this top-2 log-prob margin of the graph itself, a divergence of Medusa from plain greedy
             decoding of the same graph is a near-tie (reported with its step and margin, not a failure): a tree
             step and one-token steps are products of different shapes whose float16 accumulation orders differ
-            (DESIGN.md "Precision and parity"). 0 (float32 compute): every divergence fails. The Q/DQ forms take
-            0.8, bf16's provisional margin (8x fp16's 0.1: their rounding is in the weights and, W8A8, the
-            activations too); the typed graphs' check (:data:`medusa_export.trt.typed_check.NEAR_TIE`) reads it.
+            (DESIGN.md "Precision and parity"). 0: every divergence fails, which every form takes today: the Q/DQ
+            forms run in their row regime (:attr:`~medusa_export.export.config.ExportConfig.step_rows`) and are then
+            exact; the typed graphs' check (:data:`medusa_export.trt.typed_check.NEAR_TIE`) reads it.
     """
 
     flavour: str
@@ -144,7 +144,9 @@ _FUSED32 = GraphForm("ort-fused", "float32")
 #: The Q/DQ forms are written from the float16 graph (a 7B base is 13.5 GB on disk and streams in ~6 GB; float32 would
 #: double both, and the typed graph's activations are float16 anyway): per-precision base dtype, one place.
 _QDQ_BASE = "float16"
-_QDQ_TIE = 0.8
+#: 0: with their row regime (ExportConfig.step_rows: one-token steps as two rows on ONNX Runtime) the Q/DQ graphs'
+#: Medusa equals plain greedy decoding bit for bit; without it they diverged at margins up to 0.26 (docs/precisions.md).
+_QDQ_TIE = 0.0
 
 #: name -> spec, in the CLI's order of choices.
 PRECISION_TABLE: dict[str, PrecisionSpec] = {p.name: p for p in (

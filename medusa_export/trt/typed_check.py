@@ -50,8 +50,8 @@ CHECKED_ON = {
 #: The top-2 log-prob margin below which a Medusa-vs-plain divergence of a typed graph is a near-tie. fp16: the fp16
 #: artifact's validation margin (``PRECISION_TABLE``); bf16: 8x it, as bfloat16's unit roundoff (2^-8) is 8x
 #: float16's (2^-11): at logits of magnitude 16-32 one bf16 ulp is 0.125. int4, int8 and fp8: their Q/DQ graph form's
-#: (``PRECISION_TABLE[p].portable.near_tie``, bf16's 0.8, provisionally: their rounding is in the weights and, W8A8, the
-#: activations; not derived from a measured distribution yet), the rule the build's validation of the same graph uses.
+#: (``PRECISION_TABLE[p].portable.near_tie``: 0, exact, as they run in their row regime here: one-token steps as two
+#: rows), the rule the build's validation of the same graph uses.
 NEAR_TIE = {"fp16": 0.1, "bf16": 0.8, **{p: PRECISION_TABLE[p].portable.near_tie for p in ("int4", "int8", "fp8")}}
 
 
@@ -114,6 +114,9 @@ def validate_typed(folder: Path, report: TypedReport, *, prompts: list[str] | No
         cap = art.model.max_context
         runs = [_fp32_run(reference, prompt, root, new_tokens, eos, cap) for prompt in ids]
         typed = OrtEngine(view)
+        if report.precision in PRECISION_TABLE and PRECISION_TABLE[report.precision].qdq:
+            # the Q/DQ graphs' row regime on ONNX Runtime (ExportConfig.step_rows): one-token steps as two rows
+            typed.capabilities = replace(typed.capabilities, min_rows=2)
         kw = dict(max_new_tokens=new_tokens, eos_token_ids=eos, max_context=cap)
         out = []
         for text, prompt, (fp32_tokens, fp32_margins) in zip(texts, ids, runs):
