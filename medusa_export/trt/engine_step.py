@@ -77,7 +77,6 @@ def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[
     from .typed import typed_paths, write_typed_graphs
     from .typed_check import validate_typed
 
-    from ..validation.validate import default_prompts
     from .typed import W8A8
 
     graphs = plan_graphs(manifest)
@@ -87,8 +86,11 @@ def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[
     if cfg.precision in W8A8:
         from .ranges import activation_ranges
 
-        print(f"calibrating the {cfg.precision} activation ranges on ONNX Runtime ...", file=sys.stderr, flush=True)
-        act_amax, calibration = activation_ranges(folder, files, prompts or default_prompts())
+        from .ranges import default_calibration_prompts
+
+        print(f"calibrating the {cfg.precision} activation ranges (streamed from the checkpoint, layer by layer) ...",
+              file=sys.stderr, flush=True)
+        act_amax, calibration = activation_ranges(folder, files, prompts or default_calibration_prompts())
     print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
           file=sys.stderr, flush=True)
     report = write_typed_graphs(folder, files, cfg.precision, act_amax=act_amax)
