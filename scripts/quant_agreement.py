@@ -61,6 +61,31 @@ def _teacher_forced(engine, prompt: list[int], tokens: list[int]):
     return ids[:, 0], lp
 
 
+def _row_consistency(engine, prompt: list[int], tokens: list[int], cuts: list[int]) -> tuple[float, int]:
+    """How much the same row's prediction depends on the step's row count: for each cut c, the log-probs of the
+    prediction after ``prompt + tokens[:c]`` from one prefill of all those rows, and from a prefill of all but the
+    last row then a one-row step (its past from that prefill). Returns (max |difference| of the top-k log-probs,
+    the cuts where the top-1 token differs)."""
+    from medusa_runtime.decode.loop import causal_mask
+    from medusa_runtime.engines.kvcache import KVCache
+
+    worst, flips = 0.0, 0
+    for c in cuts:
+        seq = np.asarray(list(prompt) + list(tokens[:c]), np.int64)
+        n = len(seq)
+        whole = engine.step(seq[None], np.arange(n, dtype=np.int64)[None], causal_mask(n), 1.0,
+                            KVCache.for_engine(engine, n).past())
+        cache = KVCache.for_engine(engine, n)
+        head = engine.step(seq[None, :-1], np.arange(n - 1, dtype=np.int64)[None], causal_mask(n - 1), 1.0,
+                           cache.past())
+        cache.keep(head.new_kv, np.arange(n - 1), seq[:-1])
+        one = engine.step(seq[None, -1:], np.array([[n - 1]], np.int64), causal_mask(1), 1.0, cache.past())
+        a, b = whole.topk_logprobs[n - 1], one.topk_logprobs[0]
+        worst = max(worst, float(np.abs(a - b).max()))
+        flips += int(whole.topk_ids[n - 1][0] != one.topk_ids[0][0])
+    return worst, flips
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact", required=True)
@@ -125,6 +150,8 @@ def main(argv=None) -> int:
                     j = next((i for i, (x, y) in enumerate(zip(got, m)) if x != y), None)
                     medusa = "equal" if j is None else f"leaves plain greedy at token {j}, margin " \
                         f"{float(_margins(eng, p, got[:j])[-1]):.3f}"
+                    rc = _row_consistency(eng, p, toks, list(range(4, len(toks), 8)))
+                    medusa += f"; one-row vs many-row step: max |d logp| {rc[0]:.3f}, top-1 flips {rc[1]}"
                 rows.append({"variant": v, "prompt": text[:50], "first_divergence": first, "medusa_vs_plain": medusa,
                              "teacher_forced_top1": round(float(np.mean(np.asarray(top1) == np.asarray(toks))), 4),
                              "mean_abs_dlogp": round(float(np.abs(lp - lp32)[both].mean()), 4),

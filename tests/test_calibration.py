@@ -186,7 +186,7 @@ def test_smoothquant_int8_products_are_the_smoothed_weights_and_ranges(tiny_trt_
     inits = {t.name: numpy_helper.to_array(t) for t in typed.graph.initializer}
     nodes = list(typed.graph.node)
     producer = {o: n for n in nodes for o in n.output}
-    checked = 0
+    checked, ratios = 0, {}
     for mm in (n for n in nodes if n.op_type == "MatMul" and n.input[1].endswith("/dq")):
         wdq = producer[mm.input[1]]
         name = wdq.name.removesuffix("/dequantize")
@@ -207,5 +207,44 @@ def test_smoothquant_int8_products_are_the_smoothed_weights_and_ranges(tiny_trt_
         assert np.all(err <= wscale[None, :] * 0.5 * (1 + 1e-3) + 1e-6), name
         ascale = float(inits[quant.input[1]])
         np.testing.assert_allclose(ascale, np.max(st.channel_max / s) / 127, rtol=2e-3)
+        ratios[name] = np.max(st.channel_max / s) / np.mean(st.mean_abs / s)
         checked += 1
     assert checked == 2 * 7
+    # the outlier rule: with a threshold between the ratios, exactly the products above it stay float16
+    cut = float(np.median(list(ratios.values())))
+    report = write_typed_graphs(art, GRAPHS, "int8", calibration=cal, smooth_alpha=0.5, outlier_ratio=cut)
+    kept = set(report.graphs["model"]["float_outlier_products"]) & set(ratios)  # the MatMuls (the Gemm lm_head aside)
+    assert kept == {w for w, r in ratios.items() if r > cut} and 0 < len(kept) < 14
+    typed = onnx.load(str(art / "engines/model.int8.onnx"), load_external_data=False)
+    plain = {n.input[1] for n in typed.graph.node if n.op_type == "MatMul" and n.input[1].startswith("layers.")}
+    assert {w for w in kept} <= {p.split("/")[0].removesuffix(".f16") for p in plain}
+
+
+def test_engine_int8_records_the_calibration_in_the_manifest(tiny_trt_artifact, tmp_path):
+    """`engine --precision int8` (no TensorRT here: exit 3 after writing the typed graph): the manifest's typed-graph
+    record carries the calibration's method, its prompts' SHA-256 (of the project's own calibration prompts, computed
+    here), their token count and SmoothQuant's alpha; the graph holds an activation scale per quantized input."""
+    import hashlib
+    import shutil
+
+    import onnx
+
+    from medusa_export.trt.config import EngineConfig
+    from medusa_export.trt.engine_step import run_engine_step
+
+    art = tmp_path / "a"
+    shutil.copytree(tiny_trt_artifact, art)
+    out = run_engine_step(art, EngineConfig(precision="int8", validate=False))
+    assert out.code == 3, out.message
+    rec = json.loads((art / "manifest.json").read_text())["engines"]["int8"]["typed_graph"]["calibration"]
+    texts = [json.loads(line)["prompt"] for line in
+             (Path(__file__).resolve().parents[1] / "models/quant_calibration_prompts.jsonl").read_text().splitlines()]
+    assert rec["prompts"] == len(texts) == 10
+    assert rec["prompts_sha256"] == hashlib.sha256("\n".join(texts).encode()).hexdigest()
+    assert rec["tokens"] == sum(rec["tokens_per_prompt"]) >= 32 and rec["smoothquant_alpha"] == 0.5
+    assert rec["method"].startswith("streamed") and rec["outlier_ratio"] == 64.0
+    graphs = json.loads((art / "manifest.json").read_text())["engines"]["int8"]["typed_graph"]["graphs"]
+    floats = graphs["model"].get("float_outlier_products", {})
+    assert all(r > 64 for r in floats.values())
+    g = onnx.load(str(art / "engines/model.int8.onnx"), load_external_data=False)
+    assert sum(n.op_type == "QuantizeLinear" for n in g.graph.node) == 2 * 4 + 1 - sum("down_proj" in w for w in floats)

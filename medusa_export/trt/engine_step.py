@@ -77,26 +77,28 @@ def _typed_graphs(folder: Path, manifest: Manifest, cfg: EngineConfig) -> tuple[
     from .typed import typed_paths, write_typed_graphs
     from .typed_check import validate_typed
 
-    from .typed import W8A8
+    from .typed import DEFAULT_INT4_SCALES, OUTLIER_RATIO, SMOOTH_ALPHA, W8A8
 
     graphs = plan_graphs(manifest)
     files = {g: manifest.graphs[g].file for g in graphs}
     prompts = read_prompts(cfg.prompts) if cfg.prompts else None
-    act_amax, calibration = None, None
-    if cfg.precision in W8A8:
-        from .ranges import activation_ranges
+    calibration = None
+    scales = {"int4_scales": DEFAULT_INT4_SCALES if cfg.precision == "int4" else "rtn",
+              "smooth_alpha": SMOOTH_ALPHA.get(cfg.precision), "outlier_ratio": OUTLIER_RATIO.get(cfg.precision)}
+    if cfg.precision in W8A8 or scales["int4_scales"] != "rtn":
+        from .ranges import calibrate, default_calibration_prompts
 
-        from .ranges import default_calibration_prompts
-
-        print(f"calibrating the {cfg.precision} activation ranges (streamed from the checkpoint, layer by layer) ...",
-              file=sys.stderr, flush=True)
-        act_amax, calibration = activation_ranges(folder, files, prompts or default_calibration_prompts())
+        print(f"calibrating {cfg.precision} (layer by layer from the artifact's weights) ...", file=sys.stderr,
+              flush=True)
+        calibration = calibrate(folder, files, prompts or default_calibration_prompts())
     print(f"writing the {cfg.precision} typed graphs (float32 islands: norms, softmax, the output tail) ...",
           file=sys.stderr, flush=True)
-    report = write_typed_graphs(folder, files, cfg.precision, act_amax=act_amax)
+    report = write_typed_graphs(folder, files, cfg.precision, calibration=calibration, **scales)
     record = report.to_json()
-    if calibration:
-        record["calibration"] = calibration
+    if calibration is not None:
+        record["calibration"] = {**calibration.record, **({"int4_scales": scales["int4_scales"]} if cfg.precision ==
+                                                           "int4" else {"smoothquant_alpha": scales["smooth_alpha"],
+                                                                  "outlier_ratio": scales["outlier_ratio"]})}
     if cfg.validate:
         print("validating them on ONNX Runtime ...", file=sys.stderr, flush=True)
         record["validation"] = validate_typed(folder, report, prompts=prompts)

@@ -17,13 +17,14 @@ step and heads graphs, over every token of every calibration prompt (a prefill o
   activations kept.
 
 How (the export's streaming, :mod:`medusa_export.export.writer`): the prompts' token rows are embedded (one read of
-the embedding table), then for each decoder layer its tensors are read from the checkpoint (:class:`~medusa_export.
-loading.checkpoint.TensorSource`), made a :class:`~medusa_export.model.backbone.Block` in float32 (the PyTorch
-reference's own layer, the one validation checks against transformers), run on every prompt's hidden states (a causal
-prefill, empty past) with forward pre-hooks on its four product inputs (q/k/v share one, gate/up one, o, down), and
-freed; the final norm gives the lm_head's input and the heads' residual blocks (Medusa §2.1.1) theirs. Peak memory:
-one layer in float32 plus the hidden states of the prompts (tokens x d x 4 bytes) plus the statistics (~12 MB a layer
-at 7B), never the model.
+the embedding table), then for each decoder layer its tensors are read one at a time (from the artifact's own
+``weights.bin`` by default, :func:`artifact_sources`, so the engine machine needs no checkpoint; or from the checkpoint's
+:class:`~medusa_export.loading.checkpoint.TensorSource`), made a :class:`~medusa_export.model.backbone.Block` in
+float32 (the PyTorch reference's own layer, the one validation checks against transformers), run on every prompt's
+hidden states (a causal prefill, empty past) with forward pre-hooks on its four product inputs (q/k/v share one,
+gate/up one, o, down), and freed; the final norm gives the lm_head's input and the heads' residual blocks (Medusa
+§2.1.1) theirs. Peak memory: one layer in float32 plus the prompts' hidden states (tokens x d x 4 bytes) plus the
+statistics (~12 MB a layer at 7B), never the model.
 
 The statistics are keyed, per graph, by the ONNX weight initializer the product reads (``layers.0.attn.q_proj.weight``,
 ``0.0.linear.weight``, the tied table ``model.embed_tokens.weight`` of the lm_head / heads projection), found through
@@ -248,6 +249,87 @@ def streamed_statistics(sources, prompts: list[list[int]], *, progress: bool = F
     return stats
 
 
+# -- the artifact's own weights as a source -------------------------------------------------------------------------
+
+class ArtifactSource:
+    """An artifact's ``weights.bin`` read back under the checkpoint names its weight records give (each record's
+    ``recipe``: source, key, layout ``rows`` as stored or ``cols`` transposed), one tensor at a time by a positioned
+    read; what :func:`calibrate` streams when no checkpoint source is given (the artifact is the contract: the engine
+    machine needs no checkpoint). Float records only (``portable`` fp32 / fp16 artifacts)."""
+
+    def __init__(self, folder: Path, records: list[dict], source: str):
+        self.path = Path(folder) / "weights.bin"
+        self.description = f"{self.path} ({source} tensors)"
+        self._rec = {r["recipe"]["keys"][0]: r for r in records if r["recipe"]["source"] == source
+                     and len(r["recipe"]["keys"]) == 1 and r["recipe"].get("output", 0) == 0
+                     and r["dtype"] in ("float32", "float16")}
+
+    def keys(self) -> list[str]:
+        return list(self._rec)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._rec
+
+    def read(self, key: str) -> torch.Tensor:
+        """float [out, in] (as the checkpoint) of ``key``.
+
+        Raises:
+            CalibrationError: no float record of ``key`` (a quantized ``ort-contrib`` artifact).
+        """
+        r = self._rec.get(key)
+        if r is None:
+            raise CalibrationError(f"{self.description} has no float tensor {key!r}: calibrate a portable fp32 / fp16 "
+                                   f"artifact")
+        dtype = np.float32 if r["dtype"] == "float32" else np.float16
+        with open(self.path, "rb") as fh:
+            fh.seek(int(r["offset"]))
+            arr = np.frombuffer(fh.read(int(r["length"])), dtype).reshape(r["shape"])
+        t = torch.from_numpy(arr.copy())
+        return t.T.contiguous() if r["recipe"]["layout"] == "cols" else t
+
+
+def artifact_sources(folder: Path):
+    """The artifact's weights as :class:`~medusa_export.loading.sources.ModelSources`: :class:`ArtifactSource` per
+    source and the backbone's config rebuilt from the manifest (geometry, switches) and the step graph (RMSNorm's eps,
+    the constant of ``layers.0.input_norm/rmsnorm/add_eps``).
+
+    Raises:
+        CalibrationError: RoPE scaling or sliding windows (not recorded in the manifest: pass the checkpoint's
+            sources), or no float weights.
+    """
+    from medusa_runtime.contract.artifact import load_artifact
+    from onnx import numpy_helper
+
+    from ..export.graph import RMSNORM_MARK
+    from ..loading.sources import ModelSources
+    from ..model.config import BackboneConfig
+    from ..model.heads import HeadsConfig
+
+    art = load_artifact(folder)
+    m = art.model
+    feats = set(m.features)
+    odd = [f for f in feats if f.startswith(("rope_scaling", "sliding_window"))]
+    if odd:
+        raise CalibrationError(f"the manifest does not record {', '.join(odd)}: calibrate from the checkpoint "
+                               f"(ranges.calibrate(..., sources=open_model(...).sources))")
+    records = art.manifest.weights.to_json()["records"]
+    backbone, heads = ArtifactSource(folder, records, "backbone"), ArtifactSource(folder, records, "heads")
+    step = onnx.load(str(Path(folder) / art.manifest.graphs["model"].file), load_external_data=False)
+    consts = {t.name: t for t in step.graph.initializer}
+    node = next(n for n in step.graph.node if n.name == f"layers.0.input_norm{RMSNORM_MARK}add_eps")
+    eps = float(numpy_helper.to_array(consts[node.input[1]]))
+    gate = backbone.read("model.layers.0.mlp.gate_proj.weight")
+    cfg = BackboneConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=gate.shape[0],
+                         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=eps,
+                         rope_theta=m.rope_theta, tie_word_embeddings="tied_embeddings" in feats,
+                         model_type=m.architecture, **{f: f in feats for f in ("qkv_bias", "o_bias", "mlp_bias",
+                                                                                  "qk_norm")})
+    hc = HeadsConfig(m.medusa_heads, m.medusa_layers, m.hidden_size, m.vocab_size, m.medusa_own_projection,
+                     art.manifest.heads.type)
+    return ModelSources(backbone, heads, cfg, hc)
+
+
 # -- on an artifact ------------------------------------------------------------------------------------------------
 
 def product_weights(model: onnx.ModelProto) -> list[str]:
@@ -275,8 +357,9 @@ def calibrate(folder: Path, files: dict[str, str], prompts: list[str], *, source
         files: graph name -> artifact-relative ONNX (the ``model`` and ``heads`` graphs).
         prompts: calibration prompts (user messages): the project's own (:func:`default_calibration_prompts`) or a
             user's ``--prompt-file``; never the evaluation prompts.
-        sources: the model's :class:`~medusa_export.loading.sources.ModelSources` (default: reopened from the manifest's
-            ``model.backbone_source`` / ``heads_source``, as ``verify`` does).
+        sources: the model's :class:`~medusa_export.loading.sources.ModelSources` (the checkpoint's, e.g.
+            ``open_model(...).sources``); default: the artifact's own ``weights.bin`` (:func:`artifact_sources`), read
+            one tensor at a time as well.
         progress: print progress lines.
 
     Returns:
@@ -297,9 +380,7 @@ def calibrate(folder: Path, files: dict[str, str], prompts: list[str], *, source
     folder = Path(folder).resolve()
     art = load_artifact(folder)
     if sources is None:
-        from ..validation.source import open_source
-
-        sources = open_source(art.manifest).sources
+        sources = artifact_sources(folder)
     ids = prompt_ids(RuntimeTokenizer.from_artifact(art), prompts)
     tokens = sum(map(len, ids))
     if tokens < MIN_TOKENS:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,13 @@ def _read_initializer(t: TensorProto, base: Path) -> np.ndarray:
 #: search (Lin et al., AWQ, MLSys 2024, §3.3 and its ``auto_clip``: 20-point grid, clip ratios 1.0 down to 0.55).
 INT4_SCALES = ("rtn", "awq")
 AWQ_GRID, AWQ_MAX_SHRINK = 20, 0.5
+#: The int4 scale method ``engine --precision int4`` uses (docs/tensorrt.md gives the measurement that chose it).
+DEFAULT_INT4_SCALES = "rtn"
+#: SmoothQuant's alpha per W8A8 precision for ``engine`` (None: no smoothing), and the max/mean ratio of a smoothed
+#: product input above which that product stays float16 (64: its mean |x| would be under 2 of int8's 127 steps).
+#: Measured on the embedded model (docs/tensorrt.md, "int8: the cause"): every product above it is an MLP down_proj.
+SMOOTH_ALPHA = {"int8": 0.5, "fp8": None}
+OUTLIER_RATIO = {"int8": 64.0, "fp8": None}
 
 
 def int4_block_scales(wk: np.ndarray, block: int, gram: np.ndarray | None = None) -> np.ndarray:
@@ -203,10 +211,13 @@ class _Typer:
 
     def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
                  kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None,
-                 stats: dict | None = None, int4_scales: str = "rtn", smooth_alpha: float | None = None):
+                 stats: dict | None = None, int4_scales: str = "rtn", smooth_alpha: float | None = None,
+                 keep_float: tuple[str, ...] = (), outlier_ratio: float | None = None):
         self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
             weights_rel, kept
         self.quant, self.act_amax, self.stats, self.int4_scales = quant, act_amax or {}, stats or {}, int4_scales
+        self.keep_float = keep_float
+        self.outlier_ratio, self.outliers = outlier_ratio, {}
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         g = inferred.graph
         self.floats = {v.name for v in [*g.input, *g.output, *g.value_info] if v.type.tensor_type.elem_type == TensorProto.FLOAT}
@@ -251,8 +262,12 @@ class _Typer:
             sm = np.ones(len(xmax))
             sm[ok] = np.clip(xmax[ok] ** alpha / wmax[ok] ** (1 - alpha), 1e-4, 1e4)
             sm = (1.0 / (1.0 / sm).astype(np.float16).astype(np.float64)).astype(np.float32)
+            mean = float((st.mean_abs / sm).mean())
+            ratio = float((xmax / sm).max()) / mean if mean > 0 else float("inf")
             for w, _ in members:
                 out[w] = sm
+                if self.outlier_ratio is not None and ratio > self.outlier_ratio:
+                    self.outliers[w] = round(ratio, 1)
         return out
 
     # -- tensors in a type -------------------------------------------------------------------
@@ -486,7 +501,8 @@ class _Typer:
                 self.nodes.append(node)
                 continue
             quantized = self.quant and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 \
-                and node.input[1] in self.inits
+                and node.input[1] in self.inits and not any(re.search(p, node.input[1]) for p in self.keep_float) \
+                and node.input[1] not in self.outliers
             weight = node.input[1] if quantized else None
             if quantized:
                 k_axis = 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
@@ -549,7 +565,8 @@ def typed_paths(precision: str, graphs: list[str]) -> dict[str, str]:
 
 def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
                        act_amax: dict[str, dict[str, float]] | None = None, *, calibration=None,
-                       int4_scales: str = "rtn", smooth_alpha: float | None = None) -> TypedReport:
+                       int4_scales: str = "rtn", smooth_alpha: float | None = None,
+                       keep_float: tuple[str, ...] = (), outlier_ratio: float | None = None) -> TypedReport:
     """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules).
 
     Args:
@@ -589,14 +606,16 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
                            quant=quant, act_amax=amax,
                            stats=calibration.stats.get(graph) if calibration is not None else None,
                            int4_scales=int4_scales if precision == "int4" else "rtn",
-                           smooth_alpha=smooth_alpha if precision in W8A8 else None)
+                           smooth_alpha=smooth_alpha if precision in W8A8 else None, keep_float=keep_float,
+                           outlier_ratio=outlier_ratio if precision in W8A8 else None)
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])
             out = folder / paths[graph]
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             onnx.save(typed, str(tmp))
             written.append((tmp, out))
-            report.graphs[graph] = {"file": paths[graph], **typer.counts}
+            report.graphs[graph] = {"file": paths[graph], **typer.counts,
+                                    **({"float_outlier_products": typer.outliers} if typer.outliers else {})}
         report.weights_bytes = weights.close()
         os.replace(tmp_weights, weights_path)
         for tmp, out in written:
