@@ -53,6 +53,8 @@ def _qdq_products(model, inits: set[str]) -> dict[str, dict]:
         if w is None or w.op_type != "DequantizeLinear":
             continue
         src = w.input[0]
+        if src in producer and producer[src].op_type == "QuantizeLinear":  # ModelOpt: Q -> DQ of the float weight
+            src = producer[src].input[0]
         wname = src
         # ModelOpt names the quantized weight after the float one; ours appends .int8 / .fp8
         for suffix in (".int8", ".fp8", "_quantized", "_i8", "_f8"):
@@ -83,11 +85,18 @@ def main(argv=None) -> int:
     art = load_artifact(folder)
     prompt = default_calibration_prompts()[:1]
     ids = prompt_ids(RuntimeTokenizer.from_artifact(art), prompt)[0]
-    with tempfile.TemporaryDirectory(prefix="modelopt-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="modelopt-", dir=folder.parent) as tmp:
         tmp = Path(tmp)
-        for p in folder.iterdir():
-            if p.name != "engines":
-                (tmp / p.name).symlink_to(p)
+        for p in folder.iterdir():  # copies: onnx's checker refuses external data behind a symbolic link, and
+            if p.is_dir():          # ModelOpt rewrites model.onnx in place (a hard link would change the artifact)
+                if p.name != "engines":
+                    shutil.copytree(p, tmp / p.name)
+            else:
+                shutil.copy2(p, tmp / p.name)
+        cal = calibrate(folder, {"model": "model.onnx"}, prompt, progress=False)
+        (tmp / "engines").mkdir()
+        write_typed_graphs(tmp, {"model": "model.onnx"}, a.mode, calibration=cal)
+        ours = onnx.load(str(tmp / f"engines/model.{a.mode}.onnx"), load_external_data=False)
         t0 = time.perf_counter()
         out = tmp / f"model.modelopt.{a.mode}.onnx"
         quantize(str(tmp / "model.onnx"), quantize_mode=a.mode, calibration_data=_feed(art, ids),
@@ -95,10 +104,8 @@ def main(argv=None) -> int:
                  use_external_data_format=True, output_path=str(out), log_level="WARNING")
         mo_seconds = time.perf_counter() - t0
         mo = onnx.load(str(out), load_external_data=True)
-        cal = calibrate(folder, {"model": "model.onnx"}, prompt, progress=False)
-        (tmp / "engines").mkdir()
-        write_typed_graphs(tmp, {"model": "model.onnx"}, a.mode, calibration=cal)
-        ours = onnx.load(str(tmp / f"engines/model.{a.mode}.onnx"), load_external_data=False)
+        if a.json:  # the graph without its weights, for a look node by node
+            onnx.save(onnx.load(str(out), load_external_data=False), str(Path(a.json).with_suffix(".graph.onnx")))
         fp32 = onnx.load(str(folder / "model.onnx"), load_external_data=False)
         inits = {t.name for t in fp32.graph.initializer}
         theirs_q = _qdq_products(mo, inits)

@@ -1,5 +1,5 @@
-"""Calibration for quantized typed graphs (int8 / fp8 W8A8, int4 activation-aware scales), streamed from the
-checkpoint one decoder layer at a time.
+"""Calibration for quantized typed graphs (int8 / fp8 W8A8, int4 activation-aware scales), streamed one decoder layer
+at a time from the artifact's weights (or the checkpoint's).
 
 What is collected, at the input ``x`` of every weight product (MatMul / Gemm on an initializer) of the artifact's
 step and heads graphs, over every token of every calibration prompt (a prefill of the prompt, chat template applied):
@@ -55,7 +55,7 @@ from ..model.config import rope_cos_sin
 
 #: Calibration method names (the manifest's ``calibration.method``).
 METHOD = "streamed: max |x|, mean |x| per input channel and the int4-block Gram of every weight product's input, " \
-         "over a causal prefill of each calibration prompt, the checkpoint read one decoder layer at a time (float32)"
+         "over a causal prefill of each calibration prompt, the weights read one decoder layer at a time (float32)"
 #: The least calibration tokens (all prompts together) the statistics are computed from: below it the per-channel
 #: means and the block Grams of a 4096-wide product are estimated from fewer rows than a block has columns.
 MIN_TOKENS = 32

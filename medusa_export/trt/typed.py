@@ -154,7 +154,7 @@ def _read_initializer(t: TensorProto, base: Path) -> np.ndarray:
 INT4_SCALES = ("rtn", "awq")
 AWQ_GRID, AWQ_MAX_SHRINK = 20, 0.5
 #: The int4 scale method ``engine --precision int4`` uses (docs/tensorrt.md gives the measurement that chose it).
-DEFAULT_INT4_SCALES = "rtn"
+DEFAULT_INT4_SCALES = "awq"
 #: SmoothQuant's alpha per W8A8 precision for ``engine`` (None: no smoothing), and the max/mean ratio of a smoothed
 #: product input above which that product stays float16 (64: its mean |x| would be under 2 of int8's 127 steps).
 #: Measured on the embedded model (docs/tensorrt.md, "int8: the cause"): every product above it is an MLP down_proj.
@@ -189,7 +189,7 @@ def int4_block_scales(wk: np.ndarray, block: int, gram: np.ndarray | None = None
     g = torch.from_numpy(np.asarray(gram, np.float32))  # [K/B, B, B]
     out = np.empty((k // block, n), np.float16)
     for c0 in range(0, n, 4096):  # columns in chunks: memory of a few [K, 4096] float32 arrays
-        wb = torch.from_numpy(np.ascontiguousarray(blocks[:, :, c0:c0 + 4096]))
+        wb = torch.from_numpy(np.array(blocks[:, :, c0:c0 + 4096], dtype=np.float32))  # a writable copy
         mx = torch.from_numpy(amax[:, c0:c0 + 4096])
         best = torch.full(mx.shape, float("inf"))
         chosen = torch.ones(mx.shape, dtype=torch.float16)
