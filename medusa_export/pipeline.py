@@ -73,6 +73,7 @@ class BuildConfig:
     graph: str = _E.graph
     heads_vocab: int = _E.heads_vocab
     batch_size: int = _E.batch_size
+    int4_scales: str = _E.int4_scales
     validate: bool = _V.validate
     checks: str = _V.checks
     validate_layers: int = _V.validate_layers
@@ -180,7 +181,7 @@ def _write_qdq(tmp: Path, lm, src, tree: Tree, ecfg, max_context: int, written, 
     files = {g: art_manifest.graphs[g].file for g in art_manifest.graphs}
     report, record = write_quantized(tmp, files, ecfg.precision, calibration_prompts,
                                      paths={**files, "weights": WEIGHTS_FILE}, int4_block=ecfg.block_size,
-                                     progress=progress)
+                                     int4_scales=ecfg.int4_scales, progress=progress)
     import onnx
 
     offsets = set()  # the tensors of the new weights.bin (shared ones, e.g. the tied lm_head, once)

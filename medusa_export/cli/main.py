@@ -130,7 +130,8 @@ def cmd_build(args) -> int:
     cfg = BuildConfig(precision=args.precision, heads_precision=args.heads_precision, max_context=args.max_context,
                       new_tokens=args.max_new_tokens, validate=not args.no_validate, accuracy_level=args.accuracy_level,
                       graph=args.graph, heads_vocab=args.heads_vocab, checks=args.checks,
-                      validate_layers=args.validate_layers, batch_size=args.batch_size, block_size=args.block_size)
+                      validate_layers=args.validate_layers, batch_size=args.batch_size, block_size=args.block_size,
+                      int4_scales=args.int4_scales)
     built = build(BuildRequest(args.model, tree=args.tree, out=args.out, force=args.force, model_path=args.model_path,
                                heads=args.heads, trust_remote_code=args.trust_remote_code,
                                prompt_file=args.prompt_file, calibration_prompt_file=args.calibration_prompt_file), cfg)
@@ -440,6 +441,10 @@ def _add_build_parser(sub) -> None:
                    help="quantization block along K: MatMulNBits' (--graph contrib|fused; default 32) or the int4 Q/DQ "
                         "graph's (--graph portable; one of 128, 64, 32, 16 dividing every K; default per weight the "
                         "largest that divides its K)")
+    p.add_argument("--int4-scales", choices=("awq", "rtn"), default=ExportConfig.int4_scales,
+                   help="--graph portable --precision int4: block scales by AWQ's clip search on the calibration prompts "
+                        "(closer to fp32; minutes on a small model, hours for 7B on 2 cores) or round-to-nearest (no "
+                        "calibration) (default: %(default)s)")
     add_prompt_file_arg(p, "validation prompts (default: the project's own 3 prompts)", aliases=("--prompts",))
     add_prompt_file_arg(p, "W8A8 (--graph portable --precision int8|fp8) calibration prompts, 2 or more (default: the "
                            "project's own)", flag="--calibration-prompt-file", dest="calibration_prompt_file")

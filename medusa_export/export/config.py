@@ -114,6 +114,7 @@ class ExportConfig:
     graph: str = "portable"
     heads_vocab: int = 0
     batch_size: int = 1
+    int4_scales: str = "awq"
 
     def __post_init__(self) -> None:
         for what, value, choices in (("precision", self.precision, PRECISIONS),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import MedusaError
 from ..export.precisions import PRECISION_TABLE
-from .typed import W8A8, TypedReport, write_typed_graphs
+from .typed import DEFAULT_INT4_SCALES, INT4_SCALES, OUTLIER_RATIO, SMOOTH_ALPHA, W8A8, TypedReport, write_typed_graphs
 
 
 class CalibrationPromptsError(MedusaError, ValueError):
@@ -42,9 +42,9 @@ def check_calibration_prompts(precision: str, prompts: list[str] | None, source:
     if not need:
         return []
     if prompts is None:
-        from ..validation.validate import default_prompts
+        from .ranges import default_calibration_prompts
 
-        prompts = default_prompts()
+        prompts = default_calibration_prompts()
     got = [p for p in prompts if p and p.strip()]
     if len(got) < need:
         none = ", ".join(n for n, p in PRECISION_TABLE.items() if p.qdq and not p.calibration_prompts)
@@ -62,7 +62,7 @@ def prompts_sha256(prompts: list[str]) -> str:
 
 def write_quantized(folder: Path, files: dict[str, str], precision: str, prompts: list[str] | None, *,
                     paths: dict[str, str] | None = None, int4_block: int | None = None,
-                    progress: bool = True) -> tuple[TypedReport, dict]:
+                    int4_scales: str = DEFAULT_INT4_SCALES, progress: bool = True) -> tuple[TypedReport, dict]:
     """Calibrate (W8A8) and write the Q/DQ graphs of an artifact's float graphs.
 
     Args:
@@ -72,6 +72,9 @@ def write_quantized(folder: Path, files: dict[str, str], precision: str, prompts
         prompts: calibration prompts (checked by :func:`check_calibration_prompts`; None: the project's own).
         paths: output files (:func:`.typed.write_typed_graphs`; default ``engines/*.PRECISION.onnx``).
         int4_block: int4's block size (None: per weight the largest TensorRT block size dividing its K).
+        int4_scales: int4's block scales, one of :data:`~.typed.INT4_SCALES`: "awq" (AWQ's clip search on the
+            calibration, the default: closer to fp32 on MT-Bench, docs/tensorrt.md) or "rtn" (round-to-nearest, no
+            calibration: far faster on large models).
         progress: print what is done.
 
     Returns:
@@ -81,18 +84,28 @@ def write_quantized(folder: Path, files: dict[str, str], precision: str, prompts
         CalibrationPromptsError: too few prompts. TypedGraphError, MedusaError: as the rewrite and calibration.
     """
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    if int4_scales not in INT4_SCALES:
+        raise CalibrationPromptsError(f"unknown int4 scale method {int4_scales!r}; choose {', '.join(INT4_SCALES)}")
+    awq = precision == "int4" and int4_scales == "awq"
     prompts = check_calibration_prompts(precision, prompts)
-    act_amax, calibration = None, None
-    if precision in W8A8:
-        from .ranges import activation_ranges
+    calibration = None
+    if precision in W8A8 or awq:
+        from .ranges import calibrate, default_calibration_prompts
 
-        say(f"    calibrating the {precision} activation ranges on ONNX Runtime ({len(prompts)} prompts) ...")
-        act_amax, calibration = activation_ranges(folder, files, prompts, progress=progress)
+        prompts = prompts or default_calibration_prompts()
+        say(f"    calibrating {precision} layer by layer ({len(prompts)} prompts) ...")
+        calibration = calibrate(folder, files, prompts, progress=progress)
     say(f"    writing the {precision} Q/DQ graphs ...")
-    report = write_typed_graphs(folder, files, precision, act_amax=act_amax, paths=paths, int4_block=int4_block)
+    report = write_typed_graphs(folder, files, precision, paths=paths, int4_block=int4_block, calibration=calibration,
+                                int4_scales=int4_scales if precision == "int4" else "rtn",
+                                smooth_alpha=SMOOTH_ALPHA.get(precision), outlier_ratio=OUTLIER_RATIO.get(precision))
     record = report.to_json()
-    record["scales"] = ("int4 weights: symmetric round-to-nearest, max|w| / 7 per block along K" if precision == "int4"
-                        else "weights: symmetric per output channel, max|w| / qmax; activations: per tensor, calibrated")
-    if calibration:
-        record["calibration"] = {**calibration, "prompts_sha256": prompts_sha256(prompts)}
+    record["scales"] = (f"int4 weights: symmetric, {'AWQ clip search' if awq else 'round-to-nearest'}, per block "
+                        "along K" if precision == "int4" else
+                        "weights: symmetric per output channel, max|w| / qmax; activations: per tensor, calibrated"
+                        + (f", SmoothQuant alpha {SMOOTH_ALPHA[precision]}" if SMOOTH_ALPHA.get(precision) else ""))
+    if calibration is not None:
+        record["calibration"] = {**calibration.record, **({"int4_scales": int4_scales} if precision == "int4" else
+                                                           {"smoothquant_alpha": SMOOTH_ALPHA.get(precision),
+                                                            "outlier_ratio": OUTLIER_RATIO.get(precision)})}
     return report, record

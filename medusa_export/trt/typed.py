@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import MedusaError
@@ -147,16 +149,77 @@ def _read_initializer(t: TensorProto, base: Path) -> np.ndarray:
     return numpy_helper.to_array(t)
 
 
+#: int4 scale methods (``write_typed_graphs(int4_scales=...)``): round-to-nearest of max |w| per block, or AWQ's clip
+#: search (Lin et al., AWQ, MLSys 2024, §3.3 and its ``auto_clip``: 20-point grid, clip ratios 1.0 down to 0.55).
+INT4_SCALES = ("rtn", "awq")
+AWQ_GRID, AWQ_MAX_SHRINK = 20, 0.5
+#: The int4 scale method ``engine --precision int4`` uses (docs/tensorrt.md gives the measurement that chose it).
+DEFAULT_INT4_SCALES = "awq"
+#: SmoothQuant's alpha per W8A8 precision for ``engine`` (None: no smoothing), and the max/mean ratio of a smoothed
+#: product input above which that product stays float16 (64: its mean |x| would be under 2 of int8's 127 steps).
+#: Measured on the embedded model (docs/tensorrt.md, "int8: the cause"): every product above it is an MLP down_proj.
+SMOOTH_ALPHA = {"int8": 0.5, "fp8": None}
+OUTLIER_RATIO = {"int8": 64.0, "fp8": None}
+
+
+def int4_block_scales(wk: np.ndarray, block: int, gram: np.ndarray | None = None) -> np.ndarray:
+    """Symmetric int4 scales of a weight in blocks along K.
+
+    Round-to-nearest (``gram`` None): ``max |w| / 7`` per block and output column. Activation-aware (``gram``: the
+    calibration's block diagonal of X^T X / N, :class:`~.ranges.ProductStats`): AWQ's clip search, each block and
+    column clipped at ``r max |w|`` for the r of ``1, 0.95, ..., 0.55`` (AWQ ``auto_clip``: ``n_grid`` 20,
+    ``max_shrink`` 0.5) that minimises the block's output error on the calibration activations,
+    ``dW^T G dW = ||X_b (W_b - Q(W_b))||^2 / N`` (AWQ §3.3), the scale rounded to float16 as stored before it is tried.
+    r = 1 is a candidate, so the chosen error never exceeds round-to-nearest's.
+
+    Args:
+        wk: float32 [K, N] (input dimension first).
+        block: B, dividing K.
+        gram: float64 [K / B, B, B] or None.
+
+    Returns:
+        float16 [K / B, N], strictly positive (NvInfer.h IDequantizeLayer: scales > 0).
+    """
+    k, n = wk.shape
+    blocks = wk.reshape(k // block, block, n)
+    amax = np.abs(blocks).max(axis=1)  # [K/B, N]
+    if gram is None:
+        scale = (amax / INT4_MAX).astype(np.float16)
+        return np.where(scale > 0, scale, np.float16(1))
+    g = torch.from_numpy(np.asarray(gram, np.float32))  # [K/B, B, B]
+    out = np.empty((k // block, n), np.float16)
+    for c0 in range(0, n, 4096):  # columns in chunks: memory of a few [K, 4096] float32 arrays
+        wb = torch.from_numpy(np.array(blocks[:, :, c0:c0 + 4096], dtype=np.float32))  # a writable copy
+        mx = torch.from_numpy(amax[:, c0:c0 + 4096])
+        best = torch.full(mx.shape, float("inf"))
+        chosen = torch.ones(mx.shape, dtype=torch.float16)
+        for i in range(int(AWQ_MAX_SHRINK * AWQ_GRID)):
+            s16 = (mx * (1 - i / AWQ_GRID) / INT4_MAX).to(torch.float16)
+            s16 = torch.where(s16 > 0, s16, torch.ones_like(s16))
+            s = s16.float()[:, None, :]
+            dw = torch.clamp(torch.round(wb / s), -INT4_MAX - 1, INT4_MAX) * s - wb  # [K/B, B, n]
+            loss = (dw * torch.bmm(g, dw)).sum(1)  # [K/B, n]
+            better = loss < best
+            best = torch.where(better, loss, best)
+            chosen = torch.where(better, s16, chosen)
+        out[:, c0:c0 + 4096] = chosen.numpy()
+    return out
+
+
 class _Typer:
     """One graph's rewrite (the module docstring's rules)."""
 
     def __init__(self, model: onnx.ModelProto, base: Path, low: int, weights: _Weights, weights_rel: str,
-                 kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None, keep: bool = False):
+                 kept: list, quant: str | None = None, act_amax: dict[str, float] | None = None, keep: bool = False,
+                 stats: dict | None = None, int4_scales: str = "rtn", smooth_alpha: float | None = None,
+                 keep_float: tuple[str, ...] = (), outlier_ratio: float | None = None):
         self.model, self.base, self.low, self.weights, self.weights_rel, self.kept = model, base, low, weights, \
             weights_rel, kept
         self.keep = keep  # an already typed (float16) graph: only its weight products are rewritten
         self.int4_blocks = INT4_BLOCKS  # or the one block size asked for (write_typed_graphs' int4_block)
-        self.quant, self.act_amax = quant, act_amax or {}
+        self.quant, self.act_amax, self.stats, self.int4_scales = quant, act_amax or {}, stats or {}, int4_scales
+        self.keep_float = keep_float
+        self.outlier_ratio, self.outliers = outlier_ratio, {}
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
         g = inferred.graph
         self.floats = {v.name for v in [*g.input, *g.output, *g.value_info] if v.type.tensor_type.elem_type == TensorProto.FLOAT}
@@ -169,6 +232,45 @@ class _Typer:
         self.new_inits: list[TensorProto] = []
         self.nodes: list[onnx.NodeProto] = []
         self.counts = {"float32_nodes": 0, "low_nodes": 0, "casts": 0, **({f"{quant}_products": 0} if quant else {})}
+        self.smooth = self._smoothing(smooth_alpha) if smooth_alpha is not None and quant in W8A8 else {}
+
+    def _smoothing(self, alpha: float) -> dict[str, np.ndarray]:
+        """SmoothQuant's per-input-channel factors (Xiao et al., *SmoothQuant*, ICML 2023, §4, eq. 4), one per
+        activation, shared by the products reading it (q/k/v; gate/up; SmoothQuant takes max|W_j| over them):
+        ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``, the activation's per-channel max from the calibration
+        (:class:`~.ranges.ProductStats`), stored as ``1 / fp16(1 / s_j)`` so the weights are scaled by exactly what
+        the graph's Mul divides by. Returns {weight initializer: float32 [K]}.
+
+        Raises:
+            TypedGraphError: a product without calibration statistics.
+        """
+        groups: dict[str, list[tuple[str, int]]] = {}
+        for n in self.model.graph.node:
+            if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in self.inits:
+                k_axis = 1 if any(a.name == "transB" and a.i for a in n.attribute) else 0
+                if (n.input[1], k_axis) not in groups.setdefault(n.input[0], []):
+                    groups[n.input[0]].append((n.input[1], k_axis))
+        out = {}
+        for _, members in groups.items():
+            st = self.stats.get(members[0][0])
+            if st is None or st.channel_max is None:
+                raise TypedGraphError(f"{members[0][0]}: no calibration statistics for SmoothQuant's factors")
+            wmax = np.zeros(len(st.channel_max))
+            for w, k_axis in members:
+                arr = np.asarray(_read_initializer(self.inits[w], self.base), dtype=np.float32)
+                wmax = np.maximum(wmax, np.abs(arr).max(axis=1 - k_axis))
+            xmax = st.channel_max
+            ok = (xmax > 0) & (wmax > 0)
+            sm = np.ones(len(xmax))
+            sm[ok] = np.clip(xmax[ok] ** alpha / wmax[ok] ** (1 - alpha), 1e-4, 1e4)
+            sm = (1.0 / (1.0 / sm).astype(np.float16).astype(np.float64)).astype(np.float32)
+            mean = float((st.mean_abs / sm).mean())
+            ratio = float((xmax / sm).max()) / mean if mean > 0 else float("inf")
+            for w, _ in members:
+                out[w] = sm
+                if self.outlier_ratio is not None and ratio > self.outlier_ratio:
+                    self.outliers[w] = round(ratio, 1)
+        return out
 
     # -- tensors in a type -------------------------------------------------------------------
 
@@ -209,8 +311,9 @@ class _Typer:
 
     def _int4_weight(self, name: str, k_axis: int) -> str:
         """The int4 weight-only form of weight ``name`` (float32 [K, N] of a MatMul, k_axis 0, or [N, K] of a Gemm with
-        transB, k_axis 1): round-to-nearest symmetric int4 in blocks of the largest of :data:`INT4_BLOCKS` dividing K, float16 scales
-        (max |w| / 7 per block), and the blocked DequantizeLinear that feeds the product in float16.
+        transB, k_axis 1): symmetric int4 in blocks of the largest of :data:`INT4_BLOCKS` dividing K, float16 scales
+        (:func:`int4_block_scales`: max |w| / 7 per block, or AWQ's clip search on the calibration's block Grams), and
+        the blocked DequantizeLinear that feeds the product in float16.
 
         Raises:
             TypedGraphError: no block size of :data:`INT4_BLOCKS` divides K (they are named).
@@ -225,9 +328,12 @@ class _Typer:
             raise TypedGraphError(f"{name}: its input dimension {k} is a multiple of no int4 block size "
                                   f"({', '.join(map(str, INT4_BLOCKS))}): this model cannot be int4-quantized for TensorRT")
         wk = np.moveaxis(w, k_axis, 0)  # [K, N]
+        stats = self.stats.get(name) if self.int4_scales == "awq" else None
+        if self.int4_scales == "awq" and (stats is None or stats.block != block):
+            raise TypedGraphError(f"{name}: no calibration statistics in blocks of {block} for its input: int4 "
+                                  f"--int4-scales awq needs the calibration (trt/ranges.py) of this artifact")
+        scale = int4_block_scales(wk, block, stats.gram_mean if stats is not None else None)  # [K / B, N] float16
         blocks = wk.reshape(k // block, block, -1)
-        scale = (np.abs(blocks).max(axis=1) / INT4_MAX).astype(np.float16)  # [K / B, N]
-        scale = np.where(scale > 0, scale, np.float16(1))  # NvInfer.h IDequantizeLayer: scales strictly positive
         q = np.clip(np.rint(blocks / scale.astype(np.float32)[:, None, :]), -INT4_MAX - 1, INT4_MAX)
         q = q.astype(np.int8).reshape(wk.shape)
         q = np.moveaxis(q, 0, k_axis)
@@ -264,6 +370,10 @@ class _Typer:
             return self.init_as[key]
         qtype, qmax = W8A8[self.quant]
         w = np.asarray(_read_initializer(self.inits[name], self.base), dtype=np.float32)
+        smooth, tag = self.smooth.get(name), ""
+        if smooth is not None:  # SmoothQuant: W' = diag(s) W along K, the activation divided by s (_w8_activation)
+            w = w * np.expand_dims(smooth, 1 - k_axis)
+            tag = "." + hashlib.sha256(smooth.tobytes()).hexdigest()[:12]  # graphs may smooth a shared table apart
         scale = (np.abs(w).max(axis=k_axis) / qmax).astype(np.float16)
         scale = np.where(scale > 0, scale, np.float16(1))
         ratio = w / np.expand_dims(scale.astype(np.float32), k_axis)
@@ -273,8 +383,8 @@ class _Typer:
             import ml_dtypes
 
             data = np.clip(ratio, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).tobytes()
-        q = self._external(f"{name}.{self.quant}", qtype, w.shape, data)
-        s = self._store(f"{name}.wscale", scale, TensorProto.FLOAT16, f"{name}.{self.quant}_scale")
+        q = self._external(f"{name}.{self.quant}{tag}", qtype, w.shape, data)
+        s = self._store(f"{name}.wscale{tag}", scale, TensorProto.FLOAT16, f"{name}.{self.quant}_scale{tag}")
         zp = self._zero(qtype, list(scale.shape))
         out = f"{name}/dq"
         self.nodes.append(helper.make_node("DequantizeLinear", [q.name, s, zp], [out], name=f"{name}/dequantize",
@@ -290,9 +400,10 @@ class _Typer:
             self.new_inits.append(helper.make_tensor(name, qtype, dims, bytes(n), raw=True))
         return name
 
-    def _w8_activation(self, x_low: str, source: str, node_name: str) -> str:
+    def _w8_activation(self, x_low: str, source: str, node_name: str, weight: str | None = None) -> str:
         """A Q/DQ pair on an activation (float16) with the per-tensor scale of its calibrated range (max |x| over the
-        calibration run / qmax).
+        calibration prompts / qmax), looked up by the product's weight initializer (:func:`~.ranges.calibrate`'s keys)
+        or by the activation's own name.
 
         Raises:
             TypedGraphError: no calibrated range for the activation (the calibration did not reach it).
@@ -300,11 +411,22 @@ class _Typer:
         key = (x_low, self.quant)
         if key in self.casts:
             return self.casts[key]
-        if source not in self.act_amax:
-            raise TypedGraphError(f"{node_name}: no calibrated range for its input {source}; calibrate on prompts that "
-                                  f"run the whole step graph")
+        found = weight if weight in self.act_amax else source
+        if found not in self.act_amax:
+            raise TypedGraphError(f"{node_name}: no calibrated range for its input {source} (weight {weight}); "
+                                  f"calibrate on prompts that run the whole step graph")
         qtype, qmax = W8A8[self.quant]
-        amax = float(self.act_amax[source])
+        amax = float(self.act_amax[found])
+        smooth = self.smooth.get(weight)
+        if smooth is not None:  # x / s by an explicit Mul (float16 1 / s), its range max_j max|x_j| / s_j
+            inv = f"{source}/smooth_inv"
+            self.new_inits.append(numpy_helper.from_array((1.0 / smooth).astype(np.float16), inv))
+            smoothed = f"{source}/smoothed"
+            self.nodes.append(helper.make_node("Mul", [x_low, inv], [smoothed], name=f"{source}/smooth"))
+            self.cur[smoothed] = TensorProto.FLOAT16
+            self.counts["smoothed_inputs"] = self.counts.get("smoothed_inputs", 0) + 1
+            x_low = smoothed
+            amax = float(np.max(self.stats[weight].channel_max / smooth))
         scale = np.array(amax / qmax if amax > 0 else 1.0, dtype=np.float16)
         s = f"{source}/ascale"
         self.new_inits.append(numpy_helper.from_array(scale, s))
@@ -381,8 +503,9 @@ class _Typer:
     def _quantize_only(self, node: onnx.NodeProto) -> None:
         """``keep`` mode: the node as it is, but a weight product's weight through its DequantizeLinear and (W8A8) its
         activation through a Q/DQ pair, in the activation's own (float16) type."""
-        quantized = node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in self.inits
-        source = node.input[0]
+        quantized = node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in self.inits \
+            and not any(re.search(p, node.input[1]) for p in self.keep_float) and node.input[1] not in self.outliers
+        source, weight = node.input[0], (node.input[1] if quantized else None)
         if quantized:
             k_axis = 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
             node.input[1] = (self._int4_weight if self.quant == "int4" else self._w8_weight)(node.input[1], k_axis)
@@ -394,7 +517,7 @@ class _Typer:
             if x in self.inits:
                 self._as_is(x)
         if quantized and self.quant in W8A8:
-            node.input[0] = self._w8_activation(source, source, node.name)
+            node.input[0] = self._w8_activation(source, source, node.name, weight)
         self.nodes.append(node)
 
     def run(self) -> onnx.ModelProto:
@@ -415,7 +538,9 @@ class _Typer:
                 self.nodes.append(node)
                 continue
             quantized = self.quant and node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 \
-                and node.input[1] in self.inits
+                and node.input[1] in self.inits and not any(re.search(p, node.input[1]) for p in self.keep_float) \
+                and node.input[1] not in self.outliers
+            weight = node.input[1] if quantized else None
             if quantized:
                 k_axis = 1 if any(a.name == "transB" and a.i for a in node.attribute) else 0
                 node.input[1] = (self._int4_weight if self.quant == "int4" else self._w8_weight)(node.input[1], k_axis)
@@ -427,7 +552,7 @@ class _Typer:
                 elif x and x in self.inits:
                     node.input[i] = self._initializer(x, self.inits[x].data_type)  # an integer constant
             if quantized and self.quant in W8A8:
-                node.input[0] = self._w8_activation(node.input[0], source, node.name)
+                node.input[0] = self._w8_activation(node.input[0], source, node.name, weight)
             refs = self._outer_refs(node)
             renames = {x: self._as(x, TensorProto.FLOAT) if x in self.floats else
                        self._initializer(x, self.inits[x].data_type) for x in refs if x in self.floats or x in self.inits}
@@ -477,7 +602,9 @@ def typed_paths(precision: str, graphs: list[str]) -> dict[str, str]:
 
 def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
                        act_amax: dict[str, dict[str, float]] | None = None,
-                       paths: dict[str, str] | None = None, int4_block: int | None = None) -> TypedReport:
+                       paths: dict[str, str] | None = None, int4_block: int | None = None, *, calibration=None,
+                       int4_scales: str = "rtn", smooth_alpha: float | None = None,
+                       keep_float: tuple[str, ...] = (), outlier_ratio: float | None = None) -> TypedReport:
     """Write the typed graphs of an artifact's float32 graphs (the module docstring's rules), or the Q/DQ graphs of its
     float16 graphs.
 
@@ -492,7 +619,7 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
         files: graph name -> artifact-relative ONNX file (the model graph, the heads graph or level graphs).
         precision: a key of :data:`LOW_TYPES`.
         act_amax: W8A8 (int8, fp8) only: per graph, the calibrated max |x| of each weight product's activation input
-            (:func:`~.calibrate.activation_ranges`).
+            (:func:`~.ranges.calibrate`), keyed by the products' weight initializers.
         paths: graph name -> artifact-relative output file, and ``weights`` -> the weights file (default
             :func:`typed_paths`; ``build`` gives the artifact's own ``model.onnx`` / ``heads.onnx`` / ``weights.bin``,
             replaced once every graph is written).
@@ -507,6 +634,8 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
         TypedGraphError: a float16 graph asked for fp16 / bf16 (already typed: build its engine from it), or a written
             graph that breaks strong typing (:func:`check_strong_typing`).
     """
+    if int4_scales not in INT4_SCALES:
+        raise TypedGraphError(f"unknown int4 scale method {int4_scales!r}; known: {', '.join(INT4_SCALES)}")
     low = LOW_TYPES[precision]
     paths = paths or typed_paths(precision, list(files))
     for rel in paths.values():
@@ -524,8 +653,13 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
             if keep and not quant:
                 raise TypedGraphError(f"{rel} is already a float16 graph: build its engines from it (--precision fp16)")
             weights_rel = os.path.relpath(folder / paths["weights"], (folder / paths[graph]).parent)
+            amax = (act_amax or (calibration.amax() if calibration is not None else {})).get(graph)
             typer = _Typer(model, src.parent, low, weights, weights_rel, report.kept_fp32_weights, quant=quant,
-                           act_amax=(act_amax or {}).get(graph), keep=keep)
+                           act_amax=amax, keep=keep,
+                           stats=calibration.stats.get(graph) if calibration is not None else None,
+                           int4_scales=int4_scales if precision == "int4" else "rtn",
+                           smooth_alpha=smooth_alpha if precision in W8A8 else None, keep_float=keep_float,
+                           outlier_ratio=outlier_ratio if precision in W8A8 else None)
             typer.int4_blocks = (int4_block,) if int4_block else INT4_BLOCKS
             typed = typer.run()
             check_strong_typing(typed, where=paths[graph])
@@ -533,7 +667,8 @@ def write_typed_graphs(folder: Path, files: dict[str, str], precision: str,
             tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
             onnx.save(typed, str(tmp))
             written.append((tmp, out))
-            report.graphs[graph] = {"file": paths[graph], **typer.counts}
+            report.graphs[graph] = {"file": paths[graph], **typer.counts,
+                                    **({"float_outlier_products": typer.outliers} if typer.outliers else {})}
         report.weights_bytes = weights.close()
         os.replace(tmp_weights, weights_path)
         for tmp, out in written:
