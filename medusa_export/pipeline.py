@@ -149,6 +149,10 @@ def check_qdq_request(ecfg: ExportConfig, config) -> None:
             raise UnsupportedGraphError(f"--block-size {ecfg.block_size} {why}; choose "
                                         f"{' or '.join(map(str, ok)) or 'another precision (no size divides them)'}, "
                                         "or leave --block-size out (the largest that divides each weight's K)")
+        if ecfg.int4_scales == "awq":  # the calibration's block Grams are per weight at the largest block dividing K
+            raise UnsupportedGraphError(f"--block-size {ecfg.block_size} with --int4-scales awq: AWQ's clip search runs "
+                                        "at each weight's default block (the largest of 128, 64, 32, 16 dividing its "
+                                        "K); leave --block-size out, or give --int4-scales rtn")
     if ecfg.precision == "fp8":
         from .trt.builder import gpu_key
         from .trt.config import engine_precision

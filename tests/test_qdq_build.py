@@ -40,7 +40,9 @@ def _build(out: Path, precision: str, graph: str = "portable", validate: bool = 
 def built(tmp_path_factory):
     """The tiny model built fp16 and, validated, portable int4 / int8 / fp8."""
     root = tmp_path_factory.mktemp("qdq")
-    return {p: _build(root / p, p, validate=p != "fp16") for p in ("fp16", *QDQ)}
+    # int4 by round-to-nearest here, whose error bound is worked out below (AWQ's search: tests/test_calibration.py)
+    return {p: _build(root / p, p, validate=p != "fp16", **({"int4_scales": "rtn"} if p == "int4" else {}))
+            for p in ("fp16", *QDQ)}
 
 
 def _array(t: TensorProto, base: Path) -> np.ndarray:
@@ -111,9 +113,20 @@ def test_dequantized_weights_are_the_fp16_weights_within_the_quantization_step(b
     model = onnx.load(str(art / "model.onnx"), load_external_data=False)
     dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.name.endswith(".weight/dequantize")]
     assert dq
+    made_by = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: t for t in model.graph.initializer}
+    smoothed = 0
     for node in dq:
         name = node.name.removesuffix("/dequantize")
         w = _array(fp16[name], art16).astype(np.float32)
+        product = next(n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] == node.output[0])
+        x = made_by.get(product.input[0])  # W8A8: DequantizeLinear <- QuantizeLinear <- (SmoothQuant's Mul) <- x
+        mul = made_by.get(made_by[x.input[0]].input[0]) if x is not None and x.op_type == "DequantizeLinear" else None
+        if mul is not None and mul.op_type == "Mul" and mul.name.endswith("/smooth"):
+            inv = _array(inits[mul.input[1]], art).astype(np.float32)  # x / s as x * (1 / s): the weight is s * w
+            trans_b = any(a.name == "transB" and a.i for a in product.attribute)  # Gemm [N, K] (the tied lm_head)
+            w = w / (inv.reshape(1, -1) if trans_b else inv.reshape(-1, 1))  # along K
+            smoothed += 1
         got = _dequantized(model, node, art)
         assert got.shape == w.shape
         attrs = {a.name: a.i for a in node.attribute}
@@ -127,6 +140,7 @@ def test_dequantized_weights_are_the_fp16_weights_within_the_quantization_step(b
             amax = np.abs(w).max(axis=k, keepdims=True)
             bound = (amax / 127 / 2) if precision == "int8" else (np.abs(w) * 2.0 ** -4 + amax / 448 * 2.0 ** -9)
         assert np.all(np.abs(got - w) <= bound * 1.01 + 1e-3 * np.abs(w) + 1e-7), name
+    assert (smoothed > 0) == (precision == "int8")  # int8 is smoothed (SmoothQuant), fp8 and int4 are not
 
 
 def test_engine_of_an_fp16_artifact_writes_the_build_s_graph(built, tmp_path):
@@ -135,7 +149,7 @@ def test_engine_of_an_fp16_artifact_writes_the_build_s_graph(built, tmp_path):
     from medusa_export.trt.quantized import write_quantized
 
     art = Path(shutil.copytree(built["fp16"], tmp_path / "fp16"))
-    write_quantized(art, {"model": "model.onnx", "heads": "heads.onnx"}, "int4", None, progress=False)
+    write_quantized(art, {"model": "model.onnx", "heads": "heads.onnx"}, "int4", None, int4_scales="rtn", progress=False)
     for g in ("model", "heads"):
         a = onnx.load(str(art / f"engines/{g}.int4.onnx"), load_external_data=False)
         b = onnx.load(str(built["int4"] / f"{g}.onnx"), load_external_data=False)
@@ -255,7 +269,7 @@ def test_a_block_size_the_model_does_not_divide_is_refused_before_writing(tmp_pa
                                                     r"or 16"):
         _build(tmp_path / "a", "int4", block_size=128)
     assert not (tmp_path / "a").exists()
-    art = _build(tmp_path / "b", "int4", block_size=32)  # divides: every DequantizeLinear blocks by 32
+    art = _build(tmp_path / "b", "int4", block_size=32, int4_scales="rtn")  # divides: every DQ blocks by 32
     model = onnx.load(str(art / "model.onnx"), load_external_data=False)
     assert {a.i for n in model.graph.node if n.op_type == "DequantizeLinear" for a in n.attribute
             if a.name == "block_size"} == {32}

@@ -103,6 +103,8 @@ class ExportConfig:
             step graph of every artifact before; N > 1 the batched portable step (a dynamic batch dimension B,
             per-row past lengths; :func:`~.contract.step_io`; with ``graph`` "fused" its batched variant,
             :func:`~.fused.write_fused_step`), recorded as the manifest's ``batch`` (``max_batch_size`` N).
+        int4_scales: ``--graph portable --precision int4``'s block scales: "awq" (AWQ's clip search on the calibration
+            prompts, :mod:`medusa_export.trt.ranges`; closer to fp32) or "rtn" (round-to-nearest, no calibration).
     """
 
     precision: str = "fp32"
