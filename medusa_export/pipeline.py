@@ -436,7 +436,8 @@ def build(request: BuildRequest, cfg: BuildConfig = BuildConfig()) -> Built:
         file = request.calibration_prompt_file
         calibration = check_calibration_prompts(cfg.precision, read_prompts(file) if file else None, source=file or "")
     entry, _ = entry_for(request.model)
-    chains_only = cfg.export.step_rows is not None  # Medusa is exact on chains only (ExportConfig.step_rows)
+    rows = cfg.export.step_rows
+    chains_only = rows is not None and rows["trees"] == "chain"  # Medusa is exact on chains only (ExportConfig.step_rows)
     default_tree = "chain" if chains_only else entry.default_tree
     asked = build_spec(default_tree if request.tree is None else request.tree)
     early_out = request.out or default_out(entry.name, asked, None, cfg.precision, cfg.graph)

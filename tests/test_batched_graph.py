@@ -168,7 +168,8 @@ def test_other_precisions_batch_row_for_row(tmp_path, precision):
     from medusa_runtime.front.session import MedusaSession
 
     model = make_tiny_medusa()[1]
-    sessions = [MedusaSession(build_artifact(tiny_loaded(model, max_context=128), tree_from_spec("16", num_heads=3),
+    tree = tree_from_spec("16" if precision == "fp16" else "chain", num_heads=3)  # int8 activations: chains (step_rows)
+    sessions = [MedusaSession(build_artifact(tiny_loaded(model, max_context=128), tree,
                                              tmp_path / f"b{b}", BuildConfig(validate=False, batch_size=b,
                                                                             precision=precision,
                                                                             graph="contrib" if precision != "fp16"

@@ -59,6 +59,8 @@ def test_only_level_4_weight_only_backbones_ask_for_the_regime():
     assert ExportConfig(precision="int4", graph="fused", accuracy_level=4).step_rows["trees"] == "chain"
     assert ExportConfig(precision="int4", graph="fused", accuracy_level=1).step_rows is None
     assert ExportConfig(precision="fp32").step_rows is None
+    qdq = ExportConfig(precision="int4")  # the portable Q/DQ graph: two-row steps, any tree
+    assert (qdq.step_rows["min_rows"], qdq.step_rows["trees"]) == (2, "any")
 
 
 def test_chains_only_context_refuses_branching_trees_and_times_chains():
