@@ -79,10 +79,10 @@ def curve(m: Machine, c: ModelCost, expected: dict[int, float], batches, context
     return rows
 
 
-def kv_bytes_per_token(manifest: dict, bytes_per_value: float) -> float:
-    """2 (K and V) x layers x KV heads x head dim x bytes per value."""
-    m = manifest["model"]
-    return 2.0 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * bytes_per_value
+def kv_bytes_per_token(manifest, bytes_per_value: float) -> float:
+    """2 (K and V) x layers x KV heads x head dim x bytes per value (``manifest``: a typed Manifest)."""
+    m = manifest.model
+    return 2.0 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_value
 
 
 def expected_from_heads(folder: Path, sizes) -> dict[int, float]:
@@ -129,8 +129,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     folder = Path(args.artifact)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    precision = manifest["precision"]["name"]
+    from medusa_runtime.contract.artifact import load_artifact
+
+    manifest = load_artifact(folder).manifest
+    precision = manifest.precision_name
     traffic = artifact_traffic(folder)["model"]
     if args.expected:
         expected = {int(k): float(v) for k, v in json.loads(Path(args.expected).read_text()).items()}
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
         expected = expected_from_heads(folder, args.trees)
     expected[1] = 1.0
     lim = json.loads(Path(args.limits).read_text())
-    kv_cpu = kv_bytes_per_token(manifest, 4.0 if manifest["precision"]["kv_dtype"] == "float32" else 2.0)
+    kv_cpu = kv_bytes_per_token(manifest, 4.0 if manifest.precision.kv_dtype == "float32" else 2.0)
     gemm = lim["gemm_flops_per_s"]["int8" if precision in ("int8", "int4") else "fp32"]
     machines = [(Machine("this CPU", lim["bandwidth"], gemm, args.cpu_step_overhead_ms / 1e3),
                  ModelCost(traffic.weight_bytes, traffic.macs_per_row, kv_cpu))]

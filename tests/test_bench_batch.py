@@ -31,7 +31,9 @@ def counter_artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench_batch")
     lm = tiny_loaded(make_counter_medusa(), name="counter", max_context=512)
     return [build_artifact(lm, tree_from_spec("16", num_heads=3), root / precision,
-                           BuildConfig(validate=False, batch_size=4, graph="fused", precision=precision),
+                           # int4 with fp32 activations (level 1): any tree (the int8-activation regime takes chains)
+                           BuildConfig(validate=False, batch_size=4, graph="fused", precision=precision,
+                                       accuracy_level=1 if precision == "int4" else None),
                            progress=False)
             for precision in ("fp32", "int4")]
 
