@@ -209,9 +209,11 @@ class ExportConfig:
         attention) needs the two rows only: its tree rows then equal plain decoding's bit for bit on any tree
         (tests/test_qdq_build.py). TensorRT engines do not pad (the regime is ONNX Runtime's)."""
         if self.qdq:
-            return {"min_rows": 2, "trees": "any",
+            trees = self.form.step_trees
+            return {"min_rows": 2, "trees": trees,
                     "reason": "Q/DQ graph on ONNX Runtime's CPU: one-token steps run as 2 rows (the one-row kernels "
-                              "round otherwise), so every row is computed bit for bit as in plain decoding"}
+                              "round otherwise)" + (" and trees are chains (quantized activations)" if trees == "chain"
+                                                    else "") + ", so every row is computed as in plain decoding"}
         wo = self.weight_only(self.precision)
         if wo is None or wo.accuracy_level != 4:
             return None
