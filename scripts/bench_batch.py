@@ -53,6 +53,9 @@ from medusa_runtime.front.prompts import mt_bench_questions, read_first_turns
 from medusa_runtime.front.session import MedusaSession
 from medusa_runtime.trees.treespec import tree_from_spec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_int4_ort import host_cpu  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = mt_bench_questions()  # $MEDUSA_EXPORT_SHARED, else ../shared
 DEFAULT_SIZES = "1,2,4,8,16"
@@ -160,9 +163,11 @@ def measure_artifact(path: str, looped_path: str | None, args) -> dict:
 def markdown(report: dict) -> str:
     """The dated markdown tables: the curve (chosen tree per B) and every tree's tokens/s."""
     lines = [f"## Batch curve, {report['date'][:10]}", "",
-             f"{report['model']}, {report['prompts']}+ MT-Bench first turns (at least B) x {report['max_new_tokens']} "
+             f"{report['model']}, {report['prompts']}+ first turns of {report.get('questions', 'MT-Bench')} (at least B) x {report['max_new_tokens']} "
              f"greedy tokens, {report['threads'] or 'default'} threads, median of {report['repeats']} run(s); "
-             f"Medusa: the best of trees {', '.join(report['tree_specs'])} at each B. Measured {report['date']}.", "",
+             f"Medusa: the best of trees {', '.join(report['tree_specs'])} at each B. Measured {report['date']} on "
+             f"{report.get('host_cpu', 'an unrecorded CPU')}, load average (1/5/15 min) "
+             f"{report.get('load_average_before', '?')} before, {report.get('load_average_after', '?')} after.", "",
              "| precision | graph | B | seqs | vanilla tok/s | Medusa tok/s | tree | Medusa/vanilla | "
              "vanilla tok/s/seq | Medusa tok/s/seq | Medusa tok/step | identical |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
@@ -280,12 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     looped = args.looped_artifacts or [None] * len(args.artifacts)
 
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    load_before = [round(x, 2) for x in os.getloadavg()]
     measured = [measure_artifact(a, lo, args) for a, lo in zip(args.artifacts, looped)]
     report = {"date": date, "model": measured[0]["model"], "backend": "onnxruntime", "threads": args.threads,
               "max_context": args.max_context,
               "cpu_count": os.cpu_count(), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "batch_sizes": args.batch_sizes, "tree_specs": args.trees,
-              "artifacts": measured}
+              "questions": str(args.questions), "host_cpu": host_cpu(), "load_average_before": load_before,
+              "load_average_after": [round(x, 2) for x in os.getloadavg()], "artifacts": measured}
     out = args.out or ROOT / "docs" / "benchmark" / f"{report['model']}-batch.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(report)
