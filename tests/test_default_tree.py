@@ -162,6 +162,23 @@ def test_cached_choice_measures_once_and_again_when_the_key_changes(tmp_path):
     assert [r.key["artifact"] for r in read_records(record_path("/art", tmp_path))] == ["b" * 64]
 
 
+def test_the_build_summary_says_cached_only_when_the_file_was_written(tmp_path):
+    """A fresh user's trial found the build printing "cached in FILE" for a noisy timing that was never written
+    (the runtime's own notice said "not cached"): the summary now states what happened to the file."""
+    from medusa_export.cli.main import machine_tree_lines
+
+    def measure():
+        return 4, _rows((1, 1.0, 10.0, 0.0), (4, 1.6, 11.0, 1.0))
+
+    noisy = cached_choice("/art", _key(), measure, folder=tmp_path, cacheable=lambda table: False)
+    head = machine_tree_lines(noisy, 4)[0]
+    assert not noisy.path.exists() and "not cached: the timing was noisy" in head and "cached in" not in head
+    written = cached_choice("/art", _key(), measure, folder=tmp_path)
+    assert written.path.exists() and f"cached in {written.path}" in machine_tree_lines(written, 4)[0]
+    reused = cached_choice("/art", _key(), measure, folder=tmp_path)
+    assert f"read from the cache {reused.path}" in machine_tree_lines(reused, 4)[0]
+
+
 # --- MedusaSession, the CLI, build and Triton -----------------------------------------------------------------
 
 

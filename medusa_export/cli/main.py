@@ -191,7 +191,7 @@ def machine_tree_lines(choice, artifact_size: int) -> list[str]:
                 f"{t.ms_per_step:.1f} ms/step, {t.tokens_per_second:.1f} expected tokens/s")
 
     pick = "plain decoding" if r.chosen == 1 else f"the {r.chosen}-node tree"
-    return [f"  on this machine (timed in {r.seconds:.1f} s, cached in {choice.path}):",
+    return [f"  on this machine (timed in {r.seconds:.1f} s, {choice.where()}):",
             row(artifact_size, "the artifact's tree"), row(r.chosen, "this machine's pick"),
             *([row(1, "plain decoding")] if r.chosen != 1 else []),
             f"        generate, chat and Triton run {pick} here by default; --tree artifact runs the "

@@ -215,10 +215,16 @@ class DefaultTree:
         pick = ("plain decoding (no tree beats it here)" if r.chosen == 1 else
                 f"a {r.chosen}-node tree, {best.tokens_per_second:.1f} expected tokens/s"
                 + (f" vs {root.tokens_per_second:.1f} plain" if root else ""))
-        where = f"cached in {self.path}" if not self.cache_error else f"not cached: {self.cache_error}"
         why = "" if self.reason == "no timing yet" else f" ({self.reason})"
         return (f"timing tree sizes on this machine{why}: {r.seconds:.1f} s; fastest: {pick} "
-                f"[{where}; --tree overrides]")
+                f"[{self.where()}; --tree overrides]")
+
+    def where(self) -> str:
+        """Where the timing is kept: "read from the cache PATH" (reused), "cached in PATH" (written now) or
+        "not cached: WHY" (a noisy timing, an unwritable cache folder)."""
+        if not self.timed:
+            return f"read from the cache {self.path}"
+        return f"cached in {self.path}" if not self.cache_error else f"not cached: {self.cache_error}"
 
     def describe(self) -> str:
         """Short source of the tree for summaries: "fastest here, timed now" / "fastest here, cached"."""
