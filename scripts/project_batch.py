@@ -14,9 +14,11 @@ and yields B * E[T] tokens (E[T]: expected tokens per step of the T-node tree, M
 the step graph's weight bytes, MACs its multiply-adds per row (``scripts/bench_limit.py``), P the mean context and kv
 the KV bytes per token of context. For each B the best T is kept (plain decoding is T = 1). ``--step-overhead-ms``
 adds a fixed cost per step (kernel launches, the host loop); 0 gives the pure roofline, an upper bound.
+``--prompt-tokens L --new-tokens N`` projects a whole run as ``bench_batch.py`` measures it (each sequence's
+prefill of L rows, then N reply tokens): the form to hold against a measured curve.
 
 The machines: this CPU from ``--limits`` (``bench_limit.py --json``: the triad bandwidth and the fp32 or int8
-GEMM peak by the artifact's precision); the GPUs from NVIDIA's datasheets (:data:`GPUS`: dense fp16/bf16 Tensor
+GEMM peak by how the step graph computes: :func:`compute_precision`); the GPUs from NVIDIA's datasheets (:data:`GPUS`: dense fp16/bf16 Tensor
 Core peak and HBM bandwidth; the artifact's weights counted at fp16, 2 bytes a weight, as a GPU engine would hold
 them unless the artifact is int4/int8). Everything printed for a GPU is a projection, never a measurement.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +66,40 @@ def step_seconds(m: Machine, c: ModelCost, batch: int, tree: int, context: float
     return max(memory, compute) + m.step_overhead
 
 
-def curve(m: Machine, c: ModelCost, expected: dict[int, float], batches, context: float) -> list[dict]:
+def prefill_seconds(m: Machine, c: ModelCost, prompt_tokens: float) -> float:
+    """One sequence's prefill of ``prompt_tokens`` rows in one call: the same roofline as a step, seconds."""
+    if prompt_tokens <= 0:
+        return 0.0
+    return max(c.weight_bytes / m.bandwidth, 2.0 * c.macs_per_row * prompt_tokens / m.peak) + m.step_overhead
+
+
+def tokens_per_second(m: Machine, c: ModelCost, batch: int, tree: int, expected: float, context: float,
+                      prompt_tokens: float = 0.0, new_tokens: int = 0) -> float:
+    """Total tokens/s of B sequences decoding together with a T-node tree.
+
+    With ``prompt_tokens`` = 0 the steady state: B * E[T] / t(B, T). Otherwise a whole run as ``bench_batch.py``
+    measures it (each sequence prefilled over its own row, then ceil(N / E[T]) steps of all B rows):
+    B * N / (B * prefill(L) + ceil(N / E[T]) * t(B, T)), N = ``new_tokens``, L = ``prompt_tokens``.
+    """
+    t = step_seconds(m, c, batch, tree, context)
+    if prompt_tokens <= 0:
+        return batch * expected / t
+    steps = math.ceil(new_tokens / expected)
+    return batch * new_tokens / (batch * prefill_seconds(m, c, prompt_tokens) + steps * t)
+
+
+def curve(m: Machine, c: ModelCost, expected: dict[int, float], batches, context: float,
+          prompt_tokens: float = 0.0, new_tokens: int = 0) -> list[dict]:
     """Per B: plain tokens/s (T = 1), the best tree's tokens/s and its size, and which bound holds.
 
     Args:
         expected: tree size T -> expected tokens per step E[T] (must hold T = 1 -> 1.0).
+        prompt_tokens, new_tokens: a whole run's prefill and reply lengths (:func:`tokens_per_second`); 0: the
+            steady state of decoding.
     """
     rows = []
     for b in batches:
-        tps = {t: b * e / step_seconds(m, c, b, t, context) for t, e in expected.items()}
+        tps = {t: tokens_per_second(m, c, b, t, e, context, prompt_tokens, new_tokens) for t, e in expected.items()}
         best = max(tps, key=lambda t: (tps[t], -t))
         memory = (c.weight_bytes + b * context * c.kv_bytes_per_token) / m.bandwidth
         bound = "compute" if 2.0 * c.macs_per_row * b * best / m.peak > memory else "memory"
@@ -103,6 +131,16 @@ def expected_from_heads(folder: Path, sizes) -> dict[int, float]:
     return out
 
 
+def compute_precision(model) -> str:
+    """Which GEMM peak bounds a step of ``model`` (an ``onnx.ModelProto``) on a CPU: "int8" when every
+    ``com.microsoft::MatMulNBits`` computes with int8 activations (``accuracy_level`` 4, ONNX Runtime's contrib op
+    documentation, docs/ContribOperators.md), else "fp32" (float products, Q/DQ graphs run as float on ONNX
+    Runtime's CPU, MatMulNBits at accuracy level 0 / 1: fp32 compute)."""
+    levels = [next((a.i for a in n.attribute if a.name == "accuracy_level"), 0)
+              for n in model.graph.node if n.op_type == "MatMulNBits"]
+    return "int8" if levels and all(level == 4 for level in levels) else "fp32"
+
+
 def measured_curve(path: Path, precision: str) -> list[dict]:
     """The rows of a ``bench_batch.py`` JSON for one precision: batch, vanilla and best Medusa total tokens/s."""
     doc = json.loads(path.read_text())
@@ -124,6 +162,10 @@ def main(argv=None) -> int:
     p.add_argument("--measured", default=None, help="bench_batch.py JSON of this CPU to check the projection against")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     p.add_argument("--context", type=float, default=512.0, help="mean context per sequence, tokens (default 512)")
+    p.add_argument("--prompt-tokens", type=float, default=0.0,
+                   help="mean prompt length L: project a whole run as bench_batch.py measures it (each sequence "
+                        "prefilled, then --new-tokens per sequence); 0 (default): the steady state of decoding")
+    p.add_argument("--new-tokens", type=int, default=128, help="reply tokens per sequence with --prompt-tokens")
     p.add_argument("--cpu-step-overhead-ms", type=float, default=0.0)
     p.add_argument("--gpu-step-overhead-ms", type=float, default=0.0)
     p.add_argument("--json", default=None)
@@ -141,17 +183,22 @@ def main(argv=None) -> int:
     expected[1] = 1.0
     lim = json.loads(Path(args.limits).read_text())
     kv_cpu = kv_bytes_per_token(manifest, 4.0 if manifest.precision.kv_dtype == "float32" else 2.0)
-    gemm = lim["gemm_flops_per_s"]["int8" if precision in ("int8", "int4") else "fp32"]
+    import onnx
+
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    compute = compute_precision(onnx.load(str(folder / files["model"]), load_external_data=False))
+    gemm = lim["gemm_flops_per_s"][compute]
     machines = [(Machine("this CPU", lim["bandwidth"], gemm, args.cpu_step_overhead_ms / 1e3),
                  ModelCost(traffic.weight_bytes, traffic.macs_per_row, kv_cpu))]
     gpu_weights = traffic.weight_bytes if precision in ("int4", "int8") else 2.0 * traffic.macs_per_row
     for name, (bw, peak) in GPUS.items():
         machines.append((Machine(f"{name} (projection)", bw, peak, args.gpu_step_overhead_ms / 1e3),
                          ModelCost(gpu_weights, traffic.macs_per_row, kv_bytes_per_token(manifest, 2.0))))
-    out = {"artifact": str(folder), "precision": precision, "expected_tokens_per_step": expected,
+    out = {"artifact": str(folder), "precision": precision, "cpu_gemm": compute, "expected_tokens_per_step": expected,
+           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens if args.prompt_tokens > 0 else None,
            "context": args.context, "limits": lim.get("host"), "curves": {}}
     for m, c in machines:
-        rows = curve(m, c, expected, args.batch, args.context)
+        rows = curve(m, c, expected, args.batch, args.context, args.prompt_tokens, args.new_tokens)
         out["curves"][m.name] = rows
         print(f"\n{m.name}: {m.bandwidth / 1e9:.0f} GB/s, {m.peak / 1e12:.2f} TFLOP/s, weights {c.weight_bytes / 1e6:.0f} MB")
         print("| B | plain tokens/s | Medusa tokens/s (tree) | Medusa/plain | bound |")
