@@ -521,4 +521,10 @@ def test_embedded_model_through_triton(smollm_artifact, tmp_path, monkeypatch):
         assert "".join(c[1] for c in chunks) == ref.text
         log = srv.log_tail(20000)
         assert "timing tree sizes on this machine" in log and "(fastest here, timed now)" in log
-    assert list((tmp_path / "cache" / "trees").glob("*.json"))  # the instance cached its timing
+    # The instance cached its timing, unless the timing was too noisy to keep (a loaded machine: issue 41's notice),
+    # and its log says which: the file and the log agree either way.
+    cached = list((tmp_path / "cache" / "trees").glob("*.json"))
+    if "not cached: the timing was noisy" in log:
+        assert not cached
+    else:
+        assert len(cached) == 1 and f"cached in {cached[0]}" in log
