@@ -177,15 +177,10 @@ def test_the_option_tables_say_what_trtexec_11_removed():
     assert {"--stronglyTyped", "--noTF32", "--onnx", "--saveEngine"} <= set(OPTIONS["11"]["options"])
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4", "fp32"])
-def test_every_trtexec_line_parses_under_both_majors(tiny_trt_artifact, tmp_path, precision):
+def _assert_trtexec_lines_parse_under_both_majors(art: Path, precision: str) -> None:
     """Each line of engines/trtexec.PRECISION.txt and of build_engine.sh uses only options both majors' trtexec parse."""
     import shlex
 
-    from medusa_export.cli.main import main
-
-    art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
-    main(["engine", "--artifact", str(art), "--precision", precision, "--no-validate"])
     lines = [ln for ln in (art / f"engines/trtexec.{precision}.txt").read_text().splitlines() if not ln.startswith("#")]
     script = (art / "engines/build_engine.sh").read_text()
     runs = [shlex.split(b.split("\n    ;;")[0].split("\n    run ")[0].replace("\\\n", " "))[2:]
@@ -195,6 +190,16 @@ def test_every_trtexec_line_parses_under_both_majors(tiny_trt_artifact, tmp_path
         for major in ("10", "11"):
             unknown = [a for a in argv if a.split("=")[0] not in OPTIONS[major]["options"]]
             assert not unknown, (major, unknown)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "int4", "int8", "fp8", "fp32"])
+def test_every_trtexec_line_parses_under_both_majors(tiny_trt_artifact, tmp_path, precision):
+    """`engine --precision P` of an fp32 artifact writes trtexec lines both majors parse (no removed option)."""
+    from medusa_export.cli.main import main
+
+    art = Path(shutil.copytree(tiny_trt_artifact, tmp_path / "art"))
+    main(["engine", "--artifact", str(art), "--precision", precision, "--no-validate"])
+    _assert_trtexec_lines_parse_under_both_majors(art, precision)
 
 
 @pytest.mark.parametrize("version", MAJORS)
@@ -290,6 +295,7 @@ def test_portable_qdq_artifact_builds_and_generates_under_both_majors(qdq_artifa
         header = _plan_header(art / f"engines/{g}.{precision}.plan")
         assert header["strongly_typed"] and header["onnx"].endswith(f"{g}.onnx")
         assert not set(header["flags"]) & {"FP16", "BF16", "INT8", "FP8", "INT4", "OBEY_PRECISION_CONSTRAINTS"}
+    _assert_trtexec_lines_parse_under_both_majors(art, precision)  # no option TensorRT 11's trtexec removed
     got = _run(version, "-c", _GENERATE, str(art), precision, json.dumps(PROMPT), str(NEW))
     assert got.returncode == 0, got.stderr[-3000:]
     a = load_artifact(art)
