@@ -18,9 +18,9 @@ adds a fixed cost per step (kernel launches, the host loop); 0 gives the pure ro
 prefill of L rows, then N reply tokens): the form to hold against a measured curve.
 
 The machines: this CPU from ``--limits`` (``bench_limit.py --json``: the triad bandwidth and the fp32 or int8
-GEMM peak by how the step graph computes: :func:`compute_precision`); the GPUs from NVIDIA's datasheets (:data:`GPUS`: dense fp16/bf16 Tensor
-Core peak and HBM bandwidth; the artifact's weights counted at fp16, 2 bytes a weight, as a GPU engine would hold
-them unless the artifact is int4/int8). Everything printed for a GPU is a projection, never a measurement.
+GEMM peak by how the step graph computes: :func:`compute_precision`); the GPUs from NVIDIA's datasheets
+(:data:`GPUS`: dense fp16/bf16 Tensor Core peak and HBM bandwidth; the artifact's weights counted at fp16, 2 bytes a
+weight, as a GPU engine would hold them unless the artifact is int4/int8). Everything printed for a GPU is a projection, never a measurement.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     folder = Path(args.artifact)
     from medusa_runtime.contract.artifact import load_artifact
 
-    manifest = load_artifact(folder).manifest
+    artifact = load_artifact(folder)
+    manifest = artifact.manifest
     precision = manifest.precision_name
     traffic = artifact_traffic(folder)["model"]
     if args.expected:
@@ -185,8 +186,7 @@ def main(argv=None) -> int:
     kv_cpu = kv_bytes_per_token(manifest, 4.0 if manifest.precision.kv_dtype == "float32" else 2.0)
     import onnx
 
-    files = json.loads((folder / "manifest.json").read_text())["files"]
-    compute = compute_precision(onnx.load(str(folder / files["model"]), load_external_data=False))
+    compute = compute_precision(onnx.load(str(artifact.file("model")), load_external_data=False))
     gemm = lim["gemm_flops_per_s"][compute]
     machines = [(Machine("this CPU", lim["bandwidth"], gemm, args.cpu_step_overhead_ms / 1e3),
                  ModelCost(traffic.weight_bytes, traffic.macs_per_row, kv_cpu))]
@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     for name, (bw, peak) in GPUS.items():
         machines.append((Machine(f"{name} (projection)", bw, peak, args.gpu_step_overhead_ms / 1e3),
                          ModelCost(gpu_weights, traffic.macs_per_row, kv_bytes_per_token(manifest, 2.0))))
-    out = {"artifact": str(folder), "precision": precision, "cpu_gemm": compute, "expected_tokens_per_step": expected,
+    out = {"artifact": str(folder), "precision": precision, "cpu_gemm": compute,
+           "expected_tokens_per_step": expected,
            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens if args.prompt_tokens > 0 else None,
            "context": args.context, "limits": lim.get("host"), "curves": {}}
     for m, c in machines:
