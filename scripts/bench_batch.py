@@ -163,8 +163,8 @@ def measure_artifact(path: str, looped_path: str | None, args) -> dict:
 def markdown(report: dict) -> str:
     """The dated markdown tables: the curve (chosen tree per B) and every tree's tokens/s."""
     lines = [f"## Batch curve, {report['date'][:10]}", "",
-             f"{report['model']}, {report['prompts']}+ first turns of {report.get('questions', 'MT-Bench')} (at least B) "
-             f"x {report['max_new_tokens']} "
+             f"{report['model']}, {report['prompts']}+ first turns of {report.get('questions', 'MT-Bench')} "
+             f"(at least B) x {report['max_new_tokens']} "
              f"greedy tokens, {report['threads'] or 'default'} threads, median of {report['repeats']} run(s); "
              f"Medusa: the best of trees {', '.join(report['tree_specs'])} at each B. Measured {report['date']} on "
              f"{report.get('host_cpu', 'an unrecorded CPU')}, load average (1/5/15 min) "

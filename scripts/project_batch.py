@@ -20,7 +20,8 @@ prefill of L rows, then N reply tokens): the form to hold against a measured cur
 The machines: this CPU from ``--limits`` (``bench_limit.py --json``: the triad bandwidth and the fp32 or int8
 GEMM peak by how the step graph computes: :func:`compute_precision`); the GPUs from NVIDIA's datasheets
 (:data:`GPUS`: dense fp16/bf16 Tensor Core peak and HBM bandwidth; the artifact's weights counted at fp16, 2 bytes a
-weight, as a GPU engine would hold them unless the artifact is int4/int8). Everything printed for a GPU is a projection, never a measurement.
+weight, as a GPU engine would hold them unless the artifact is int4/int8). Everything printed for a GPU is a
+projection, never a measurement.
 """
 
 from __future__ import annotations
