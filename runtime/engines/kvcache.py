@@ -21,6 +21,7 @@ Pure numpy; works on any array type that supports fancy indexing on the slot axi
 
 from __future__ import annotations
 
+from collections import abc
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -197,6 +198,31 @@ class KVCache(CacheState):
         self._advance(accepted, token_ids)
 
 
+class LayerKV(abc.Sequence):
+    """A step's new K/V as a sequence of per-layer ``(key, value)`` views, made when read.
+
+    ``keys`` / ``values``: [L, 1, S, H_kv, D] views of a :class:`HeadMajorKVCache`. The decode loop of an
+    in-place cache never reads them (:meth:`HeadMajorKVCache.keep` ignores ``new_kv``), so building the
+    2 L per-layer views at every step was host time spent for nothing (about 0.05 ms of a ~7 ms int4 step
+    of the embedded model, scripts/bench_step_overhead.py).
+    """
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray):
+        self.keys, self.values = keys, values
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [(k, v) for k, v in zip(self.keys[layer], self.values[layer])]
+        return self.keys[layer], self.values[layer]
+
+    def rows(self, count: int) -> "LayerKV":
+        """The first ``count`` rows of every layer (views)."""
+        return LayerKV(self.keys[:, :, :count], self.values[:, :, :count])
+
+
 class InPlacePast(NamedTuple):
     """What :meth:`HeadMajorKVCache.past` hands to the engine: the cache and its valid length."""
 
@@ -223,12 +249,11 @@ class HeadMajorKVCache(CacheState):
         """The cache and its current valid length (the engine binds the whole buffers)."""
         return InPlacePast(self, self.length)
 
-    def new_kv(self, start: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    def new_kv(self, start: int, count: int) -> "LayerKV":
         """Views of slots [start, start + count) per layer, as [1, count, H_kv, D] (no copy; valid
         until the next step or :meth:`keep` changes those slots)."""
         sl = slice(start, start + count)
-        return [(k[:, :, sl].transpose(0, 2, 1, 3), v[:, :, sl].transpose(0, 2, 1, 3))
-                for k, v in zip(self.keys, self.values)]
+        return LayerKV(self.keys[:, :, :, sl].transpose(0, 1, 3, 2, 4), self.values[:, :, :, sl].transpose(0, 1, 3, 2, 4))
 
     def keep(self, new_kv, accepted: np.ndarray, token_ids: Sequence[int] | None = None) -> None:
         """Compact after a step that wrote node j to slot length + j (``new_kv`` is not read).
