@@ -208,6 +208,41 @@ def test_weight_only_precision_composes_with_fused(built):
     assert {"MatMulNBits", "GroupQueryAttention"} <= ops and "MatMul" not in ops
 
 
+def test_chain_only_graph_leaves_positions_and_mask_to_gqa_bit_for_bit(built, gqa, tmp_path, monkeypatch):
+    """An int4 (accuracy level 4) fused graph runs chains only (manifest step_rows), so its GroupQueryAttention
+    takes neither position_ids nor attention_bias; its outputs equal, bit for bit, those of the same graph
+    written with both wired (the general tree graph), on a prefill, padded one-token steps and chain steps."""
+    from medusa_export.export import fused, writer
+
+    chain_path = built("fused", "int4")
+    assert json.loads((chain_path / "manifest.json").read_text())["precision"]["step_rows"]["trees"] == "chain"
+    monkeypatch.setattr(writer, "write_fused_step", lambda *a, **kw: fused.write_fused_step(*a, **{**kw, "chain": False}))
+    wired_path = build_artifact(tiny_loaded(gqa[1], max_context=256), make_tree(TREE, num_heads=3), tmp_path / "wired",
+                                BuildConfig(graph="fused", precision="int4", validate=False), progress=False)
+
+    def gqa_inputs(path):
+        nodes = onnx.load(str(path / "model.onnx"), load_external_data=False).graph.node
+        return [list(n.input[9:11]) for n in nodes if n.op_type == "GroupQueryAttention"]
+
+    assert all(ins == ["", ""] for ins in gqa_inputs(chain_path))
+    assert all(ins[0] == "position_ids" and ins[1] for ins in gqa_inputs(wired_path))
+    results = []
+    for path in (chain_path, wired_path):
+        eng = OrtEngine(load_artifact(path))
+        cache = eng.make_cache(64)
+        out, steps, p = [], [PROMPT, [7], [8, 9], [10], [11, 12, 13]], 0
+        for ids in steps:
+            s = len(ids)
+            r = eng.step(np.array([ids]), (p + np.arange(s))[None], causal_mask(s), 1.0, cache.past())
+            out += [r.topk_ids.copy(), r.topk_logprobs.copy(), r.token_logprobs.copy(), r.hidden.copy()]
+            cache.keep(r.new_kv, np.arange(s))
+            p += s
+        results.append(out)
+    assert len(results[0]) == len(results[1]) == 20
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_chat_reuses_the_in_place_cache_like_the_portable_artifact(built):
     """Multi-turn chat: later turns prefill after a reused, truncated prefix of the head-major cache."""
     from medusa_runtime.front.session import MedusaSession

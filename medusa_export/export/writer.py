@@ -59,7 +59,8 @@ def _lay_out(weights: WeightsPlan, src: ModelSources, cfg: ExportConfig, topk: i
     lm_q = step_q if step_q is not None and step_q.vocab_projection else None
     step = GraphBuilder(weights, cfg.graphs_dtype, step_q)
     if cfg.graph == "fused":
-        ins, outs = write_fused_step(step, bc, max_context, lm_q, batched=cfg.batched)
+        chain = (cfg.step_rows or {}).get("trees") == "chain"
+        ins, outs = write_fused_step(step, bc, max_context, lm_q, batched=cfg.batched, chain=chain)
         graphs = {MODEL_FILE: (step, ins, outs, "medusa_step_fused", "medusa-export (fused)")}
     else:
         ins, outs = write_portable_step(step, bc, lm_q, batched=cfg.batched)
