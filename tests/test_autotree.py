@@ -133,6 +133,31 @@ def test_time_tree_steps_feeds_each_tree_after_the_past(monkeypatch):
     assert past == [7, 7]  # every layer sees the 7 cached tokens
 
 
+def test_sizes_padded_to_the_row_regime_share_its_timing(monkeypatch):
+    """An engine whose steps run at least 2 rows (manifest step_rows: a 1-node step runs padded to 2 rows) has plain
+    decoding timed as the 2-node step it runs: one timing, not two, and no 1-row step is fed."""
+    import medusa_runtime.tuning.autotree as autotree
+
+    eng = ClockedEngine(slow={2: 3})  # size 2's 3rd call (its 2nd timed one) takes 52 ms: the median ignores it
+    eng.capabilities = Capabilities(min_rows=2)
+    monkeypatch.setattr(autotree.time, "perf_counter", eng.perf_counter)
+    trees = candidate_trees(ACC, [1, 2, 4], num_heads=2, topk=2)
+    spreads = {}
+    lines = []
+    step_ms, heads_ms = time_tree_steps(eng, trees, past_length=7, repeats=3, warmup=1, spreads=spreads,
+                                        progress=lines.append)
+    assert step_ms == pytest.approx({1: 2.0, 2: 2.0, 4: 4.0})  # by hand: the 2-row step's median of (2, 52, 2)
+    assert spreads[1] == spreads[2] > 0 and spreads[4] == pytest.approx(0.0, abs=1e-9)
+    assert sorted({ids.shape[1] for ids, *_ in eng.calls}) == [2, 4] and len(eng.calls) == 2 * (1 + 3)
+    assert heads_ms[1] == 0.0 and heads_ms[2] == pytest.approx(0.25)  # plain decoding still runs no heads
+    assert "tree of   1 nodes:    2.00 ms per step (runs as the 2-row step)" in lines
+    # no row regime (the class's Capabilities()): plain decoding timed on its own
+    eng = ClockedEngine(slow={})
+    monkeypatch.setattr(autotree.time, "perf_counter", eng.perf_counter)
+    step_ms, _ = time_tree_steps(eng, trees, past_length=7, repeats=3, warmup=1)
+    assert step_ms == pytest.approx({1: 1.0, 2: 2.0, 4: 4.0})
+
+
 @pytest.fixture(scope="module")
 def auto_artifact(tmp_path_factory):
     from medusa_export.pipeline import BuildConfig, build_artifact

@@ -335,6 +335,11 @@ def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int =
         spreads: when given, filled with size -> the step times' relative spread, (75th - 25th percentile) /
             median (:attr:`TreeTiming.spread`).
 
+    Sizes below the engine's ``capabilities.min_rows`` run padded to that many rows (a row regime, the manifest's
+    ``precision.step_rows``), the same kernels on the same shapes as the ``min_rows``-node tree: such sizes share
+    that tree's timing instead of a second, independently noisy one (on the int4 default, plain decoding and the
+    2-node chain are the same two-row step, and two timings of it differed by up to 20% on a quiet 2-core VM).
+
     Returns:
         (size -> median step ms, size -> median heads ms (0 for size 1)).
     """
@@ -343,7 +348,11 @@ def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int =
     cache = _cache_after(engine, past_length + max(trees), past_length)
     out = None
     steps = {}
+    min_rows = int(getattr(getattr(engine, "capabilities", None), "min_rows", 1) or 1)
+    shared = {n: min_rows for n in trees if n < min_rows and min_rows in trees}  # size -> the size timed for it
     for n, tree in sorted(trees.items()):
+        if n in shared:
+            continue
         shape = tree.static_shape()
         b = shape.buffers()
         ids = np.zeros((1, n), dtype=np.int64)
@@ -365,14 +374,16 @@ def time_tree_steps(engine, trees: Mapping[int, StepTree], *, past_length: int =
             t = time.perf_counter()
             step()
             times[n].append(time.perf_counter() - t)
-    step_ms = {n: 1e3 * statistics.median(ts) for n, ts in times.items()}
+    times.update({n: times[m] for n, m in shared.items()})
+    step_ms = {n: 1e3 * statistics.median(ts) for n, ts in sorted(times.items())}
     if spreads is not None:
         for n, ts in times.items():
             q1, _, q3 = np.percentile(ts, [25, 50, 75])
             spreads[n] = float((q3 - q1) / statistics.median(ts)) if len(ts) > 1 else 0.0
     if progress:
-        for n in steps:
-            progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step")
+        for n in step_ms:
+            padded = f" (runs as the {shared[n]}-row step)" if n in shared else ""
+            progress(f"tree of {n:3d} nodes: {step_ms[n]:7.2f} ms per step{padded}")
     heads_ms: dict[int, float] = {}
     hidden = out.hidden[:1]
     for n, tree in sorted(trees.items()):
