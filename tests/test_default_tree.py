@@ -93,6 +93,22 @@ def test_the_decode_loop_retimes_plain_decoding_and_the_leader_and_spreads_its_o
     assert rows[1].to_json()["overhead_ms"] == 3.0 and rows[2].to_json()["loop_ms"] == 15.0
 
 
+def test_the_leading_tree_is_timed_through_the_loop_even_when_plain_decoding_then_leads_on_paper():
+    # By the step table: root 1 / 10 ms = 100 tokens/s, 2 nodes 1.3 / 11 ms = 118.2. Through the loop root takes 8 ms
+    # (125 tokens/s, ahead of the 2-node row's table figure by the margin's measure: 118.2 < 1.1 * 125); the 2-node
+    # tree through the loop takes 9 ms: 1.3 / 9 ms = 144.4 tokens/s > 1.1 * 125 = 137.5, so the tree is kept.
+    table = _rows((1, 1.0, 10.0, 0.0), (2, 1.3, 10.0, 1.0))
+    calls = []
+
+    def loop_ms(size):
+        calls.append(size)
+        return {1: 8.0, 2: 9.0}[size]
+
+    rows = refine_with_loop(table, loop_ms)
+    assert calls == [1, 2] and [r.loop_ms for r in rows] == [8.0, 9.0]
+    assert pick(rows).size == 2
+
+
 # --- the cache: keys, records, reuse and invalidation -------------------------------------------------------
 
 
