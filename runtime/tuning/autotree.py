@@ -230,43 +230,52 @@ def pick(table: Sequence[TreeTiming], margin: float = DEFAULT_MARGIN) -> TreeTim
 
 
 def refine_with_loop(table: Sequence[TreeTiming], loop_ms: Callable[[int], float], *, margin: float = DEFAULT_MARGIN,
-                     rounds: int = 3) -> list[TreeTiming]:
+                     rounds: int = 3, alternations: int = 3) -> list[TreeTiming]:
     """Time plain decoding and the leading sizes through the whole decode loop, and choose on those times.
 
     The tree-step table leaves out part of a real step's cost: the host's candidates, acceptance and
     KV compaction, and the loop around the calls. On the embedded model on a 2-core CPU that was
     2.5-3 ms of a 37-43 ms tree step and nothing for plain decoding, enough to turn a predicted 12%
-    gain into a measured 4% (docs/trees.md). So plain decoding and the best row are timed as the loop
-    runs them (the leading tree even when plain decoding's loop time puts plain decoding ahead on paper); the other
-    tree rows get the mean extra cost measured on the tree rows (``overhead_ms``); if another row then leads, it is
-    timed too, ``rounds`` tree rows at most.
+    gain into a measured 4% (docs/trees.md). So plain decoding and the leading tree of the table are timed as the
+    loop runs them, alternately, ``alternations`` times each, keeping each one's fastest: the pick rests on their
+    ratio, and on a VM whose speed drifts by 20% within seconds (the 2-core EPYC hosts here) two timings taken one
+    after the other can differ by more than the margin; alternating, both see the same phases. The leading tree is
+    timed even when plain decoding's loop time would put plain decoding ahead on paper (a loop time against a table
+    figure is the comparison across moments this avoids). The other tree rows get the mean extra cost measured on
+    the tree rows (``overhead_ms``); if another row then leads, it is timed too, ``rounds`` tree rows at most.
 
     Args:
         table: the tree-step table (:func:`choose_tree`).
         loop_ms: size -> measured ms per step of the decode loop (:func:`time_decode_loop`).
         margin: see :func:`pick`.
         rounds: most tree rows (size > 1) timed through the loop.
+        alternations: timings of plain decoding and of the leading tree, taken in turn (>= 1).
 
     Returns:
         The table with ``loop_ms`` filled for the timed sizes and ``overhead_ms`` for the others.
     """
     rows = {r.size: r for r in table}
-    if 1 in rows:
-        rows[1] = replace(rows[1], loop_ms=float(loop_ms(1)))
-    for i in range(max(0, rounds)):
-        # The first round times the leading tree whatever plain decoding's loop time says: plain decoding measured
-        # through the loop against a tree known only from the step table compares two timings taken at different
-        # moments by different harnesses (on the int4 default, one build's plain loop came out 6% below the same
-        # two-row step timed alone, and plain decoding was kept over the 2-node chain, which runs that same step
-        # plus ~0.5 ms of heads for 1.23 expected tokens).
-        best = pick([r for r in rows.values() if r.size > 1] or list(rows.values()), margin) if i == 0 else \
-            pick(list(rows.values()), margin)
+
+    def spread_overhead(rows: dict) -> dict:
+        extra = [r.loop_ms - r.step_ms - r.heads_ms for r in rows.values() if r.size > 1 and r.loop_ms is not None]
+        if not extra:
+            return rows
+        overhead = max(0.0, float(np.mean(extra)))
+        return {n: r if r.loop_ms is not None else replace(r, overhead_ms=overhead) for n, r in rows.items()}
+
+    trees = [r for r in rows.values() if r.size > 1]
+    first = ([1] if 1 in rows else []) + ([pick(trees, margin).size] if trees and rounds > 0 else [])
+    times: dict[int, list[float]] = {n: [] for n in first}
+    for _ in range(max(1, alternations)):
+        for n in first:
+            times[n].append(float(loop_ms(n)))
+    rows = spread_overhead({**rows, **{n: replace(rows[n], loop_ms=min(ts)) for n, ts in times.items()}})
+    for _ in range(max(0, rounds - 1)):
+        best = pick(list(rows.values()), margin)
         if best.loop_ms is not None:
             break
         rows[best.size] = replace(best, loop_ms=float(loop_ms(best.size)))
-        extra = [r.loop_ms - r.step_ms - r.heads_ms for r in rows.values() if r.size > 1 and r.loop_ms is not None]
-        overhead = max(0.0, float(np.mean(extra)))
-        rows = {n: r if r.loop_ms is not None else replace(r, overhead_ms=overhead) for n, r in rows.items()}
+        rows = spread_overhead(rows)
     return [rows[n] for n in sorted(rows)]
 
 
