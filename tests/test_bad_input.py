@@ -225,6 +225,30 @@ def test_threads_above_the_cpu_count_runs_with_a_note(artifact, capsys):
     assert f"[note: --threads {threads} is more than this machine's {os.cpu_count()} CPUs" in capsys.readouterr().err
 
 
+def test_spin_is_an_onnxruntime_option_and_spins_the_step_session_only(artifact, capsys, monkeypatch):
+    """--spin: the step session's threads busy-wait, the heads session's do not (two spinning pools fight for the
+    cores); on another backend it is a typed usage error naming the backend to use."""
+    from medusa_runtime.front import session as front_session
+
+    err = error_of(["generate", "--artifact", str(artifact), "--prompt", "hi", "--spin", "--backend", "tensorrt"],
+                   capsys)
+    assert "--spin sets the onnxruntime backend's CPU threads: use it with --backend onnxruntime" in err
+    made = []
+    real = front_session.create_engine
+    monkeypatch.setattr(front_session, "create_engine", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    assert main(["generate", "--artifact", str(artifact), "--prompt", "hi", "--max-new-tokens", "2", "--spin",
+                 "--tree", "root"]) == 0
+    spinning = {name: s.get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+                for name, s in (("step", made[0].step_session), ("heads", made[0].heads_session))}
+    assert made[0].spin and spinning == {"step": "1", "heads": "0"}
+    from medusa_runtime.contract.artifact import load_artifact
+    from medusa_runtime.engines.ort import OrtEngine
+    from medusa_runtime.tuning.treecache import backend_fingerprint
+
+    assert backend_fingerprint("onnxruntime", made[0], None)["spin"] is True  # a tree timed spinning is its own record
+    assert "spin" not in backend_fingerprint("onnxruntime", OrtEngine(load_artifact(artifact)), None)
+
+
 # --- 4. manifest fields checked against the graphs when an artifact is opened ---------------------------
 
 

@@ -41,7 +41,9 @@ def session_options(threads: int | None, spin: bool = False):
     2 shared cores here (load ~5 from other processes, steps interleaved, host work between
     them): T=16 tree step 165 ms without spinning vs 266 ms with it, T=1 134 vs 150 ms. A
     spinning pool also burns the cores the host work and other processes need; pass
-    ``spin=True`` on a dedicated machine.
+    ``spin=True`` on a dedicated machine: there a waking thread costs more than the work of a small operator
+    (the embedded int4 model's two-row step: 6.5-7.0 ms without spinning, 4.7-6.0 ms with it, 2-core EPYC VM,
+    2026-12-07, alone; :class:`OrtEngine` spins only its step session, see there).
     """
     import onnxruntime as ort
 
@@ -107,7 +109,8 @@ class OrtEngine:
         artifact: a loaded artifact.
         providers: ONNX Runtime execution providers (default: CPU).
         threads: intra-op threads (default: ONNX Runtime's choice).
-        spin: let idle intra-op threads busy-wait (see :func:`session_options`).
+        spin: let the step session's idle intra-op threads busy-wait (see :func:`session_options`; faster on a
+            dedicated machine, slower on a busy one; the heads sessions never spin).
         profile_prefix: write an ONNX Runtime profile of the step graph (per-node times) to
             ``<profile_prefix>_<date>.json``; ``step_session.end_profiling()`` closes it and returns the path.
         session_config: extra ONNX Runtime session config entries (e.g. ``{"session.disable_prepacking": "1"}``,
@@ -126,14 +129,20 @@ class OrtEngine:
         self.num_heads = m.medusa_heads
         self.kv_dtype = np.dtype(KV_DTYPES[artifact.manifest.precision.kv_dtype])
         self.hidden_dtype = self.kv_dtype
-        opts = session_options(threads, spin)
+        #: whether the step session's idle threads busy-wait (the heads sessions' never do, see below)
+        self.spin = bool(spin)
+        opts, heads_opts = session_options(threads, spin), session_options(threads, False)
         for key, value in (session_config or {}).items():
             opts.add_session_config_entry(key, value)
+            heads_opts.add_session_config_entry(key, value)
         providers = providers or ["CPUExecutionProvider"]
         head_type = artifact.head_type
         heads_keys = ([level_graph(j) for j in range(1, self.num_heads + 1)] if head_type == "hydra"
                       else ["heads"])
-        heads_sessions = {key: ort.InferenceSession(str(artifact.file(key)), opts, providers=providers)
+        # The heads never spin: each session has its own thread pool, and a spinning heads pool fights the spinning
+        # step pool for the cores (embedded int4 model, 2-core EPYC VM, both spinning: a two-row step 9.4-14.3 ms
+        # against 6.7-6.8 ms with neither and 4.7-6.0 ms with the step's alone spinning; 2026-12-07, alone).
+        heads_sessions = {key: ort.InferenceSession(str(artifact.file(key)), heads_opts, providers=providers)
                           for key in heads_keys}
         self.heads_session = heads_sessions.get("heads")
         self.level_sessions = [heads_sessions[key] for key in heads_keys] if head_type == "hydra" else []

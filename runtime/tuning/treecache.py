@@ -92,10 +92,12 @@ def machine_fingerprint() -> dict:
 
 def backend_fingerprint(backend: str, engine, threads: int | None) -> dict:
     """What identifies the backend for timing: its name, engine class, library version (its
-    :class:`~medusa_runtime.engines.BackendSpec`'s), threads, GPU index (the engine's capabilities)."""
+    :class:`~medusa_runtime.engines.BackendSpec`'s), threads, GPU index (the engine's capabilities), and
+    ``spin: True`` for an engine whose threads busy-wait (``--spin``; absent otherwise, so earlier records stay valid)."""
     spec = BACKENDS.get(backend)
+    spin = {"spin": True} if getattr(engine, "spin", False) else {}  # spinning threads change the step times
     return {"backend": backend, "engine": type(engine).__name__, "version": spec.version() if spec else None,
-            "threads": threads, "device_id": engine.capabilities.device_id}
+            "threads": threads, "device_id": engine.capabilities.device_id, **spin}
 
 
 def timing_key(*, artifact: str, machine: Mapping, backend: Mapping, capacity: int, policy: str,
