@@ -32,7 +32,9 @@ tokens, and the tokens identical before the first divergence.
 Threads: every system gets ``--threads`` intra-op threads and waits passively: ONNX Runtime
 sessions without spinning (``session.intra_op.allow_spinning=0``, also for ONNX Runtime GenAI
 through its config), OpenMP (torch, llama.cpp) with ``OMP_WAIT_POLICY=PASSIVE`` unless set;
-see ``scripts/bench.py`` for why.
+see ``scripts/bench.py`` for why. ``--spin`` runs the ONNX Runtime systems with busy-waiting threads instead
+(ONNX Runtime's default; ours: ``MedusaSession(spin=True)``, the step session's threads only), what a machine
+running nothing else would use; OpenMP systems keep ``OMP_WAIT_POLICY`` as the environment sets it.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def markdown_table(report: dict) -> str:
                      f"{agreement_cell(s.get('agreement'))} | {agreement_cell(s.get('equals_own_plain'))} |")
     cfg = report["config"]
     notes = [f"{cfg['prompts']} MT-Bench first turns x {cfg['max_new_tokens']} new tokens, greedy, "
-             f"{cfg['rounds']} interleaved round(s), {cfg['threads']} threads, passive waiting; "
+             f"{cfg['rounds']} interleaved round(s), {cfg['threads']} threads, "
+             f"{'ONNX Runtime threads spinning (--spin)' if cfg.get('spin') else 'passive waiting'}; "
              f"reference: {report['reference'] or 'none'}."]
     lim = report.get("limits")
     if lim:
@@ -216,6 +219,7 @@ class Context:
     eos: list[int]
     cache_dir: Path
     max_context: int = 2048
+    spin: bool = False  # ONNX Runtime sessions busy-wait (--spin)
     _hf_model: object = None
 
     def hf_model(self):
@@ -273,13 +277,14 @@ def _require(module: str, package: str):
         raise Skip(f"{package} is not installed (pip install -e '.[peers]'): {exc}") from None
 
 
-def ours(artifacts: Sequence[str], threads: int) -> tuple[list[System], Callable[[str], list[int]], list[int]]:
+def ours(artifacts: Sequence[str], threads: int, spin: bool = False
+         ) -> tuple[list[System], Callable[[str], list[int]], list[int]]:
     """Vanilla and Medusa systems for each artifact; also the first one's prompt encoder and EOS ids."""
     from medusa_runtime.front.session import MedusaSession
 
     systems, encoder, eos = [], None, []
     for path in artifacts:
-        session = MedusaSession(path, threads=threads, tree="artifact")  # the artifact's tree: what it was built for
+        session = MedusaSession(path, threads=threads, tree="artifact", spin=spin)  # the artifact's tree: what it was built for
         precision = session.artifact.manifest.precision_name
         encoder = encoder or session.encode
         eos = eos or session.eos_token_ids
@@ -354,7 +359,7 @@ def optimum_peer(ctx: Context) -> list[System]:
         (out / "DONE").write_text("")
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = ctx.threads, 1
-    for k, v in NO_SPIN.items():
+    for k, v in ({} if ctx.spin else NO_SPIN).items():
         so.add_session_config_entry(k, v)
     model = ORTModelForCausalLM.from_pretrained(str(out), session_options=so, provider="CPUExecutionProvider",
                                                 use_cache=True)
@@ -378,7 +383,7 @@ def genai_peer(ctx: Context, precision: str) -> list[System]:
     config.clear_providers()  # CPU
     # Unknown session_options keys are passed to ONNX Runtime as session config entries.
     config.overlay(json.dumps({"model": {"eos_token_id": ctx.eos, "decoder": {"session_options": {
-        "intra_op_num_threads": ctx.threads, "inter_op_num_threads": 1, **NO_SPIN}}}}))
+        "intra_op_num_threads": ctx.threads, "inter_op_num_threads": 1, **({} if ctx.spin else NO_SPIN)}}}}))
     model = og.Model(config)
 
     def run(ids, n):
@@ -492,10 +497,10 @@ def run(args) -> dict:
     systems, skipped = [], {}
     encode, eos = None, []
     if "ours" in wanted and args.artifact:
-        systems, encode, eos = ours(args.artifact, args.threads)
+        systems, encode, eos = ours(args.artifact, args.threads, args.spin)
     elif "ours" in wanted:
         skipped["medusa-export"] = "no --artifact given"
-    ctx = Context(args.model, args.threads, eos, Path(args.cache_dir))
+    ctx = Context(args.model, args.threads, eos, Path(args.cache_dir), spin=args.spin)
     ctx.cache_dir.mkdir(parents=True, exist_ok=True)
     if not eos:
         encode, ctx.eos = hf_encoder(ctx)
@@ -538,7 +543,7 @@ def run(args) -> dict:
 
     report = {
         "config": {"model": args.model, "prompts": len(texts), "max_new_tokens": args.max_new_tokens,
-                   "rounds": args.rounds, "threads": args.threads,
+                   "rounds": args.rounds, "threads": args.threads, "spin": args.spin,
                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "artifacts": args.artifact or []},
         "machine": {"cpus": os.cpu_count(), "load_average_before": load_before,
                     "load_average_after": os.getloadavg(), "platform": platform.platform()},
@@ -612,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply (default: 128)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
     p.add_argument("--threads", type=int, default=2, help="threads for every system (default: 2)")
+    p.add_argument("--spin", action="store_true",
+                   help="ONNX Runtime systems' threads busy-wait (ONNX Runtime's default; ours: the step session's "
+                        "only) instead of sleeping between operators (default: off, every system waits passively)"),
     p.add_argument("--no-limit", dest="limit", action="store_false",
                    help="skip measuring the bandwidth limit (scripts/bench_limit.py) before the rounds")
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "peers"),
