@@ -85,10 +85,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15, help="timed runs of the step alone per size (median)")
+    p.add_argument("--spin", action="store_true",
+                   help="the step session's threads busy-wait (OrtEngine spin=True, the runtime's --spin); compare with "
+                        "a run without it in another process")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     art = load_artifact(args.artifact)
-    engine = OrtEngine(art, threads=args.threads)
+    engine = OrtEngine(art, threads=args.threads, spin=args.spin)
     tok = RuntimeTokenizer.from_artifact(art)
     eos = list(tok.eos_token_ids)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
@@ -116,7 +119,8 @@ def main(argv=None) -> int:
                      "unexplained_ms": med["step"] - alone[n], "steps": len(loop[n]["step"]),
                      "tokens_per_step": loop[n]["tokens"] / max(1, len(loop[n]["step"]) + len(prompts))})
     after = host_record()
-    print(f"{args.artifact}: {before['date']}, {before['cpu']}, {args.threads} threads, load average "
+    print(f"{args.artifact}: {before['date']}, {before['cpu']}, {args.threads} threads"
+          f"{' (spinning)' if args.spin else ''}, load average "
           f"{before['load_average'][0]:.2f} before / {after['load_average'][0]:.2f} after; mean past {past} tokens")
     print("| tree nodes | graph alone ms | step in loop ms | unexplained ms | heads ms (alone) | host ms | steps |")
     print("|---|---|---|---|---|---|---|")

@@ -42,8 +42,10 @@ def session_options(threads: int | None, spin: bool = False):
     them): T=16 tree step 165 ms without spinning vs 266 ms with it, T=1 134 vs 150 ms. A
     spinning pool also burns the cores the host work and other processes need; pass
     ``spin=True`` on a dedicated machine: there a waking thread costs more than the work of a small operator
-    (the embedded int4 model's two-row step: 6.5-7.0 ms without spinning, 4.7-6.0 ms with it, 2-core EPYC VM,
-    2026-12-07, alone; :class:`OrtEngine` spins only its step session, see there).
+    (the embedded int4 model's plain step inside the decode loop 11.2-11.7 ms without spinning, 7.5-8.0 ms with
+    it; its 2-node chain step 11.4-11.9 ms + 0.9 ms of heads against 8.3-8.7 + 1.2 ms: ``scripts/bench_step_overhead.py
+    I4 --sizes 1 2 --prompts 2 --max-new-tokens 64 [--spin]``, processes alternated, 2-core EPYC VM, 2026-12-07
+    16:52 UTC, alone; :class:`OrtEngine` spins only its step session, see there).
     """
     import onnxruntime as ort
 
@@ -140,8 +142,9 @@ class OrtEngine:
         heads_keys = ([level_graph(j) for j in range(1, self.num_heads + 1)] if head_type == "hydra"
                       else ["heads"])
         # The heads never spin: each session has its own thread pool, and a spinning heads pool fights the spinning
-        # step pool for the cores (embedded int4 model, 2-core EPYC VM, both spinning: a two-row step 9.4-14.3 ms
-        # against 6.7-6.8 ms with neither and 4.7-6.0 ms with the step's alone spinning; 2026-12-07, alone).
+        # step pool for the cores (embedded int4 model, 2-core EPYC VM, an ad hoc loop of two-row steps and heads
+        # calls, processes alternated, 2026-12-07 16:44 UTC: both spinning 9.4-14.3 ms a step, neither 6.7-6.8 ms,
+        # the step's alone 4.7-6.0 ms).
         heads_sessions = {key: ort.InferenceSession(str(artifact.file(key)), heads_opts, providers=providers)
                           for key in heads_keys}
         self.heads_session = heads_sessions.get("heads")

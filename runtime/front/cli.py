@@ -66,9 +66,10 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                    help=f"CPU threads for --artifact, 1..{MAX_THREADS} (default: ONNX Runtime's choice)")
     p.add_argument("--spin", action="store_true",
                    help="onnxruntime backend: let the step's idle CPU threads busy-wait between operators instead of "
-                        "sleeping: faster on a machine running nothing else (a two-row int4 step of the embedded model "
-                        "4.7-6.0 ms against 6.5-7.0 on a 2-core VM), slower on a busy one, and it keeps a core busy "
-                        "while decoding (default: off)")
+                        "sleeping: faster on a machine running nothing else (the embedded int4 model's decode step "
+                        "7.5-8.0 ms against 11.2-11.7 on a 2-core VM, scripts/bench_step_overhead.py), slower on a "
+                        "busy one or beside other spinning processes, and it keeps a core busy while decoding "
+                        "(default: off)")
     p.add_argument("--device-id", type=int, metavar="N",
                    help="GPU for the onnxruntime-cuda and tensorrt backends (default: 0)")
     p.add_argument("--engine-precision", choices=ENGINE_PRECISIONS,
