@@ -314,3 +314,24 @@ def test_embedded_fused_artifact_matches_pytorch_on_mt_bench(smollm, tmp_path):
     assert report.passed, report.failures()
     assert all(p.identical and p.vanilla_identical and p.tokens > 0 for p in report.prompts)
     assert max(p.max_logprob_diff for p in report.prompts) < 1e-3
+
+
+def test_prefills_bind_fresh_buffers_and_tree_rows_keep_theirs(built):
+    """Row counts up to KEPT_ROWS keep their bound buffers (a step of a kept count reuses them); longer steps
+    (prefills: prompt lengths vary) are not kept, so the engine's memory does not grow with every new prompt length;
+    the outputs are those of a fresh engine either way."""
+    from medusa_runtime.engines.ort import KEPT_ROWS
+
+    path = built("fused")
+    eng, fresh = OrtEngine(load_artifact(path)), OrtEngine(load_artifact(path))
+    cache, p = eng.make_cache(256), 0
+    for n in (KEPT_ROWS + 3, 2, KEPT_ROWS + 1, 2, 1, 1):
+        ids = (np.arange(n) * 7 + p) % 1000
+        want = fresh.step(ids[None], (p + np.arange(n))[None], causal_mask(n), 1.0, fresh.make_cache(256).past()) \
+            if p == 0 else None
+        got = eng.step(ids[None], (p + np.arange(n))[None], causal_mask(n), 1.0, cache.past())
+        if want is not None:
+            np.testing.assert_array_equal(got.topk_logprobs, want.topk_logprobs)
+        cache.keep(got.new_kv, np.arange(n))
+        p += n
+    assert sorted(eng._rows) == [1, 2]  # the two prefill lengths left nothing behind

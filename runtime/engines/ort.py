@@ -94,6 +94,11 @@ def first_rows(out: StepResult, s: int) -> StepResult:
                       None if out.sampled_ids is None else out.sampled_ids[:s])
 
 
+#: Row counts whose step inputs and outputs keep their buffers (:meth:`OrtEngine._bind_rows`): every tree size the
+#: runtime times (1..64 nodes); longer steps are prefills.
+KEPT_ROWS = 64
+
+
 class _RowBuffers:
     """The step's small inputs (name -> array) and host outputs (in ``_host_outputs`` order; None until the first
     step of that row count has run) of one row count, bound by :meth:`OrtEngine._bind_rows`."""
@@ -279,20 +284,25 @@ class OrtEngine:
         """The small inputs and outputs of a step of ``s`` rows, bound to buffers kept per row count.
 
         A step copies ``feeds`` into its row count's input buffers; the buffers (and the outputs') are bound only
-        when the row count changes. The first step of ``s`` rows leaves the outputs unallocated (ONNX Runtime
-        allocates them, :meth:`_step_in_place` then keeps buffers like them); later steps write into those.
-        So a step neither rebinds its inputs nor calls ``IOBinding.get_outputs()``, which wraps every bound output,
-        the 2 L K/V buffers included: 0.3-0.4 ms of host time less per step of the embedded int4 model on a 2-core
-        EPYC (ONNX Runtime 1.32; ``scripts/bench_row_regime.py``: plain step against its graph alone).
+        when the row count changes. Only row counts up to :data:`KEPT_ROWS` keep theirs: a prefill of S rows binds
+        fresh ones every time (prompt lengths vary, and keeping each length's [S, S] buffers would grow without
+        bound). The first step of ``s`` rows leaves the outputs unallocated (ONNX Runtime allocates them,
+        :meth:`_step_in_place` then keeps buffers like them); later steps write into those. So a step neither
+        rebinds its inputs nor calls ``IOBinding.get_outputs()``, which wraps every bound output, the 2 L K/V buffers
+        included: the embedded int4 model's plain step took 0.61-0.84 ms more than its graph alone before, 0.26-0.31
+        ms after (``scripts/bench_row_regime.py``, 2-core EPYC, ONNX Runtime 1.32, 2026-12-07 16:40-16:41 UTC).
         """
+        kept = s <= KEPT_ROWS
         buffers = self._rows.get(s)
         if buffers is None:
-            buffers = self._rows[s] = _RowBuffers({name: value.copy() for name, value in feeds.items()})
+            buffers = _RowBuffers({name: value.copy() for name, value in feeds.items()})
+            if kept:
+                self._rows[s] = buffers
         else:
             for name, value in feeds.items():
                 np.copyto(buffers.inputs[name], value)
-        state = (s, buffers.outputs is not None)
-        if self._bound_rows == state:
+        state = (s, buffers.outputs is not None) if kept else None
+        if state is not None and self._bound_rows == state:
             return buffers
         for name, b in buffers.inputs.items():
             io.bind_input(name, "cpu", 0, b.dtype, list(b.shape), b.ctypes.data)
