@@ -119,8 +119,11 @@ def genai(folder: str, past: int, threads: int, rng) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("artifact", help="an int4 --graph fused artifact (row regime: precision.step_rows)")
-    ap.add_argument("--genai", required=True, help="folder of GenAI's int4 model.onnx (bench_peers' cache)")
+    ap.add_argument("artifact", help="an artifact of `medusa-export build --precision int4 --graph fused` (its "
+                                     "row regime, manifest precision.step_rows: one-token steps run as two rows)")
+    ap.add_argument("--genai", required=True,
+                    help="folder holding ONNX Runtime GenAI's int4 model.onnx: the one scripts/bench_peers.py builds, "
+                         "CACHE_DIR/genai-<model>-int4 (--cache-dir, default .cache/peers). Run alone on the machine")
     ap.add_argument("--past", type=int, default=200, help="cached tokens before the step (default 200)")
     ap.add_argument("--repeats", type=int, default=100, help="timed runs of each case per round (default 100)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each printed (default 3)")

@@ -141,7 +141,7 @@ def test_stale_reasons_name_what_changed():
     assert stale_reason(None, key) == "no timing yet"
     assert stale_reason(key, _key(artifact="b" * 64)) == "the artifact changed"
     assert stale_reason(key, _key(machine={"host": "other"})) == "another machine"
-    assert stale_reason(key, _key(backend={"backend": "onnxruntime", "threads": 1})) == "another backend or threads"
+    assert stale_reason(key, _key(backend={"backend": "onnxruntime", "threads": 1})) == "another backend, threads or --spin"
     assert stale_reason(key, _key(capacity=512, policy="dynamic")) == "another context capacity, another tree policy"
     assert stale_reason({**key, "version": 0}, key) == "a newer medusa_runtime"
 
@@ -235,7 +235,7 @@ def test_session_times_once_then_reuses_and_retimes_on_a_change(counter_artifact
     assert second.generate("hi", max_new_tokens=6).token_ids == first.generate("hi", max_new_tokens=6).token_ids
 
     other_threads = MedusaSession(counter_artifact, threads=2, notice=notices.append)
-    assert other_threads.default_tree.reason == "another backend or threads" and len(notices) == 1
+    assert other_threads.default_tree.reason == "another backend, threads or --spin" and len(notices) == 1
     assert not MedusaSession(counter_artifact, threads=1, notice=None).default_tree.timed  # both kept
     monkeypatch.setattr(resolve_module, "machine_fingerprint", lambda: {"host": "elsewhere", "cores": 64})
     moved = MedusaSession(counter_artifact, threads=2, notice=None)

@@ -426,10 +426,11 @@ def _add_build_parser(sub) -> None:
                         "~V/N times less, the output never changes, a correct guess outside the subset is lost; "
                         f"0 = the full vocabulary (default: {ExportConfig.heads_vocab})")
     p.add_argument("--accuracy-level", type=int, choices=(1, 4), default=ExportConfig.accuracy_level,
-                   help="MatMulNBits compute of an int8/int4 backbone: 1 = fp32 activations (batch invariant, so "
-                        "Medusa stays identical to plain greedy of the graph), 4 = int8 activations (faster, but a "
-                        "tree step's rounding differs from one-token steps and outputs can diverge) "
-                        "(default: 1 for int4, 4 for int8, which has no fast fp32-compute kernel)")
+                   help="MatMulNBits compute of an int8/int4 backbone: 4 = int8 activations (fastest; the artifact "
+                        "records a row regime, manifest precision.step_rows: one-token steps run as two rows and "
+                        "trees are chains, so Medusa equals plain greedy of the graph token for token), 1 = fp32 "
+                        "activations (any tree, but a step of more than one row dequantizes the 4-bit weights: "
+                        "slow) (default: 4 for int4 and int8; docs/precisions.md)")
     p.add_argument("--max-context", type=int, metavar="N",
                    help="KV capacity the artifact is built for, 2..the model's max_position_embeddings; every "
                         "validation prompt must fit it (checked before the export) (default: the model's)")

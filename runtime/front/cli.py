@@ -83,7 +83,9 @@ def add_runtime_args(p: argparse.ArgumentParser, *, artifact_required: bool) -> 
                                   "notice the first time; TensorRT engines default to the tree they were built for; "
                                   "$MEDUSA_EXPORT_TREE changes the default). Or: 'artifact' (the tree it was built "
                                   "with); N (the greedy N-node tree from the heads' calibrated accuracies); 'root' "
-                                  "(plain decoding) or 'chain'; a JSON file of medusa_choices; 'auto' (time now, "
+                                  "(plain decoding), 'chain' or 'chain:N' (the first N nodes of the chain, root "
+                                  "included: what int4/int8 artifacts with int8 activations take); a JSON file of "
+                                  "medusa_choices; 'auto' (time now, "
                                   "uncached, and print the table); 'dynamic:T' (a T-node tree chosen every step); "
                                   "'auto:dynamic'")
 

@@ -111,7 +111,7 @@ def stale_reason(old: Mapping | None, new: Mapping) -> str:
     """Why a record's key ``old`` does not serve ``new`` (pure): "" when it does."""
     if old is None:
         return "no timing yet"
-    names = {"artifact": "the artifact changed", "machine": "another machine", "backend": "another backend or threads",
+    names = {"artifact": "the artifact changed", "machine": "another machine", "backend": "another backend, threads or --spin",
              "capacity": "another context capacity", "policy": "another tree policy"}
     changed = [text for k, text in names.items() if old.get(k) != new.get(k)]
     if not changed and old != new:
