@@ -19,7 +19,8 @@ same size: the cost of the kernels does not depend on them):
   (``past_present_share_buffer``, as GenAI runs it), ``attention_mask`` of the past plus the new rows.
 
 Each round times every case ``--repeats`` times, one run of each per repeat in a shuffled order (so drift of the
-machine, and the cost of following another session's step, hit them alike), and prints medians in ms. ``genai 2 rows / genai 1 row`` is what a two-row step costs GenAI's own graph; ``ours graph /
+machine, and the cost of following another session's step, hit them alike), and prints medians in ms.
+``genai 2 rows / genai 1 row`` is what a two-row step costs GenAI's own graph; ``ours graph /
 genai 2 rows`` compares the two graphs at equal rows. GenAI's ``--genai`` folder: bench_peers' cache
 (``--cache-dir``, ``genai-<model>-int4``). Run it alone on the machine.
 """

@@ -240,9 +240,10 @@ def write_fused_step(b: GraphBuilder, cfg: BackboneConfig, max_positions: int,
             new rows 0..i, which is what GroupQueryAttention does without ``position_ids`` and
             ``attention_bias`` (positions from ``seqlens_k``, its own causal mask; ONNX Runtime contrib op
             docs, GroupQueryAttention), so they are not wired (without a sliding window; with one the bias
-            stays): the outputs are bit for bit those of the wired graph (tests/test_fused.py) and a step of the
-            embedded int4 model is ~0.25 ms faster on a 2-core EPYC (ONNX Runtime 1.32). The step still
-            declares both inputs (one contract for every fused graph); they are unused.
+            stays): the outputs are bit for bit those of the wired graph (tests/test_fused.py), and the embedded
+            int4 model's step takes 0.99x (1 node) / 0.97x (2 nodes) of the wired graph's (scripts/bench_step.py,
+            interleaved, 2-core EPYC, ONNX Runtime 1.32, 2026-12-07). The step still declares both inputs (one
+            contract for every fused graph); they are unused.
 
     Returns:
         (inputs, outputs) as :func:`fused_step_io`.

@@ -270,7 +270,7 @@ class OrtEngine:
                  **self._sampler_feed(s, sampling)}
         buffers = self._bind_rows(io, s, feeds)
         self.step_session.run_with_iobinding(io)
-        if buffers.outputs is None:  # the first step of S rows: ONNX Runtime allocated the outputs; keep buffers like them
+        if buffers.outputs is None:  # the first step of S rows: ONNX Runtime allocated the outputs; keep ones like them
             outs = io.get_outputs()
             arrays = [outs[j].numpy() for j in range(len(self._host_outputs))]
             buffers.outputs = [np.empty_like(a) for a in arrays]

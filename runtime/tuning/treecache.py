@@ -93,7 +93,8 @@ def machine_fingerprint() -> dict:
 def backend_fingerprint(backend: str, engine, threads: int | None) -> dict:
     """What identifies the backend for timing: its name, engine class, library version (its
     :class:`~medusa_runtime.engines.BackendSpec`'s), threads, GPU index (the engine's capabilities), and
-    ``spin: True`` for an engine whose threads busy-wait (``--spin``; absent otherwise, so earlier records stay valid)."""
+    ``spin: True`` for an engine whose threads busy-wait (``--spin``; absent otherwise, so earlier records stay
+    valid)."""
     spec = BACKENDS.get(backend)
     spin = {"spin": True} if getattr(engine, "spin", False) else {}  # spinning threads change the step times
     return {"backend": backend, "engine": type(engine).__name__, "version": spec.version() if spec else None,
@@ -111,8 +112,9 @@ def stale_reason(old: Mapping | None, new: Mapping) -> str:
     """Why a record's key ``old`` does not serve ``new`` (pure): "" when it does."""
     if old is None:
         return "no timing yet"
-    names = {"artifact": "the artifact changed", "machine": "another machine", "backend": "another backend, threads or --spin",
-             "capacity": "another context capacity", "policy": "another tree policy"}
+    names = {"artifact": "the artifact changed", "machine": "another machine",
+             "backend": "another backend, threads or --spin", "capacity": "another context capacity",
+             "policy": "another tree policy"}
     changed = [text for k, text in names.items() if old.get(k) != new.get(k)]
     if not changed and old != new:
         changed = ["a newer medusa_runtime"]
